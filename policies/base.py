@@ -1,0 +1,112 @@
+"""Routing contracts: the snapshot a policy sees, the stages it is built from, and the decision it returns.
+
+A routing decision is a pure function of a `RoutingView` (a frozen snapshot of the candidate replicas, what the
+gateway knows of their caches, and the request): `Policy.decide(view) -> Decision`. Only the async shell in
+`gateway.router` gathers the snapshot, calls the policy and records metrics, so every policy is testable with
+literal values.
+
+Stages (llm-d's scheduler shape): Filter -> Score -> Pick.
+- A `Filter` removes candidates (not ready, saturated, ...); it never reorders.
+- A `Scorer` returns a score in [0, 1] per candidate (1 = best); the framework clamps and multiplies by the
+  weight from config.
+- A `Picker` chooses one candidate from the weighted totals (argmax with a deterministic tie-break, ...).
+`policies.pipeline.ScoredPolicy` composes them; simple policies may implement `Policy` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """Everything a policy may know about one replica at decision time."""
+
+    id: str
+    model: str
+    ready: bool = True
+    in_flight: int = 0  # requests the gateway has sent and not yet finished
+    running: int = 0  # engine-reported vllm:num_requests_running
+    waiting: int = 0  # engine-reported vllm:num_requests_waiting
+    kv_usage: float = 0.0  # engine-reported vllm:kv_cache_usage_perc, in [0, 1]
+    max_concurrency: int | None = None  # capacity gate; None = unlimited
+    metrics_age_s: float = 0.0  # seconds since the engine metrics were scraped (inf = never)
+    draining: bool = False
+
+    @property
+    def load(self) -> int:
+        """Outstanding work as the gateway sees it: its own in-flight count or the engine's queue, whichever is
+        larger (the engine also counts requests of other gateways)."""
+        return max(self.in_flight, self.running + self.waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know about the request being routed."""
+
+    model: str
+    prompt_tokens: int = 0  # estimated or exact prompt length in tokens
+    block_hashes: tuple[int, ...] = ()  # chained prefix hashes of the prompt's full blocks
+    block_size: int = 0  # tokens per block that block_hashes were computed with
+    session_key: str | None = None
+    tenant: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingView:
+    """A frozen snapshot: the request, the candidate replicas and what the gateway knows of their caches."""
+
+    request: RequestInfo
+    replicas: tuple[ReplicaState, ...]
+    # replica id -> number of leading blocks of request.block_hashes that replica is believed to hold
+    overlap: Mapping[str, int] = field(default_factory=dict)
+    # replica id the request's session is bound to, if any
+    session_replica: str | None = None
+    # monotonically increasing per decision; policies use it instead of hidden counters or unseeded randomness
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    reason: str  # short label: "round-robin", "least-load", "cache-hit", "cold-least-load", "session", ...
+    scores: Mapping[str, float] = field(default_factory=dict)
+
+
+class NoCandidate(Exception):
+    """Raised by a policy when no replica in the view can take the request."""
+
+    def __init__(self, reason: str = "no-candidate") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+
+    def decide(self, view: RoutingView) -> Decision:
+        """Pick a replica from view.replicas; raise NoCandidate when none fits."""
+        ...
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, view: RoutingView, candidates: Sequence[ReplicaState]) -> Sequence[ReplicaState]: ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, view: RoutingView, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
+        """Score per candidate id, in [0, 1], 1 = best."""
+        ...
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(self, view: RoutingView, totals: Mapping[str, float]) -> str: ...
