@@ -1,0 +1,76 @@
+"""Parse the vLLM metrics kvgate routes on out of a Prometheus text exposition.
+
+Only the few families below are read; everything else is skipped line by line without building objects, so a
+scrape of a large /metrics page costs O(lines) string checks.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from engine_pool.replica import EngineMetrics
+
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_WANTED = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cache_config_info",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+)
+
+
+def _split(line: str) -> tuple[str, dict[str, str], float] | None:
+    brace = line.find("{")
+    if brace >= 0:
+        name = line[:brace]
+        close = line.rfind("}")
+        labels = dict(_LABEL_RE.findall(line[brace + 1 : close]))
+        rest = line[close + 1 :].split()
+    else:
+        parts = line.split()
+        if len(parts) < 2:
+            return None
+        name, labels, rest = parts[0], {}, parts[1:]
+    if not rest:
+        return None
+    try:
+        return name, labels, float(rest[0])
+    except ValueError:
+        return None
+
+
+def parse_engine_metrics(text: str, *, now: float | None = None) -> EngineMetrics:
+    """Sum over label sets (data-parallel engines report one series each)."""
+    m = EngineMetrics(scraped_at=time.monotonic() if now is None else now)
+    running = waiting = 0.0
+    usage: list[float] = []
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        parsed = _split(line)
+        if parsed is None:
+            continue
+        name, labels, value = parsed
+        if name == "vllm:num_requests_running":
+            running += value
+        elif name == "vllm:num_requests_waiting":
+            waiting += value
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            usage.append(value)
+        elif name == "vllm:cache_config_info":
+            if "block_size" in labels and labels["block_size"].isdigit():
+                m.block_size = int(labels["block_size"])
+            if labels.get("num_gpu_blocks", "").isdigit():
+                m.num_blocks = int(labels["num_gpu_blocks"])
+        elif name == "vllm:prefix_cache_queries_total":
+            m.prefix_queries += value
+        elif name == "vllm:prefix_cache_hits_total":
+            m.prefix_hits += value
+    m.running = int(running)
+    m.waiting = int(waiting)
+    m.kv_usage = max(usage) if usage else 0.0
+    return m

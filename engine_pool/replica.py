@@ -1,0 +1,120 @@
+"""One engine replica as the gateway sees it: identity, health, circuit breaker, in-flight count, engine metrics.
+
+Breaker: `breaker_failures` consecutive request failures open it for `breaker_cooldown_s`; after that the replica
+is routable again on a trial basis (half-open): one more failure re-opens it at once, one success closes it. A
+failed health probe takes the replica out of routing immediately; a passing one brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+from policies.base import ReplicaState
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """What the replica's own /metrics said at the last scrape (vLLM's metric names)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_blocks: int | None = None
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    scraped_at: float = -math.inf  # time.monotonic()
+
+
+class Replica:
+    def __init__(
+        self,
+        replica_id: str,
+        url: str,
+        model: str | None,
+        *,
+        metrics_url: str | None = None,
+        kv_events_endpoint: str | None = None,
+        tokenizer: str | None = None,
+        max_concurrency: int | None = None,
+        managed: bool = False,
+    ) -> None:
+        self.id = replica_id
+        self.url = url.rstrip("/")
+        self.model = model
+        self.metrics_url = metrics_url or f"{self.url}/metrics"
+        self.kv_events_endpoint = kv_events_endpoint
+        self.tokenizer = tokenizer
+        self.max_concurrency = max_concurrency
+        self.managed = managed  # started by kvgate's engine pool (restartable) or attached
+        self.max_model_len: int | None = None
+        self.healthy = False  # last health probe passed
+        self.warm = not managed  # managed replicas become warm after a real warm-up inference
+        self.draining = False
+        self.in_flight = 0
+        self.consecutive_failures = 0
+        self.breaker_open_until = 0.0
+        self.metrics = EngineMetrics()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # --- routing state -------------------------------------------------------------------------------------
+    def breaker_open(self, now: float) -> bool:
+        return now < self.breaker_open_until
+
+    def routable(self, now: float) -> bool:
+        return self.healthy and self.warm and not self.draining and not self.breaker_open(now)
+
+    def snapshot(self, now: float) -> ReplicaState:
+        m = self.metrics
+        return ReplicaState(
+            id=self.id,
+            model=self.model or "",
+            ready=self.healthy and self.warm and not self.breaker_open(now),
+            in_flight=self.in_flight,
+            running=m.running,
+            waiting=m.waiting,
+            kv_usage=m.kv_usage,
+            max_concurrency=self.max_concurrency,
+            metrics_age_s=now - m.scraped_at,
+            draining=self.draining,
+        )
+
+    # --- request accounting ----------------------------------------------------------------------------------
+    def begin(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def end(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when no request is in flight (drain finished) within timeout_s."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.breaker_open_until = 0.0
+
+    def record_failure(self, *, threshold: int, cooldown_s: float, now: float | None = None) -> bool:
+        """Count a failure; returns True when this failure opened the breaker."""
+        now = time.monotonic() if now is None else now
+        self.consecutive_failures += 1
+        half_open = self.breaker_open_until > 0.0 and not self.breaker_open(now)
+        if self.consecutive_failures >= threshold or half_open:
+            self.breaker_open_until = now + cooldown_s
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"Replica({self.id!r}, {self.url!r}, model={self.model!r}, healthy={self.healthy}, warm={self.warm})"

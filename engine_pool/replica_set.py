@@ -1,0 +1,167 @@
+"""The set of replicas the gateway routes to, and the probe task it owns for each one.
+
+Each replica gets one asyncio task that alternates a health probe (`GET /health`, every `interval_s`, deadline
+`timeout_s`) with a metrics scrape (`GET metrics_url`, every `metrics_interval_s`). A failed probe marks the replica
+unhealthy at once (out of routing); a passing one marks it healthy. Listeners hear when a replica comes up (healthy,
+with its first metrics), goes down, or is removed. Attached engines without a configured model name get it from
+`/v1/models`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import aiohttp
+
+from engine_pool.engine_metrics import parse_engine_metrics
+from engine_pool.replica import Replica
+
+log = logging.getLogger("kvgate.replicas")
+
+
+class ReplicaListener(Protocol):
+    def replica_up(self, replica: Replica) -> None: ...
+
+    def replica_down(self, replica: Replica) -> None: ...
+
+    def replica_removed(self, replica: Replica) -> None: ...
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        metrics_interval_s: float = 1.0,
+    ) -> None:
+        self._session = session
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.metrics_interval_s = metrics_interval_s
+        self._replicas: dict[str, Replica] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._listeners: list[ReplicaListener] = []
+        self.changed = asyncio.Event()  # set whenever routability may have changed (for waiters)
+
+    # --- membership ------------------------------------------------------------------------------------------
+    def add_listener(self, listener: ReplicaListener) -> None:
+        self._listeners.append(listener)
+
+    def add(self, replica: Replica) -> None:
+        if replica.id in self._replicas:
+            raise ValueError(f"replica {replica.id!r} already exists")
+        self._replicas[replica.id] = replica
+        self._tasks[replica.id] = asyncio.create_task(self._probe_loop(replica), name=f"probe:{replica.id}")
+
+    async def remove(self, replica_id: str) -> Replica | None:
+        replica = self._replicas.pop(replica_id, None)
+        task = self._tasks.pop(replica_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if replica is not None:
+            for listener in self._listeners:
+                listener.replica_removed(replica)
+            self._notify()
+        return replica
+
+    async def close(self) -> None:
+        for replica_id in list(self._replicas):
+            await self.remove(replica_id)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._replicas.get(replica_id)
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(list(self._replicas.values()))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    def for_model(self, model: str) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.model == model]
+
+    def models(self) -> dict[str, list[Replica]]:
+        out: dict[str, list[Replica]] = {}
+        for r in self._replicas.values():
+            if r.model:
+                out.setdefault(r.model, []).append(r)
+        return out
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    # --- state changes (from probes, the supervisor, the proxy) -------------------------------------------------
+    def set_health(self, replica: Replica, healthy: bool) -> None:
+        if healthy == replica.healthy:
+            return
+        replica.healthy = healthy
+        log.info("replica %s is %s", replica.id, "healthy" if healthy else "unhealthy")
+        for listener in self._listeners:
+            (listener.replica_up if healthy else listener.replica_down)(replica)
+        self._notify()
+
+    def set_warm(self, replica: Replica, warm: bool) -> None:
+        if warm != replica.warm:
+            replica.warm = warm
+            self._notify()
+
+    def breaker_changed(self) -> None:
+        self._notify()
+
+    # --- probing ---------------------------------------------------------------------------------------------
+    async def probe_health(self, replica: Replica) -> bool:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with self._session.get(f"{replica.url}/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+            if ok and (replica.model is None or replica.max_model_len is None):
+                await self._discover_model(replica, timeout)
+            return ok and replica.model is not None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return False
+
+    async def _discover_model(self, replica: Replica, client_timeout: aiohttp.ClientTimeout) -> None:
+        async with self._session.get(f"{replica.url}/v1/models", timeout=client_timeout) as resp:
+            data = await resp.json(content_type=None)
+        for entry in data.get("data", []):
+            if replica.model is None or entry.get("id") == replica.model:
+                replica.model = replica.model or str(entry["id"])
+                if isinstance(entry.get("max_model_len"), int):
+                    replica.max_model_len = entry["max_model_len"]
+                return
+
+    async def scrape_metrics(self, replica: Replica) -> bool:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with self._session.get(replica.metrics_url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return False
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return False
+        replica.metrics = parse_engine_metrics(text)
+        return True
+
+    async def _probe_loop(self, replica: Replica) -> None:
+        next_health = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_health:
+                healthy = await self.probe_health(replica)
+                if healthy and not replica.healthy:
+                    await self.scrape_metrics(replica)  # block size / capacity known before the first request
+                self.set_health(replica, healthy)
+                next_health = time.monotonic() + self.interval_s
+            elif replica.healthy:
+                await self.scrape_metrics(replica)
+            await asyncio.sleep(min(self.metrics_interval_s, max(0.0, next_health - time.monotonic())))

@@ -1,0 +1,166 @@
+"""Typed configuration: one YAML file, then environment overrides, then CLI flags, validated whole before serving.
+
+Environment overrides use `KVGATE__SECTION__KEY=value` (double underscores between path parts, values parsed as
+YAML scalars), e.g. `KVGATE__SERVER__PORT=9000`. Every model forbids unknown keys, and a validation error names the
+dotted path of each bad key (`routing.policy: unknown routing policy 'x'`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from policies.registry import build_policy, policy_names
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ServerConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    access_log: Literal["plain", "json", "off"] = "plain"
+    route_headers: bool = True  # x-kvgate-replica / x-kvgate-route-reason on responses
+    shutdown_grace_s: float = Field(30.0, ge=0)
+
+
+class TimeoutConfig(StrictModel):
+    connect_s: float = Field(5.0, gt=0)
+    first_byte_s: float = Field(120.0, gt=0)  # until the engine's response headers arrive
+    total_s: float = Field(1800.0, gt=0)
+
+
+class RetryConfig(StrictModel):
+    max_attempts: int = Field(3, ge=1, le=10)  # attempts on distinct replicas before the first byte
+    breaker_failures: int = Field(3, ge=1)  # consecutive failures that open a replica's breaker
+    breaker_cooldown_s: float = Field(5.0, gt=0)  # open time before a probe may close it again
+
+
+class HealthConfig(StrictModel):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    metrics_interval_s: float = Field(1.0, gt=0)
+    metrics_stale_s: float = Field(10.0, gt=0)
+
+
+class EngineConfig(StrictModel):
+    """An engine kvgate did not start (attached): probed and routed to, never restarted."""
+
+    url: str
+    model: str | None = None  # discovered from /v1/models when omitted
+    name: str | None = None  # replica id; defaults to host:port
+    metrics_url: str | None = None  # defaults to URL/metrics
+    kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557
+    tokenizer: str | None = None  # HF dir, "sim" or "chars"
+    max_concurrency: int | None = Field(None, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class RoutingConfig(StrictModel):
+    policy: str = "least-load"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("policy")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in policy_names():
+            raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(policy_names())}")
+        return v
+
+    @model_validator(mode="after")
+    def _policy_builds(self) -> RoutingConfig:
+        build_policy(self.policy, self.params)  # unknown name or bad params fail here, at load time
+        return self
+
+
+class AdminConfig(StrictModel):
+    key: str | None = None  # bearer key for /admin/*; admin endpoints are off when unset
+
+
+class GatewayConfig(StrictModel):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    engines: list[EngineConfig] = Field(default_factory=list)
+
+
+class ConfigError(ValueError):
+    """Configuration that cannot be served; the message lists every bad key by its dotted path."""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"{path}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def env_overrides(environ: Mapping[str, str], prefix: str = "KVGATE__") -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if key.startswith(prefix) and len(key) > len(prefix):
+            path = [p.lower() for p in key[len(prefix):].split("__")]
+            _set_path(tree, path, yaml.safe_load(raw) if raw else raw)
+    return tree
+
+
+def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> GatewayConfig:
+    """File, then environment, then `overrides` (CLI flags as a nested dict); raises ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        data = loaded or {}
+    data = deep_merge(data, env_overrides(os.environ if environ is None else environ))
+    data = deep_merge(data, overrides or {})
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from exc

@@ -1,0 +1,41 @@
+"""Per-request record: filled as the request moves through the gateway, read by the access log and metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request_id: str
+    endpoint: str
+    started: float = field(default_factory=time.monotonic)
+    tenant: str = "-"
+    model: str = "-"
+    replica: str = "-"
+    route_reason: str = "-"
+    status: int = 0
+    attempts: int = 0
+    stream: bool = False
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    predicted_cached_tokens: int | None = None
+    ttft_s: float | None = None
+    duration_s: float | None = None
+    queue_wait_s: float = 0.0
+    error: str | None = None
+    client_disconnected: bool = False
+
+    def set_usage(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
+        self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.cached_tokens = details["cached_tokens"]
+        elif self.prompt_tokens is not None and self.cached_tokens is None:
+            self.cached_tokens = 0

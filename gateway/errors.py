@@ -1,0 +1,139 @@
+"""One exception hierarchy for everything the gateway answers with an error, rendered in one place.
+
+Every error carries its HTTP status and OpenAI error `type` / `code`; `error_response` renders
+`{"error": {"message", "type", "param", "code"}}`. Subclasses also inherit the matching builtin where one exists
+(a timeout is also a `TimeoutError`) so callers can catch either.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from aiohttp import web
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_exceeded"
+    code = "rate_limit_exceeded"
+
+
+class Overloaded(GatewayError):
+    """No capacity now (no ready replica, queue full, queue wait exceeded): 503 with Retry-After."""
+
+    status = 503
+    type = "overloaded_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        merged = {"Retry-After": str(max(1, round(retry_after_s)))}
+        merged.update(headers or {})
+        super().__init__(message, code=code, headers=merged)
+        self.retry_after_s = retry_after_s
+
+
+class UpstreamTimeout(GatewayError, TimeoutError):
+    status = 504
+    type = "timeout_error"
+    code = "upstream_timeout"
+
+
+class UpstreamError(GatewayError):
+    """An engine answered with an error; relayed with its own status and body when it is OpenAI-shaped."""
+
+    type = "upstream_error"
+    code = "upstream_error"
+
+    def __init__(self, message: str, *, status: int = 502, upstream_body: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.upstream_body = upstream_body
+
+    def body(self) -> dict[str, object]:
+        if self.upstream_body is not None:
+            return self.upstream_body
+        return super().body()
+
+
+class UpstreamUnavailable(GatewayError, ConnectionError):
+    """Could not reach any replica (connect refused, reset before the first byte) within the retry budget."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_unavailable"
+
+
+def error_response(err: GatewayError, *, request_id: str | None = None) -> web.Response:
+    headers = dict(err.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return web.Response(
+        status=err.status, body=json.dumps(err.body()), content_type="application/json", headers=headers
+    )
+
+
+def http_exception_to_error(exc: web.HTTPException) -> GatewayError:
+    """aiohttp's own HTTP errors (unknown route, wrong method, body too large) in OpenAI's shape."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return PayloadTooLarge("request body exceeds the configured limit")
+    reason = exc.reason or "error"
+    err = GatewayError(reason, code=reason.lower().replace(" ", "_"))
+    err.status = exc.status
+    err.type = "invalid_request_error" if exc.status < 500 else "internal_error"
+    return err

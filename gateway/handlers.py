@@ -1,0 +1,124 @@
+"""HTTP handlers: the OpenAI endpoints, models, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.accesslog import log_access
+from gateway.context import RequestContext
+from gateway.errors import GatewayError, NotFound
+from gateway.keys import CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, ROUTER
+from gateway.request_parse import Endpoint, parse_request
+
+
+async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    app = request.app
+    cfg, metrics = app[CONFIG], app[METRICS]
+    ctx = RequestContext(request_id=request["request_id"], endpoint=endpoint)
+    try:
+        raw = await request.read()
+        parsed = parse_request(endpoint, raw)
+        ctx.model, ctx.stream = parsed.model, parsed.stream
+        if not app[REPLICAS].for_model(parsed.model):
+            raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
+        session_key = request.headers.get("x-session-id") or _str_or_none(parsed.body.get("user"))
+        info = await app[ROUTER].request_info(
+            model=parsed.model, endpoint=endpoint, body=parsed.body, tenant=ctx.tenant, session_key=session_key
+        )
+        response = await app[PROXY].forward(request, parsed, info, ctx, raw)
+        ctx.status = response.status
+        return response
+    except GatewayError as err:
+        ctx.status, ctx.error = err.status, err.code
+        raise
+    except BaseException:
+        ctx.status, ctx.client_disconnected = 499, True
+        metrics.cancelled.labels(ctx.model).inc()
+        raise
+    finally:
+        ctx.duration_s = time.monotonic() - ctx.started
+        _observe(request, ctx)
+        log_access(ctx, cfg.server.access_log)
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _observe(request: web.Request, ctx: RequestContext) -> None:
+    m = request.app[METRICS]
+    m.requests.labels(ctx.model, ctx.replica, ctx.endpoint, str(ctx.status)).inc()
+    if ctx.status == 200:
+        if ctx.ttft_s is not None:
+            m.ttft.labels(ctx.model).observe(ctx.ttft_s)
+        if ctx.duration_s is not None:
+            m.e2e.labels(ctx.model).observe(ctx.duration_s)
+        for kind, value in (("prompt", ctx.prompt_tokens), ("cached", ctx.cached_tokens),
+                            ("completion", ctx.completion_tokens)):
+            if value:
+                m.tokens.labels(ctx.model, kind).inc(value)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "completions")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    data = []
+    for model, replicas in sorted(request.app[REPLICAS].models().items()):
+        entry: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvgate"}
+        lens = [r.max_model_len for r in replicas if r.max_model_len]
+        if lens:
+            entry["max_model_len"] = min(lens)
+        data.append(entry)
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def readiness(request: web.Request) -> dict[str, Any]:
+    now = time.monotonic()
+    models: dict[str, dict[str, Any]] = {}
+    for replica in request.app[REPLICAS]:
+        entry = models.setdefault(replica.model or "?", {"ready": 0, "replicas": {}})
+        ok = replica.routable(now)
+        entry["ready"] += int(ok)
+        entry["replicas"][replica.id] = {
+            "ready": ok, "healthy": replica.healthy, "warm": replica.warm, "draining": replica.draining,
+            "breaker_open": replica.breaker_open(now), "in_flight": replica.in_flight,
+        }
+    ready = bool(models) and all(m["ready"] > 0 for m in models.values())
+    return {"ready": ready, "models": models}
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = readiness(request)
+    return web.json_response(state, status=200 if state["ready"] else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m, now = request.app[METRICS], time.monotonic()
+    for replica in request.app[REPLICAS]:
+        m.replica_ready.labels(replica.id, replica.model or "?").set(1 if replica.routable(now) else 0)
+        m.in_flight.labels(replica.id).set(replica.in_flight)
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,254 @@
+"""Relay one request to a replica, retrying on another replica while nothing has reached the client yet.
+
+Algorithm per request:
+1. Ask the router for a replica (excluding those already tried); 503 when there is none.
+2. POST the body; wait for the response headers within `first_byte_s` (connect within `connect_s`).
+3. Connection refused / reset, timeout, or a 5xx before any byte went to the client: count the failure on the
+   replica (its breaker may open), and retry on another replica, at most `max_attempts` attempts in all.
+   A 4xx is the client's error: relayed as is, no retry.
+4. Streaming: SSE events are relayed one by one as they arrive (no buffering beyond one partial event); the client's
+   response is only started when the first event arrives, so an engine that dies before its first event is still
+   retried. The gateway always asks the engine for the usage chunk and drops it again when the client did not ask.
+5. The client leaving cancels the handler (aiohttp handler_cancellation), which closes the upstream connection, and
+   vLLM aborts a request whose connection closed: the engine stops generating at once.
+Cost per streamed event: one bytes.find for the event boundary plus a substring check for usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from engine_pool.replica import Replica
+from engine_pool.replica_set import ReplicaSet
+from gateway.config import RetryConfig, TimeoutConfig
+from gateway.context import RequestContext
+from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.metrics import GatewayMetrics
+from gateway.request_parse import ParsedRequest
+from gateway.router import Router
+from policies.base import Decision, RequestInfo
+
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_DONE = b"data: [DONE]"
+
+
+class _Retryable(Exception):
+    def __init__(self, kind: str, error: GatewayError) -> None:
+        super().__init__(kind)
+        self.kind = kind
+        self.error = error
+
+
+@dataclass(slots=True)
+class ProxySettings:
+    timeouts: TimeoutConfig
+    retry: RetryConfig
+    route_headers: bool = True
+
+
+class UpstreamProxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        router: Router,
+        replicas: ReplicaSet,
+        metrics: GatewayMetrics,
+        settings: ProxySettings,
+    ) -> None:
+        self.session = session
+        self.router = router
+        self.replicas = replicas
+        self.metrics = metrics
+        self.settings = settings
+
+    def _upstream_body(self, parsed: ParsedRequest) -> bytes:
+        body = parsed.body
+        if parsed.stream and not parsed.include_usage:
+            body = dict(body)
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    async def forward(
+        self, request: web.Request, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext,
+        raw_body: bytes, body_changed: bool = False,
+    ) -> web.StreamResponse:
+        timeouts = self.settings.timeouts
+        data = self._upstream_body(parsed) if (body_changed or (parsed.stream and not parsed.include_usage)) \
+            else raw_body
+        tried: list[str] = []
+        last_error: GatewayError | None = None
+        deadline = time.monotonic() + timeouts.total_s
+        for attempt in range(self.settings.retry.max_attempts):
+            try:
+                replica, decision = self.router.choose(info, tried)
+            except GatewayError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
+            if attempt:
+                self.metrics.retries.labels(parsed.model).inc()
+            tried.append(replica.id)
+            ctx.attempts = attempt + 1
+            ctx.replica, ctx.route_reason = replica.id, decision.reason
+            try:
+                return await self._attempt(request, parsed, replica, decision, ctx, data, deadline)
+            except _Retryable as exc:
+                self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
+                if replica.record_failure(threshold=self.settings.retry.breaker_failures,
+                                          cooldown_s=self.settings.retry.breaker_cooldown_s):
+                    self.replicas.breaker_changed()
+                last_error = exc.error
+        assert last_error is not None
+        raise last_error
+
+    def _headers(self, ctx: RequestContext, replica: Replica, decision: Decision) -> dict[str, str]:
+        headers = {"x-request-id": ctx.request_id}
+        if self.settings.route_headers:
+            headers["x-kvgate-replica"] = replica.id
+            headers["x-kvgate-route-reason"] = decision.reason
+        return headers
+
+    async def _attempt(
+        self, request: web.Request, parsed: ParsedRequest, replica: Replica, decision: Decision,
+        ctx: RequestContext, data: bytes, deadline: float,
+    ) -> web.StreamResponse:
+        timeouts = self.settings.timeouts
+        url = replica.url + _PATHS[parsed.endpoint]
+        headers = {"Content-Type": "application/json", "x-request-id": ctx.request_id}
+        client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
+        replica.begin()
+        self.metrics.in_flight.labels(replica.id).set(replica.in_flight)
+        try:
+            try:
+                async with asyncio.timeout(min(timeouts.first_byte_s, deadline - time.monotonic())):
+                    upstream = await self.session.post(url, data=data, headers=headers, timeout=client_timeout)
+            except TimeoutError:
+                raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
+            except aiohttp.ClientError as exc:
+                raise _Retryable("connect", UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}")) from None
+            try:
+                if upstream.status >= 500:
+                    raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
+                if upstream.status >= 400:
+                    replica.record_success()  # the engine works; the request was bad
+                    err = await self._upstream_error(upstream)
+                    err.headers.update(self._headers(ctx, replica, decision))
+                    raise err
+                if parsed.stream:
+                    return await self._relay_stream(request, parsed, upstream, replica, decision, ctx, deadline)
+                return await self._relay_whole(upstream, replica, decision, ctx, deadline)
+            except BaseException:
+                upstream.close()  # never reuse a connection mid-response: closing it aborts the engine request
+                raise
+            finally:
+                upstream.release()
+        finally:
+            replica.end()
+            self.metrics.in_flight.labels(replica.id).set(replica.in_flight)
+
+    async def _upstream_error(self, upstream: aiohttp.ClientResponse) -> UpstreamError:
+        try:
+            raw = await asyncio.wait_for(upstream.read(), 5.0)
+            body: Any = json.loads(raw)
+        except (ValueError, TimeoutError, aiohttp.ClientError):
+            body = None
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            msg = str(body["error"].get("message", "upstream error"))
+            return UpstreamError(msg, status=upstream.status, upstream_body=body)
+        if isinstance(body, dict) and "message" in body:  # vLLM's older flat error shape
+            wrapped: dict[str, object] = {"error": {
+                "message": str(body["message"]), "type": str(body.get("type", "upstream_error")),
+                "param": body.get("param"), "code": body.get("code", upstream.status)}}
+            return UpstreamError(str(body["message"]), status=upstream.status, upstream_body=wrapped)
+        return UpstreamError(f"engine answered HTTP {upstream.status}", status=upstream.status)
+
+    async def _relay_whole(
+        self, upstream: aiohttp.ClientResponse, replica: Replica, decision: Decision, ctx: RequestContext,
+        deadline: float,
+    ) -> web.Response:
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                raw = await upstream.read()
+        except TimeoutError:
+            raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} timed out")) from None
+        except aiohttp.ClientError as exc:
+            raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
+        replica.record_success()
+        try:
+            ctx.set_usage(json.loads(raw).get("usage"))
+        except (ValueError, AttributeError):
+            pass
+        ctx.ttft_s = time.monotonic() - ctx.started
+        return web.Response(body=raw, status=upstream.status, content_type="application/json",
+                            headers=self._headers(ctx, replica, decision))
+
+    async def _relay_stream(
+        self, request: web.Request, parsed: ParsedRequest, upstream: aiohttp.ClientResponse, replica: Replica,
+        decision: Decision, ctx: RequestContext, deadline: float,
+    ) -> web.StreamResponse:
+        first_byte_s = self.settings.timeouts.first_byte_s
+        response: web.StreamResponse | None = None
+        strip_usage = not parsed.include_usage
+        buf = b""
+        last_write = 0.0
+        itl = self.metrics.itl.labels(parsed.model)
+        try:
+            async with asyncio.timeout(min(first_byte_s, deadline - time.monotonic())) as window:
+                async for chunk in upstream.content.iter_any():
+                    buf += chunk
+                    out = []
+                    while (end := buf.find(b"\n\n")) >= 0:
+                        event, buf = buf[: end + 2], buf[end + 2 :]
+                        if b'"usage"' in event and not event.startswith(_DONE):
+                            event = self._usage_event(event, ctx, strip_usage)
+                        if event:
+                            out.append(event)
+                    if not out:
+                        continue
+                    now = time.monotonic()
+                    if response is None:
+                        response = web.StreamResponse(headers={
+                            **self._headers(ctx, replica, decision),
+                            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                        await response.prepare(request)
+                        ctx.ttft_s = now - ctx.started
+                        window.reschedule(deadline)  # past the first byte, only the total deadline applies
+                        replica.record_success()
+                    else:
+                        itl.observe(now - last_write)
+                    last_write = now
+                    await response.write(b"".join(out))
+        except TimeoutError:
+            if response is None:
+                raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
+            ctx.error = "total_timeout"
+        except aiohttp.ClientError as exc:  # the engine failed mid-stream
+            if response is None:
+                raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
+            ctx.error = f"upstream_reset: {exc}"
+            self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
+        if response is None:
+            raise _Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    def _usage_event(event: bytes, ctx: RequestContext, strip_usage: bool) -> bytes:
+        """Record usage from a usage-carrying event; drop the final usage-only event unless the client asked."""
+        try:
+            payload = json.loads(event[event.index(b"{"):])
+        except ValueError:
+            return event
+        if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
+            return event
+        ctx.set_usage(payload["usage"])
+        if strip_usage and not payload.get("choices"):
+            return b""
+        return event

@@ -1,0 +1,99 @@
+"""The async shell around a routing policy: gathers a snapshot, calls the pure `decide`, records the outcome.
+
+Per decision: O(r) to snapshot the model's r replicas, plus whatever the cache hooks cost (O(prompt blocks) per
+replica for the prefix index), plus the policy itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+from engine_pool.replica import Replica
+from engine_pool.replica_set import ReplicaSet
+from gateway.errors import Overloaded
+from gateway.metrics import GatewayMetrics
+from policies.base import Decision, NoCandidate, Policy, RequestInfo, RoutingView
+
+
+class CacheHooks(Protocol):
+    """What the router needs from the prefix-cache state (policies.prefix.state.CacheAwareState)."""
+
+    async def request_info(
+        self,
+        *,
+        model: str,
+        endpoint: Literal["chat", "completions"],
+        body: Mapping[str, Any],
+        tenant: str,
+        session_key: str | None,
+    ) -> RequestInfo: ...
+
+    def overlap(self, info: RequestInfo, replica_ids: Sequence[str]) -> dict[str, int]: ...
+
+    def session_replica(self, info: RequestInfo) -> str | None: ...
+
+    def on_routed(self, info: RequestInfo, decision: Decision) -> None: ...
+
+
+class Router:
+    def __init__(
+        self,
+        policy: Policy,
+        replicas: ReplicaSet,
+        metrics: GatewayMetrics,
+        cache: CacheHooks | None = None,
+    ) -> None:
+        self.policy = policy
+        self.replicas = replicas
+        self.metrics = metrics
+        self.cache = cache
+        self._seq = 0
+
+    async def request_info(
+        self, *, model: str, endpoint: Literal["chat", "completions"], body: Mapping[str, Any], tenant: str,
+        session_key: str | None,
+    ) -> RequestInfo:
+        if self.cache is None:
+            return RequestInfo(model=model, tenant=tenant, session_key=session_key)
+        return await self.cache.request_info(
+            model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key
+        )
+
+    def view(self, info: RequestInfo, exclude: Collection[str] = ()) -> RoutingView:
+        now = time.monotonic()
+        snaps = tuple(r.snapshot(now) for r in self.replicas.for_model(info.model) if r.id not in exclude)
+        overlap: dict[str, int] = {}
+        session = None
+        if self.cache is not None:
+            if info.block_hashes:
+                overlap = self.cache.overlap(info, [s.id for s in snaps])
+            session = self.cache.session_replica(info)
+        self._seq += 1
+        return RoutingView(info, snaps, overlap, session, self._seq)
+
+    def choose(self, info: RequestInfo, exclude: Collection[str] = ()) -> tuple[Replica, Decision]:
+        """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it."""
+        view = self.view(info, exclude)
+        try:
+            decision = self.policy.decide(view)
+        except NoCandidate as exc:
+            self.metrics.decisions.labels(self.policy.name, f"rejected:{exc.reason}").inc()
+            raise Overloaded(f"no replica of model {info.model!r} can take the request now",
+                             code="no_ready_replica") from None
+        replica = self.replicas.get(decision.replica)
+        if replica is None:  # a policy may only pick from the view; this is a policy bug
+            raise RuntimeError(f"policy {self.policy.name} picked unknown replica {decision.replica!r}")
+        self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
+        if self.cache is not None:
+            self.cache.on_routed(info, decision)
+        return replica, decision
+
+    def has_capacity(self, model: str) -> bool:
+        """Some replica of the model is routable and below its concurrency gate."""
+        now = time.monotonic()
+        return any(
+            r.routable(now) and (r.max_concurrency is None or r.in_flight < r.max_concurrency)
+            for r in self.replicas.for_model(model)
+        )

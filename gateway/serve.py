@@ -1,0 +1,104 @@
+"""`kvgate serve`: load and validate the whole configuration, then run the gateway until SIGINT/SIGTERM.
+
+Shutdown: stop accepting, let in-flight requests finish for up to `server.shutdown_grace_s`, then run every
+cleanup step (engine processes are stopped by the pool's own cleanup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+from aiohttp import web
+
+from gateway.app import build_app
+from gateway.config import ConfigError, GatewayConfig, load_config
+from policies.registry import policy_names
+
+log = logging.getLogger("kvgate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate serve", description="Run the kvgate gateway.")
+    p.add_argument("--config", "-c", help="YAML config file (environment KVGATE__A__B=... and flags override it)")
+    p.add_argument("--host", help="listen address (server.host)")
+    p.add_argument("--port", type=int, help="listen port (server.port); 0 picks a free one")
+    p.add_argument("--engine", action="append", default=[], metavar="URL",
+                   help="attach an engine speaking vLLM's OpenAI API (repeatable)")
+    p.add_argument("--policy", help=f"routing policy: {', '.join(policy_names())}")
+    p.add_argument("--access-log", choices=["plain", "json", "off"], help="access log format")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--check", action="store_true", help="validate the configuration, print it and exit")
+    return p
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    server = {k: v for k, v in (("host", args.host), ("port", args.port), ("access_log", args.access_log))
+              if v is not None}
+    if server:
+        out["server"] = server
+    if args.engine:
+        out["engines"] = [{"url": url} for url in args.engine]
+    if args.policy:
+        out["routing"] = {"policy": args.policy}
+    return out
+
+
+async def serve(config: GatewayConfig, *, ready: asyncio.Future[int] | None = None) -> None:
+    """Run until SIGINT/SIGTERM (or cancellation); `ready` receives the bound port once listening."""
+    app = build_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.server.shutdown_grace_s)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=1024, reuse_address=True)
+    await site.start()
+    port = runner.addresses[0][1]
+    log.info("kvgate listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)",
+             config.server.host, port, config.server.host, port)
+    if ready is not None and not ready.done():
+        ready.set_result(port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)  # the handler only records the request; this coroutine acts
+    try:
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests (up to %.0f s)", config.server.shutdown_grace_s)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run(coro_factory: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro_factory())
+    else:
+        uvloop.run(coro_factory())
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        config = load_config(args.config, overrides=flag_overrides(args))
+    except ConfigError as exc:
+        print(f"kvgate: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(config.model_dump_json(indent=2))
+        return 0
+    run(lambda: serve(config))
+    return 0
