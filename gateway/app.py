@@ -14,12 +14,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from engine_pool import admin
+from engine_pool.app_ctx import pool_ctx as _pool_ctx
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway import handlers
+from gateway.admission.setup import admission_ctx
 from gateway.config import EngineConfig, GatewayConfig
 from gateway.errors import GatewayError, error_response, http_exception_to_error
-from gateway.keys import CLIENT, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, ROUTER
+from gateway.keys import CLIENT, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
 from gateway.router import Router
@@ -42,8 +45,8 @@ def attached_replica(engine: EngineConfig) -> Replica:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request_id = request.get("request_id") or request.headers.get("x-request-id") or uuid.uuid4().hex
-    request["request_id"] = request_id
+    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
     try:
         response = await handler(request)
     except GatewayError as err:
@@ -99,6 +102,8 @@ def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = Non
     app[CONFIG] = config
     app[REGISTRY] = registry or CollectorRegistry()
     app[METRICS] = GatewayMetrics(app[REGISTRY])
-    app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _router_ctx])
+    app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
+    app.cleanup_ctx.append(admission_ctx)  # after the router: tenants, quotas, the fair queue
     handlers.add_routes(app)
+    admin.add_routes(app)  # /admin/*: drain, restart, rolling restart, scale
     return app

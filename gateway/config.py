@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine_pool.spec import PoolConfig
+from gateway.admission.config import AdmissionConfig
 from policies.registry import build_policy, policy_names
 
 
@@ -97,7 +99,9 @@ class GatewayConfig(StrictModel):
     health: HealthConfig = Field(default_factory=HealthConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     engines: list[EngineConfig] = Field(default_factory=list)
+    pool: PoolConfig | None = None  # engines kvgate launches and supervises (engine_pool.spec)
 
 
 class ConfigError(ValueError):
@@ -127,7 +131,7 @@ def env_overrides(environ: Mapping[str, str], prefix: str = "KVGATE__") -> dict[
     tree: dict[str, Any] = {}
     for key, raw in environ.items():
         if key.startswith(prefix) and len(key) > len(prefix):
-            path = [p.lower() for p in key[len(prefix):].split("__")]
+            path = [p.lower() for p in key[len(prefix) :].split("__")]
             _set_path(tree, path, yaml.safe_load(raw) if raw else raw)
     return tree
 

@@ -80,8 +80,14 @@ class Overloaded(GatewayError):
     type = "overloaded_error"
     code = "overloaded"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, code: str | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after_s: float = 1.0,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         merged = {"Retry-After": str(max(1, round(retry_after_s)))}
         merged.update(headers or {})
         super().__init__(message, code=code, headers=merged)

@@ -9,31 +9,40 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.accesslog import log_access
+from gateway.admission.admin import reload_admission
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, NotFound
-from gateway.keys import CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, ROUTER
+from gateway.keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
 from gateway.request_parse import Endpoint, parse_request
 
 
 async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
-    ctx = RequestContext(request_id=request["request_id"], endpoint=endpoint)
+    ctx = RequestContext(request_id=request[REQUEST_ID], endpoint=endpoint)
+    admission = app[ADMISSION]
     try:
+        identity = admission.identify(request.headers)  # 401 before anything else when auth is on
+        ctx.tenant = identity.tenant
         raw = await request.read()
         parsed = parse_request(endpoint, raw)
         ctx.model, ctx.stream = parsed.model, parsed.stream
         if not app[REPLICAS].for_model(parsed.model):
             raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
+        body_changed = admission.apply_cache_salt(identity, parsed.body)
         session_key = request.headers.get("x-session-id") or _str_or_none(parsed.body.get("user"))
         info = await app[ROUTER].request_info(
             model=parsed.model, endpoint=endpoint, body=parsed.body, tenant=ctx.tenant, session_key=session_key
         )
-        response = await app[PROXY].forward(request, parsed, info, ctx, raw)
+        prompt_estimate = info.prompt_tokens or len(raw) // 4
+        async with admission.admission(identity, parsed.model, prompt_estimate, ctx):
+            response = await app[PROXY].forward(request, parsed, info, ctx, raw, body_changed=body_changed)
         ctx.status = response.status
         return response
     except GatewayError as err:
         ctx.status, ctx.error = err.status, err.code
+        for name, value in ctx.extra_headers.items():
+            err.headers.setdefault(name, value)
         raise
     except BaseException:
         ctx.status, ctx.client_disconnected = 499, True
@@ -42,6 +51,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     finally:
         ctx.duration_s = time.monotonic() - ctx.started
         _observe(request, ctx)
+        admission.metrics.requests.labels(ctx.tenant, str(ctx.status)).inc()
         log_access(ctx, cfg.server.access_log)
 
 
@@ -122,3 +132,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/admin/reload", reload_admission)

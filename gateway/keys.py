@@ -6,7 +6,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
+from gateway.admission.controller import AdmissionController
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
@@ -19,3 +21,8 @@ CLIENT = web.AppKey("client", aiohttp.ClientSession)
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", Router)
 PROXY = web.AppKey("proxy", UpstreamProxy)
+ADMISSION = web.AppKey("admission", AdmissionController)
+CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
+POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config
+
+REQUEST_ID = web.RequestKey("request_id", str)

@@ -15,20 +15,31 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.requests = Counter(
-            "kvgate_requests", "Requests answered, by model, replica, endpoint and status.",
-            ["model", "replica", "endpoint", "status"], registry=registry,
+            "kvgate_requests",
+            "Requests answered, by model, replica, endpoint and status.",
+            ["model", "replica", "endpoint", "status"],
+            registry=registry,
         )
         self.ttft = Histogram(
-            "kvgate_time_to_first_token_seconds", "Time from request arrival to the first token byte sent.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=registry,
+            "kvgate_time_to_first_token_seconds",
+            "Time from request arrival to the first token byte sent.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.itl = Histogram(
-            "kvgate_inter_token_latency_seconds", "Time between streamed chunks relayed to the client.",
-            ["model"], buckets=ITL_BUCKETS, registry=registry,
+            "kvgate_inter_token_latency_seconds",
+            "Time between streamed chunks relayed to the client.",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=registry,
         )
         self.e2e = Histogram(
-            "kvgate_e2e_request_latency_seconds", "Time from request arrival to the last byte sent.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=registry,
+            "kvgate_e2e_request_latency_seconds",
+            "Time from request arrival to the last byte sent.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.in_flight = Gauge(
             "kvgate_replica_in_flight", "Requests in flight per replica.", ["replica"], registry=registry
@@ -37,18 +48,24 @@ class GatewayMetrics:
             "kvgate_replica_ready", "1 when the replica is routable.", ["replica", "model"], registry=registry
         )
         self.upstream_errors = Counter(
-            "kvgate_upstream_errors", "Failed upstream attempts by replica and kind.",
-            ["replica", "kind"], registry=registry,
+            "kvgate_upstream_errors",
+            "Failed upstream attempts by replica and kind.",
+            ["replica", "kind"],
+            registry=registry,
         )
         self.retries = Counter("kvgate_retries", "Attempts retried on another replica.", ["model"], registry=registry)
         self.decisions = Counter(
-            "kvgate_routing_decisions", "Routing decisions by policy and reason.",
-            ["policy", "reason"], registry=registry,
+            "kvgate_routing_decisions",
+            "Routing decisions by policy and reason.",
+            ["policy", "reason"],
+            registry=registry,
         )
         self.cancelled = Counter(
             "kvgate_client_disconnects", "Requests whose client left before the end.", ["model"], registry=registry
         )
         self.tokens = Counter(
-            "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.",
-            ["model", "kind"], registry=registry,
+            "kvgate_tokens",
+            "Tokens by kind (prompt, cached, completion), from engine usage.",
+            ["model", "kind"],
+            registry=registry,
         )

@@ -76,12 +76,18 @@ class UpstreamProxy:
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def forward(
-        self, request: web.Request, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext,
-        raw_body: bytes, body_changed: bool = False,
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        info: RequestInfo,
+        ctx: RequestContext,
+        raw_body: bytes,
+        body_changed: bool = False,
     ) -> web.StreamResponse:
         timeouts = self.settings.timeouts
-        data = self._upstream_body(parsed) if (body_changed or (parsed.stream and not parsed.include_usage)) \
-            else raw_body
+        data = (
+            self._upstream_body(parsed) if (body_changed or (parsed.stream and not parsed.include_usage)) else raw_body
+        )
         tried: list[str] = []
         last_error: GatewayError | None = None
         deadline = time.monotonic() + timeouts.total_s
@@ -101,23 +107,30 @@ class UpstreamProxy:
                 return await self._attempt(request, parsed, replica, decision, ctx, data, deadline)
             except _Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
-                if replica.record_failure(threshold=self.settings.retry.breaker_failures,
-                                          cooldown_s=self.settings.retry.breaker_cooldown_s):
+                if replica.record_failure(
+                    threshold=self.settings.retry.breaker_failures, cooldown_s=self.settings.retry.breaker_cooldown_s
+                ):
                     self.replicas.breaker_changed()
                 last_error = exc.error
         assert last_error is not None
         raise last_error
 
     def _headers(self, ctx: RequestContext, replica: Replica, decision: Decision) -> dict[str, str]:
-        headers = {"x-request-id": ctx.request_id}
+        headers = {"x-request-id": ctx.request_id, **ctx.extra_headers}
         if self.settings.route_headers:
             headers["x-kvgate-replica"] = replica.id
             headers["x-kvgate-route-reason"] = decision.reason
         return headers
 
     async def _attempt(
-        self, request: web.Request, parsed: ParsedRequest, replica: Replica, decision: Decision,
-        ctx: RequestContext, data: bytes, deadline: float,
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        replica: Replica,
+        decision: Decision,
+        ctx: RequestContext,
+        data: bytes,
+        deadline: float,
     ) -> web.StreamResponse:
         timeouts = self.settings.timeouts
         url = replica.url + _PATHS[parsed.endpoint]
@@ -163,14 +176,23 @@ class UpstreamProxy:
             msg = str(body["error"].get("message", "upstream error"))
             return UpstreamError(msg, status=upstream.status, upstream_body=body)
         if isinstance(body, dict) and "message" in body:  # vLLM's older flat error shape
-            wrapped: dict[str, object] = {"error": {
-                "message": str(body["message"]), "type": str(body.get("type", "upstream_error")),
-                "param": body.get("param"), "code": body.get("code", upstream.status)}}
+            wrapped: dict[str, object] = {
+                "error": {
+                    "message": str(body["message"]),
+                    "type": str(body.get("type", "upstream_error")),
+                    "param": body.get("param"),
+                    "code": body.get("code", upstream.status),
+                }
+            }
             return UpstreamError(str(body["message"]), status=upstream.status, upstream_body=wrapped)
         return UpstreamError(f"engine answered HTTP {upstream.status}", status=upstream.status)
 
     async def _relay_whole(
-        self, upstream: aiohttp.ClientResponse, replica: Replica, decision: Decision, ctx: RequestContext,
+        self,
+        upstream: aiohttp.ClientResponse,
+        replica: Replica,
+        decision: Decision,
+        ctx: RequestContext,
         deadline: float,
     ) -> web.Response:
         try:
@@ -186,12 +208,22 @@ class UpstreamProxy:
         except (ValueError, AttributeError):
             pass
         ctx.ttft_s = time.monotonic() - ctx.started
-        return web.Response(body=raw, status=upstream.status, content_type="application/json",
-                            headers=self._headers(ctx, replica, decision))
+        return web.Response(
+            body=raw,
+            status=upstream.status,
+            content_type="application/json",
+            headers=self._headers(ctx, replica, decision),
+        )
 
     async def _relay_stream(
-        self, request: web.Request, parsed: ParsedRequest, upstream: aiohttp.ClientResponse, replica: Replica,
-        decision: Decision, ctx: RequestContext, deadline: float,
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        upstream: aiohttp.ClientResponse,
+        replica: Replica,
+        decision: Decision,
+        ctx: RequestContext,
+        deadline: float,
     ) -> web.StreamResponse:
         first_byte_s = self.settings.timeouts.first_byte_s
         response: web.StreamResponse | None = None
@@ -214,9 +246,13 @@ class UpstreamProxy:
                         continue
                     now = time.monotonic()
                     if response is None:
-                        response = web.StreamResponse(headers={
-                            **self._headers(ctx, replica, decision),
-                            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                        response = web.StreamResponse(
+                            headers={
+                                **self._headers(ctx, replica, decision),
+                                "Content-Type": "text/event-stream",
+                                "Cache-Control": "no-cache",
+                            }
+                        )
                         await response.prepare(request)
                         ctx.ttft_s = now - ctx.started
                         window.reschedule(deadline)  # past the first byte, only the total deadline applies
@@ -243,7 +279,7 @@ class UpstreamProxy:
     def _usage_event(event: bytes, ctx: RequestContext, strip_usage: bool) -> bytes:
         """Record usage from a usage-carrying event; drop the final usage-only event unless the client asked."""
         try:
-            payload = json.loads(event[event.index(b"{"):])
+            payload = json.loads(event[event.index(b"{") :])
         except ValueError:
             return event
         if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):

@@ -55,12 +55,11 @@ def _check_prompt(prompt: Any) -> None:
             return
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
             return
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
+        if all(
+            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
+        ):
             return
-    raise BadRequest(
-        "'prompt' must be a string, an array of strings, or an array of token ids", param="prompt"
-    )
+    raise BadRequest("'prompt' must be a string, an array of strings, or an array of token ids", param="prompt")
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
@@ -91,5 +90,6 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     max_tokens = _check_int(body, "max_tokens", 0)
     max_completion = _check_int(body, "max_completion_tokens", 0)
     _check_int(body, "n", 1)
-    return ParsedRequest(endpoint, body, model, stream, include_usage, max_tokens if max_tokens is not None
-                         else max_completion)
+    return ParsedRequest(
+        endpoint, body, model, stream, include_usage, max_tokens if max_tokens is not None else max_completion
+    )

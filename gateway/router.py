@@ -52,7 +52,12 @@ class Router:
         self._seq = 0
 
     async def request_info(
-        self, *, model: str, endpoint: Literal["chat", "completions"], body: Mapping[str, Any], tenant: str,
+        self,
+        *,
+        model: str,
+        endpoint: Literal["chat", "completions"],
+        body: Mapping[str, Any],
+        tenant: str,
         session_key: str | None,
     ) -> RequestInfo:
         if self.cache is None:
@@ -80,8 +85,9 @@ class Router:
             decision = self.policy.decide(view)
         except NoCandidate as exc:
             self.metrics.decisions.labels(self.policy.name, f"rejected:{exc.reason}").inc()
-            raise Overloaded(f"no replica of model {info.model!r} can take the request now",
-                             code="no_ready_replica") from None
+            raise Overloaded(
+                f"no replica of model {info.model!r} can take the request now", code="no_ready_replica"
+            ) from None
         replica = self.replicas.get(decision.replica)
         if replica is None:  # a policy may only pick from the view; this is a policy bug
             raise RuntimeError(f"policy {self.policy.name} picked unknown replica {decision.replica!r}")

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.keys import ADMISSION, CONFIG_PATH
 from policies.registry import policy_names
 
 log = logging.getLogger("kvgate")
@@ -27,8 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", help="YAML config file (environment KVGATE__A__B=... and flags override it)")
     p.add_argument("--host", help="listen address (server.host)")
     p.add_argument("--port", type=int, help="listen port (server.port); 0 picks a free one")
-    p.add_argument("--engine", action="append", default=[], metavar="URL",
-                   help="attach an engine speaking vLLM's OpenAI API (repeatable)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="attach an engine speaking vLLM's OpenAI API (repeatable)",
+    )
     p.add_argument("--policy", help=f"routing policy: {', '.join(policy_names())}")
     p.add_argument("--access-log", choices=["plain", "json", "off"], help="access log format")
     p.add_argument("--log-level", default="INFO")
@@ -38,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    server = {k: v for k, v in (("host", args.host), ("port", args.port), ("access_log", args.access_log))
-              if v is not None}
+    server = {
+        k: v for k, v in (("host", args.host), ("port", args.port), ("access_log", args.access_log)) if v is not None
+    }
     if server:
         out["server"] = server
     if args.engine:
@@ -49,35 +56,48 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-async def serve(config: GatewayConfig, *, ready: asyncio.Future[int] | None = None) -> None:
-    """Run until SIGINT/SIGTERM (or cancellation); `ready` receives the bound port once listening."""
+async def serve(
+    config: GatewayConfig, *, ready: asyncio.Future[int] | None = None, config_path: str | None = None
+) -> None:
+    """Run until SIGINT/SIGTERM (or cancellation); `ready` receives the bound port once listening. SIGHUP (and
+    `POST /admin/reload`) re-reads the admission section of `config_path` without dropping requests."""
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.server.shutdown_grace_s)
+    if config_path is not None:
+        app[CONFIG_PATH] = config_path
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, backlog=1024, reuse_address=True)
     await site.start()
     port = runner.addresses[0][1]
-    log.info("kvgate listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)",
-             config.server.host, port, config.server.host, port)
+    log.info(
+        "kvgate listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)",
+        config.server.host,
+        port,
+        config.server.host,
+        port,
+    )
     if ready is not None and not ready.done():
         ready.set_result(port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)  # the handler only records the request; this coroutine acts
+    loop.add_signal_handler(signal.SIGHUP, app[ADMISSION].request_reload)
     try:
         await stop.wait()
         log.info("shutting down: draining in-flight requests (up to %.0f s)", config.server.shutdown_grace_s)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def run(coro_factory: Any) -> None:
@@ -100,5 +120,5 @@ def main(argv: list[str]) -> int:
     if args.check:
         print(config.model_dump_json(indent=2))
         return 0
-    run(lambda: serve(config))
+    run(lambda: serve(config, config_path=args.config))
     return 0

@@ -12,7 +12,5 @@ def routable(replicas: Iterable[ReplicaState]) -> list[ReplicaState]:
     return [
         r
         for r in replicas
-        if r.ready
-        and not r.draining
-        and (r.max_concurrency is None or r.in_flight < r.max_concurrency)
+        if r.ready and not r.draining and (r.max_concurrency is None or r.in_flight < r.max_concurrency)
     ]

@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from policies.base import Policy
+from policies.cache_aware import CacheAware
 from policies.least_load import LeastLoad
 from policies.round_robin import RoundRobin
 
@@ -20,6 +21,7 @@ _FACTORIES: Mapping[str, PolicyFactory] = MappingProxyType(
     {
         RoundRobin.name: RoundRobin,
         LeastLoad.name: LeastLoad,
+        CacheAware.name: CacheAware,
     }
 )
 

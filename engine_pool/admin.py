@@ -1,0 +1,167 @@
+"""Admin HTTP endpoints (`/admin/...`): list replicas, drain, restart, rolling restart, scale.
+
+Authenticated by `Authorization: Bearer <admin.key>` (constant-time comparison); when `admin.key` is unset every
+admin route answers 404. Operations run as tasks the pool owns (a client that disconnects does not cancel a rolling
+restart half way); `?wait=false` answers 202 at once instead of waiting for the result.
+
+    GET  /admin/replicas                          every replica (managed and attached) with its state
+    POST /admin/replicas/{id}/drain               drain then stop a managed replica
+    POST /admin/replicas/{id}/restart             drain, stop, relaunch (also revives a failed replica)
+    POST /admin/models/{model}/rolling-restart    one replica at a time, never below N-1 ready
+    POST /admin/models/{model}/scale              body {"replicas": n}; removal drains first
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+
+from aiohttp import web
+
+from engine_pool.pool import EnginePool
+from engine_pool.supervisor import PoolError, UnknownReplica
+from gateway.errors import BadRequest, GatewayError, NotFound, Unauthorized
+from gateway.keys import CONFIG, POOL, REPLICAS
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_OPS = web.AppKey("admin_operations", set[asyncio.Task[Any]])
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+def _authorize(request: web.Request) -> None:
+    key = request.app[CONFIG].admin.key
+    if not key:
+        raise NotFound("admin endpoints are disabled (set admin.key)", code="not_found")
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise Unauthorized("missing or wrong admin key", code="invalid_admin_key")
+
+
+def _pool(request: web.Request) -> EnginePool:
+    pool = request.app.get(POOL)
+    if pool is None:
+        raise Conflict("no engine pool is configured (attached engines cannot be drained or restarted)")
+    return pool
+
+
+def _admin(handler: Handler) -> Handler:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        _authorize(request)
+        try:
+            return await handler(request)
+        except UnknownReplica as exc:
+            raise NotFound(f"no managed replica {exc.args[0]!r}", param="id", code="replica_not_found") from None
+        except PoolError as exc:
+            raise Conflict(str(exc)) from None
+
+    return wrapped
+
+
+async def _operation(request: web.Request, name: str, coro: Coroutine[Any, Any, Any]) -> web.Response:
+    """Run `coro` as a task the app owns; wait for it unless `?wait=false`."""
+    task = asyncio.create_task(coro, name=f"admin:{name}")
+    ops = request.app[_OPS]
+    ops.add(task)
+    task.add_done_callback(ops.discard)
+    if request.query.get("wait", "true").lower() in ("0", "false", "no"):
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        return web.json_response({"operation": name, "status": "started"}, status=202)
+    started = time.monotonic()
+    result = await asyncio.shield(task)
+    return web.json_response(
+        {"operation": name, "status": "done", "result": result, "seconds": round(time.monotonic() - started, 3)}
+    )
+
+
+@_admin
+async def list_replicas(request: web.Request) -> web.Response:
+    pool = request.app.get(POOL)
+    managed = {s.id: s.describe() for s in pool.slots()} if pool is not None else {}
+    now = time.monotonic()
+    out = []
+    for replica in request.app[REPLICAS]:
+        entry: dict[str, Any] = {
+            "id": replica.id,
+            "model": replica.model,
+            "url": replica.url,
+            "managed": replica.managed,
+            "routable": replica.routable(now),
+            "healthy": replica.healthy,
+            "warm": replica.warm,
+            "draining": replica.draining,
+            "in_flight": replica.in_flight,
+        }
+        entry.update(managed.pop(replica.id, {}))
+        out.append(entry)
+    out.extend(managed.values())  # managed replicas not (or no longer) in the routing set
+    return web.json_response({"replicas": out})
+
+
+@_admin
+async def drain(request: web.Request) -> web.Response:
+    pool, rid = _pool(request), request.match_info["id"]
+    pool.slot(rid)
+    return await _operation(request, f"drain {rid}", _state(pool.drain(rid)))
+
+
+@_admin
+async def restart(request: web.Request) -> web.Response:
+    pool, rid = _pool(request), request.match_info["id"]
+    pool.slot(rid)
+    return await _operation(request, f"restart {rid}", _state(pool.restart_one(rid, reason="admin")))
+
+
+@_admin
+async def rolling_restart(request: web.Request) -> web.Response:
+    pool, model = _pool(request), request.match_info["model"]
+    if model not in pool.models:
+        raise NotFound(f"no pool model {model!r}", param="model")
+    return await _operation(request, f"rolling-restart {model}", pool.rolling_restart(model))
+
+
+@_admin
+async def scale(request: web.Request) -> web.Response:
+    pool, model = _pool(request), request.match_info["model"]
+    if model not in pool.models:
+        raise NotFound(f"no pool model {model!r}", param="model")
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except ValueError:
+        raise BadRequest('body must be JSON: {"replicas": n}') from None
+    n = body.get("replicas") if isinstance(body, dict) else None
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= pool.config.max_replicas:
+        raise BadRequest(f"'replicas' must be an integer in [0, {pool.config.max_replicas}]", param="replicas")
+    return await _operation(request, f"scale {model} {n}", pool.scale(model, n))
+
+
+async def _state(awaitable: Awaitable[Any]) -> str:
+    return str(await awaitable)
+
+
+async def _ops_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[_OPS] = set()
+    yield
+    ops: set[asyncio.Task[Any]] = app[_OPS]
+    tasks = list(ops)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def add_routes(app: web.Application) -> None:
+    app.cleanup_ctx.append(_ops_ctx)
+    app.router.add_get("/admin/replicas", list_replicas)
+    app.router.add_post("/admin/replicas/{id}/drain", drain)
+    app.router.add_post("/admin/replicas/{id}/restart", restart)
+    app.router.add_post("/admin/models/{model}/rolling-restart", rolling_restart)
+    app.router.add_post("/admin/models/{model}/scale", scale)

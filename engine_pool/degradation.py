@@ -1,0 +1,159 @@
+"""Degradation watcher: restart a replica whose service degraded for a while (rule: `DegradationRule`).
+
+Every `check_interval_s`, for each ready replica of a model with a rule, one sample is taken: the engine's TTFT
+histogram sum and count (`vllm:time_to_first_token_seconds_{sum,count}` from its /metrics), the gateway's answers
+and 5xx answers for the replica (cumulative, from `error_source`), and the KV cache free fraction (1 - the scraped
+`kv_cache_usage_perc`). Once the samples span `window_s`, the window's deltas are checked:
+  mean TTFT = d(sum) / d(count) > ttft_mean_max_s,  error rate = d(errors) / d(answers) > error_rate_max (with at
+  least min_requests answers),  or every sample's KV free fraction < kv_free_min.
+A hit asks the pool for a one-replica restart that keeps N-1 ready (skipped when the others are not ready), at most
+once per `cooldown_s` per replica. Memory: at most window_s / check_interval_s + 2 samples per replica. Cost per
+check: one /metrics fetch and an O(lines) scan per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from engine_pool.spec import DegradationRule
+from engine_pool.supervisor import PoolError, Slot, SlotState
+
+if TYPE_CHECKING:
+    from engine_pool.pool import EnginePool
+
+log = logging.getLogger("kvgate.pool.degradation")
+
+# replica id -> (answers, 5xx answers), both cumulative
+ErrorSource = Callable[[str], tuple[float, float]]
+
+_TTFT = "vllm:time_to_first_token_seconds_"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t: float
+    ttft_sum: float
+    ttft_count: float
+    answers: float
+    errors: float
+    kv_free: float
+
+
+def parse_ttft(text: str) -> tuple[float, float]:
+    """Sum of `vllm:time_to_first_token_seconds_sum` and `_count` over all label sets."""
+    total = count = 0.0
+    for line in text.splitlines():
+        if not line.startswith(_TTFT):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if name == _TTFT + "sum":
+            total += value
+        elif name == _TTFT + "count":
+            count += value
+    return total, count
+
+
+def degraded(rule: DegradationRule, samples: deque[Sample]) -> str | None:
+    """Why the window of samples breaks the rule, or None (pure: testable with literal samples)."""
+    if len(samples) < 2 or samples[-1].t - samples[0].t < rule.window_s:
+        return None
+    first, last = samples[0], samples[-1]
+    d_count = last.ttft_count - first.ttft_count
+    if rule.ttft_mean_max_s is not None and d_count > 0:
+        mean = (last.ttft_sum - first.ttft_sum) / d_count
+        if mean > rule.ttft_mean_max_s:
+            return f"mean TTFT {mean:.3f} s > {rule.ttft_mean_max_s} s"
+    answers = last.answers - first.answers
+    if rule.error_rate_max is not None and answers >= rule.min_requests:
+        rate = (last.errors - first.errors) / answers
+        if rate > rule.error_rate_max:
+            return f"error rate {rate:.2f} > {rule.error_rate_max}"
+    if rule.kv_free_min is not None and all(s.kv_free < rule.kv_free_min for s in samples):
+        return f"KV free below {rule.kv_free_min} for {rule.window_s:.0f} s"
+    return None
+
+
+class DegradationWatcher:
+    def __init__(self, pool: EnginePool, session: aiohttp.ClientSession, error_source: ErrorSource | None) -> None:
+        self.pool = pool
+        self.session = session
+        self.error_source = error_source
+        self._samples: dict[str, tuple[int, deque[Sample]]] = {}  # replica id -> (launch generation, window)
+        self._last_restart: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        rules = [m.degradation for m in self.pool.models.values() if m.degradation is not None]
+        if rules:
+            interval = min(r.check_interval_s for r in rules)
+            self._task = asyncio.create_task(self._loop(interval), name="pool-degradation")
+
+    async def close(self) -> None:
+        for task in [self._task, *self._restarts]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            live = {s.id for s in self.pool.slots()}
+            for gone in [rid for rid in self._samples if rid not in live]:
+                del self._samples[gone]
+                self._last_restart.pop(gone, None)
+            for slot in self.pool.slots():
+                rule = slot.model.degradation
+                if rule is not None and slot.state is SlotState.READY:
+                    await self._check(slot, rule)
+
+    async def _sample(self, slot: Slot) -> Sample:
+        ttft_sum = ttft_count = 0.0
+        try:
+            async with self.session.get(slot.replica.metrics_url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    ttft_sum, ttft_count = parse_ttft(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            pass
+        answers, errors = self.error_source(slot.id) if self.error_source is not None else (0.0, 0.0)
+        return Sample(time.monotonic(), ttft_sum, ttft_count, answers, errors, 1.0 - slot.replica.metrics.kv_usage)
+
+    async def _check(self, slot: Slot, rule: DegradationRule) -> None:
+        gen, window = self._samples.get(slot.id, (-1, deque[Sample]()))
+        if gen != slot.gen:
+            window = deque(maxlen=int(rule.window_s / rule.check_interval_s) + 2)
+            self._samples[slot.id] = (slot.gen, window)
+        window.append(await self._sample(slot))
+        while len(window) > 2 and window[-1].t - window[1].t >= rule.window_s:
+            window.popleft()  # keep the shortest suffix that still spans the window
+        why = degraded(rule, window)
+        if why is None or self._restarts:
+            return
+        if time.monotonic() - self._last_restart.get(slot.id, -float("inf")) < rule.cooldown_s:
+            return
+        self._last_restart[slot.id] = time.monotonic()
+        window.clear()
+        log.warning("replica %s degraded (%s): rolling it", slot.id, why)
+        task = asyncio.create_task(self._restart(slot.id, rule, why), name=f"degraded:{slot.id}")
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, replica_id: str, rule: DegradationRule, why: str) -> None:
+        try:
+            await self.pool.restart_one(replica_id, reason="degraded", wait_others_s=rule.check_interval_s)
+        except PoolError as exc:
+            log.warning("not restarting degraded replica %s (%s): %s", replica_id, why, exc)

@@ -1,0 +1,53 @@
+"""Typed configuration of the simulated engine: cost model, capacity, KV events and injected faults."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Faults(BaseModel):
+    """Injected faults; set by flags at start and replaced at runtime through ``POST /sim/faults``.
+
+    - ``error_rate``: probability that a request answers 500 (OpenAI-shaped) before any byte.
+    - ``stall_s`` / ``stall_rate``: probability that a request hangs ``stall_s`` seconds before its first byte.
+    - ``crash_after``: the process exits (``os._exit(1)``) when request number ``crash_after + 1`` starts, i.e. after
+      N requests have started; 0 crashes on the first request.
+    - ``fail_health``: ``GET /health`` answers 503.
+    Draws come from the engine's fault RNG, seeded from ``SimConfig.seed``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    error_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    stall_s: float = Field(default=0.0, ge=0.0)
+    stall_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    crash_after: int | None = Field(default=None, ge=0)
+    fail_health: bool = False
+
+
+class SimConfig(BaseModel):
+    """Everything a simulated engine is started with (the CLI maps its flags onto this)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "sim-model"
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)  # 0 = any free port
+    # capacity
+    block_size: int = Field(default=16, ge=1)
+    num_blocks: int = Field(default=8192, ge=1)  # KV capacity in blocks (vLLM's num_gpu_blocks)
+    max_model_len: int = Field(default=8192, ge=2)
+    max_num_seqs: int = Field(default=64, ge=1)  # concurrent running requests
+    max_waiting: int = Field(default=10_000, ge=0)  # queued requests beyond this get 503
+    default_max_tokens: int = Field(default=16, ge=1)
+    # cost model: TTFT = queueing + overhead + uncached prompt tokens x prefill; ITL = decode + per-seq x running
+    overhead_ms: float = Field(default=2.0, ge=0.0)
+    prefill_us_per_token: float = Field(default=50.0, ge=0.0)
+    decode_ms: float = Field(default=5.0, ge=0.0)
+    decode_ms_per_seq: float = Field(default=0.1, ge=0.0)
+    instant: bool = False  # every cost zero and no sleeps at all (gateway overhead measurements)
+    seed: int = 0
+    # KV events: None = off, 0 = any free port
+    kv_events_port: int | None = Field(default=None, ge=0, le=65535)
+    kv_events_topic: str = "kv-events"
+    faults: Faults = Field(default_factory=Faults)

@@ -1,0 +1,222 @@
+"""OpenAI request parsing and response shapes of the simulated engine (vLLM's field names; no aiohttp here).
+
+Only the fields that change the simulation are read (``model``, ``messages`` / ``prompt``, ``max_tokens`` /
+``max_completion_tokens``, ``n``, ``stream``, ``stream_options``); every other field is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine_pool.sim.config import SimConfig
+from engine_pool.sim.tokenize import MAX_TOKEN_ID, tokenize_chat, tokenize_text
+
+Kind = Literal["chat", "completion"]
+
+
+class OpenAIError(Exception):
+    """A request error rendered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.err_type, self.param)
+
+
+def error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "BadRequestError", param)
+
+
+@dataclass(frozen=True, slots=True)
+class GenRequest:
+    kind: Kind
+    model: str
+    tokens: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+def check_model(body: Mapping[str, Any], cfg: SimConfig) -> str:
+    model = body.get("model")
+    if model is None:
+        return cfg.model
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    if model != cfg.model:
+        raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    return model
+
+
+def _int_field(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_request(f"'{name}' must be an integer", name)
+    return value
+
+
+def _token_list(value: list[Any], param: str) -> list[int]:
+    for t in value:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
+            raise bad_request(f"token ids must be integers in [0, {MAX_TOKEN_ID}]", param)
+    return list(value)
+
+
+def prompt_tokens(body: Mapping[str, Any], *, allow_ids: bool = True) -> list[int]:
+    """Tokens of a completions/tokenize ``prompt``: a string, a list of token ids, or a one-element list of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenize_text(prompt)
+    if allow_ids and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return _token_list(prompt, "prompt")
+    if isinstance(prompt, list):
+        raise bad_request("batched prompts are not supported by the simulator: send one prompt", "prompt")
+    raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def chat_tokens(body: Mapping[str, Any], default_generation_prompt: bool = True) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    add_gen = body.get("add_generation_prompt", default_generation_prompt)
+    if not isinstance(add_gen, bool):
+        raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+    try:
+        return tokenize_chat(messages, add_gen)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
+
+
+def parse_generation(kind: Kind, body: Any, cfg: SimConfig) -> GenRequest:
+    """Validate a chat or completions body; raises `OpenAIError`."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = check_model(body, cfg)
+    tokens = chat_tokens(body) if kind == "chat" else prompt_tokens(body)
+    if not tokens:
+        raise bad_request("the prompt must not be empty", "messages" if kind == "chat" else "prompt")
+    if len(tokens) >= cfg.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, your request has "
+            f"{len(tokens)} input tokens. Please reduce the length of the input messages.",
+            "messages" if kind == "chat" else "prompt",
+        )
+    max_tokens = _int_field(body, "max_completion_tokens") if kind == "chat" else None
+    if max_tokens is None:
+        max_tokens = _int_field(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = cfg.default_max_tokens
+    if max_tokens < 1:
+        raise bad_request("max_tokens must be at least 1", "max_tokens")
+    max_tokens = min(max_tokens, cfg.max_model_len - len(tokens))
+    n = _int_field(body, "n")
+    if n is not None and n != 1:
+        raise bad_request("the simulator only supports n=1", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    options = options or {}
+    if options and not stream:
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    return GenRequest(
+        kind=kind,
+        model=model,
+        tokens=tokens,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+        continuous_usage=bool(options.get("continuous_usage_stats")),
+    )
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class ResponseWriter:
+    """Builds the JSON bodies and SSE events of one response (ids and timestamps fixed per response)."""
+
+    def __init__(self, req: GenRequest, response_id: str) -> None:
+        self.req = req
+        self.id = response_id
+        self.created = int(time.time())
+        self.object = "chat.completion" if req.kind == "chat" else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+
+    def full(self, text: str, use: dict[str, Any]) -> dict[str, Any]:
+        choice: dict[str, Any]
+        if self.req.kind == "chat":
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "tool_calls": [],
+                "reasoning": None,
+            }
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                      "prompt_logprobs": None}  # fmt: skip
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.req.model,
+                "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": use,
+                "prompt_logprobs": None, "kv_transfer_params": None}  # fmt: skip
+
+    def _event(self, choices: list[dict[str, Any]], use: dict[str, Any] | None) -> str:
+        chunk: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                                 "model": self.req.model, "choices": choices}  # fmt: skip
+        if use is not None:
+            chunk["usage"] = use
+        return f"data: {dumps(chunk)}\n\n"
+
+    def first_event(self, prompt_tokens: int) -> str:
+        """Chat streams open with an empty assistant delta; completions streams have no opening event."""
+        if self.req.kind != "chat":
+            return ""
+        use = usage(prompt_tokens, 0, 0) if self.req.continuous_usage else None
+        delta = {"role": "assistant", "content": ""}
+        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], use)
+
+    def token_event(self, text: str, last: bool, use: dict[str, Any] | None) -> str:
+        finish = "length" if last else None
+        if self.req.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                                      "finish_reason": finish}  # fmt: skip
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if last:
+            choice["stop_reason"] = None
+        return self._event([choice], use if self.req.continuous_usage else None)
+
+    def usage_event(self, use: dict[str, Any]) -> str:
+        return self._event([], use)

@@ -1,0 +1,300 @@
+"""aiohttp front of the simulated engine: vLLM's OpenAI server endpoints plus ``/sim/*`` test hooks.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /load``, ``GET /version``,
+``POST /reset_prefix_cache``, ``GET /sim/stats``, ``GET|POST /sim/faults``. Errors are OpenAI-shaped. The
+``X-Request-Id`` request header is echoed on every response. Handlers are cancelled when the client disconnects
+(``handler_cancellation=True``), which is how a dropped request stops generating.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from engine_pool.sim.config import Faults, SimConfig
+from engine_pool.sim.engine import OverloadedError, SimEngine, SimFaultError
+from engine_pool.sim.kv_events import KVEventPublisher
+from engine_pool.sim.protocol import (
+    GenRequest,
+    Kind,
+    OpenAIError,
+    ResponseWriter,
+    bad_request,
+    chat_tokens,
+    check_model,
+    dumps,
+    error_body,
+    parse_generation,
+    prompt_tokens,
+    usage,
+)
+from engine_pool.sim.tokenize import detokenize
+
+SIM_VERSION = "0.0.0+kvgate.sim"
+ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
+_DONE = b"data: [DONE]\n\n"
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.json_response(body, status=status, dumps=dumps)
+
+
+def _error(status: int, message: str, err_type: str | None = None) -> web.Response:
+    return _json(error_body(status, message, err_type or HTTPStatus(status).phrase.replace(" ", "") + "Error"), status)
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except OpenAIError as exc:
+        request.app[ENGINE_KEY].note_rejected()
+        return _json(exc.body(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, exc.reason)
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    rid = request.headers.get("X-Request-Id")
+    if rid is not None:
+        response.headers["X-Request-Id"] = rid
+
+
+# --- generation ----------------------------------------------------------------------------------------------
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    req = parse_generation(kind, await _body(request), engine.config)
+    if not engine.cache.can_ever_fit(len(req.tokens) + req.max_tokens):
+        raise bad_request(
+            f"prompt + max_tokens ({len(req.tokens) + req.max_tokens} tokens) exceeds the KV cache "
+            f"({engine.config.num_blocks} blocks of {engine.config.block_size})",
+            "max_tokens",
+        )
+    hashes = engine.cache.block_hashes(req.tokens)
+    writer = ResponseWriter(req, engine.new_id("chatcmpl" if kind == "chat" else "cmpl"))
+    engine.in_flight += 1
+    try:
+        if req.stream:
+            return await _stream(request, engine, req, hashes, writer)
+        parts: list[str] = []
+
+        async def collect(words: Sequence[str], cached: int) -> None:
+            parts.extend(words)
+
+        res = await engine.generate(req.tokens, hashes, req.max_tokens, collect)
+        return _json(writer.full("".join(parts), usage(res.prompt_tokens, res.completion_tokens, res.cached_tokens)))
+    except SimFaultError as exc:
+        return _error(500, f"simulated engine failure: {exc}", "InternalServerError")
+    except OverloadedError as exc:
+        return _error(503, str(exc), "ServiceUnavailableError")
+    finally:
+        engine.in_flight -= 1
+
+
+async def _stream(
+    request: web.Request, engine: SimEngine, req: GenRequest, hashes: Sequence[int], writer: ResponseWriter
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
+    prompt_len = len(req.tokens)
+    sent = 0
+
+    async def emit(words: Sequence[str], cached: int) -> None:
+        nonlocal sent
+        out: list[str] = []
+        if not resp.prepared:  # first byte only once the request runs: faults and queueing precede it
+            await resp.prepare(request)
+            out.append(writer.first_event(prompt_len))
+        for word in words:
+            sent += 1
+            use = usage(prompt_len, sent, cached) if req.continuous_usage else None
+            out.append(writer.token_event(word, sent == req.max_tokens, use))
+        await resp.write("".join(out).encode())
+
+    res = await engine.generate(req.tokens, hashes, req.max_tokens, emit)
+    tail = writer.usage_event(usage(prompt_len, res.completion_tokens, res.cached_tokens)) if req.include_usage else ""
+    await resp.write(tail.encode() + _DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+# --- everything else ---------------------------------------------------------------------------------------------
+async def tokenize(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    check_model(body, engine.config)
+    if "messages" in body:
+        tokens = chat_tokens(body)
+    elif isinstance(body.get("prompt"), str):
+        tokens = prompt_tokens(body, allow_ids=False)
+    else:
+        raise bad_request("send either 'prompt' (a string) or 'messages'", "prompt")
+    return _json({"count": len(tokens), "max_model_len": engine.config.max_model_len, "tokens": tokens})
+
+
+async def detokenize_handler(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    check_model(body, engine.config)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("'tokens' must be a list of integers", "tokens")
+    try:
+        return _json({"prompt": detokenize(tokens)})
+    except ValueError as exc:
+        raise bad_request(str(exc), "tokens") from exc
+
+
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[ENGINE_KEY].config
+    card = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "vllm", "root": cfg.model,
+            "parent": None, "max_model_len": cfg.max_model_len, "permission": []}  # fmt: skip
+    return _json({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=503 if request.app[ENGINE_KEY].faults.fail_health else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[ENGINE_KEY].render_metrics()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def load(request: web.Request) -> web.Response:
+    return _json({"server_load": request.app[ENGINE_KEY].in_flight})
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": SIM_VERSION})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    if not request.app[ENGINE_KEY].reset_prefix_cache():
+        return _error(409, "blocks are in use by running requests", "ConflictError")
+    return web.Response(status=200)
+
+
+async def sim_stats(request: web.Request) -> web.Response:
+    return _json(request.app[ENGINE_KEY].stats_dict())
+
+
+async def sim_faults(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if request.method == "POST":
+        body = await _body(request)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            engine.set_faults(Faults.model_validate(engine.faults.model_dump() | body))
+        except ValidationError as exc:
+            raise bad_request(f"invalid faults: {exc.errors(include_url=False)}") from exc
+    return _json(engine.faults.model_dump())
+
+
+async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+    engine = app[ENGINE_KEY]
+    cfg = engine.config
+    if cfg.kv_events_port is None:
+        yield
+        return
+    publisher = KVEventPublisher(host=cfg.host, port=cfg.kv_events_port, topic=cfg.kv_events_topic.encode())
+    await publisher.start()
+    engine.attach_publisher(publisher)
+    try:
+        yield
+    finally:
+        await publisher.close()
+
+
+def build_app(engine: SimEngine) -> web.Application:
+    app = web.Application(middlewares=[_errors_mw], client_max_size=64 * 1024**2)
+    app[ENGINE_KEY] = engine
+    app.on_response_prepare.append(_echo_request_id)
+    app.cleanup_ctx.append(_kv_events_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize_handler)
+    app.router.add_get("/load", load)
+    app.router.add_get("/version", version)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_get("/sim/stats", sim_stats)
+    app.router.add_route("*", "/sim/faults", sim_faults)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class SimServer:
+    """A running simulated engine: where it listens and its engine object (state, stats, `wait_until`)."""
+
+    url: str
+    port: int
+    engine: SimEngine
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        pub = self.engine.publisher
+        return pub.endpoint if pub is not None else None
+
+    @property
+    def kv_events_port(self) -> int | None:
+        pub = self.engine.publisher
+        return pub.bound_port if pub is not None else None
+
+
+@asynccontextmanager
+async def run_sim_engine(
+    config: SimConfig | None = None, *, exit_fn: Callable[[int], object] = os._exit
+) -> AsyncIterator[SimServer]:
+    """Serve a simulated engine in the current event loop (``config.port`` 0 = any free port).
+
+    ``exit_fn`` is what the ``crash_after`` fault calls (tests pass a recorder instead of `os._exit`).
+    """
+    cfg = config or SimConfig()
+    engine = SimEngine(cfg, exit_fn=exit_fn)
+    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, cfg.host, cfg.port)
+        await site.start()
+        port = int(runner.addresses[0][1])
+        yield SimServer(url=f"http://{cfg.host}:{port}", port=port, engine=engine)
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,503 @@
+"""The supervising loop: one task owns every managed replica's state and acts on one queue of commands.
+
+Signals, admin calls, probe results and process exits only enqueue a command; `Supervisor._run` applies them one at
+a time, so no two actors ever race on a replica. Anything that waits (readiness, liveness, drain, stop, backoff) runs
+in a per-replica helper task that enqueues its outcome, tagged with the launch generation so stale outcomes of an
+earlier process are ignored.
+
+Replica lifecycle (`SlotState`):
+    stopped/backoff --launch--> starting --/health 200 + warm-up completion--> ready
+    starting --deadline passed / exited--> (failure)          ready --exited / `failures` failed probes--> (failure)
+    (failure): kill the process group, then `failed` if `crash_loop_limit` failures fell inside
+               `crash_loop_window_s`, else `backoff` for min(base * 2**(k-1), max) seconds, k = failures since the
+               last time the replica was ready; then launch again.
+    ready/starting --stop(drain)--> draining (out of routing; wait for in-flight up to the grace) --> stopping -->
+               stopped | relaunched (restart) | removed (scale down)
+A failed liveness probe takes the replica out of routing at once; readiness (`warm`) is only set after a real
+completion succeeded, so nothing is routed to an engine that has not served one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine_pool.launcher import EngineProcess
+from engine_pool.replica import Replica
+from engine_pool.replica_set import ReplicaSet
+from engine_pool.spec import ModelPoolConfig, PoolConfig
+
+log = logging.getLogger("kvgate.pool")
+
+After = Literal["stop", "restart", "remove", "backoff"]
+CommandFn = Callable[["Slot"], tuple[list[str], dict[str, str]]]
+ReplicaFactory = Callable[["Slot"], Replica]
+
+
+class SlotState(StrEnum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    REMOVED = "removed"
+
+
+class PoolError(Exception):
+    """An engine-pool operation that cannot be done (unknown replica, conflicting state)."""
+
+
+class UnknownReplica(PoolError, KeyError):
+    pass
+
+
+@dataclass(eq=False)
+class Slot:
+    """One managed replica: its fixed identity and ports, and the state of its current process."""
+
+    id: str
+    model: ModelPoolConfig
+    index: int
+    port: int
+    kv_port: int | None
+    replica: Replica
+    state: SlotState = SlotState.STOPPED
+    gen: int = 0
+    process: EngineProcess | None = None
+    after: After = "stop"
+    drain: bool = False
+    attempts: int = 0  # failures since the replica was last ready (backoff exponent)
+    restarts: int = 0
+    failures: deque[float] = field(default_factory=deque)
+    last_error: str | None = None
+    started_at: float = 0.0
+    ready_at: float | None = None
+    events: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    waiters: list[tuple[frozenset[SlotState], int, asyncio.Future[SlotState]]] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model.name,
+            "kind": self.model.kind,
+            "state": str(self.state),
+            "url": self.replica.url,
+            "kv_events_endpoint": self.replica.kv_events_endpoint,
+            "pid": self.process.pid if self.process and self.process.returncode is None else None,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "in_flight": self.replica.in_flight,
+            "events": [f"{t:.1f} {e}" for t, e in self.events],
+        }
+
+
+class PoolMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.state = Gauge(
+            "kvgate_pool_replica_state",
+            "1 for the current state of each managed replica.",
+            ["replica", "model", "state"],
+            registry=registry,
+        )
+        self.restarts = Counter(
+            "kvgate_pool_restarts",
+            "Managed replica restarts by reason.",
+            ["replica", "model", "reason"],
+            registry=registry,
+        )
+        self.crash_loops = Counter(
+            "kvgate_pool_crash_loops",
+            "Crash loops detected (replica left failed).",
+            ["replica", "model"],
+            registry=registry,
+        )
+        self.startup = Histogram(
+            "kvgate_pool_startup_seconds",
+            "Launch to ready (warm-up done).",
+            ["model"],
+            buckets=(1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600),
+            registry=registry,
+        )
+
+    def set_state(self, slot: Slot) -> None:
+        for st in SlotState:
+            if st is not SlotState.REMOVED:
+                self.state.labels(slot.id, slot.model.name, st.value).set(1 if st is slot.state else 0)
+
+    def forget(self, slot: Slot) -> None:
+        for st in SlotState:
+            with contextlib.suppress(KeyError):
+                self.state.remove(slot.id, slot.model.name, st.value)
+
+
+# --- commands ---------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Cmd:
+    slot_id: str
+
+
+@dataclass(slots=True)
+class _Launch(_Cmd):
+    gen: int | None = None  # None: an explicit (admin/start) launch; else a backoff timer of that generation
+
+
+@dataclass(slots=True)
+class _Stop(_Cmd):
+    drain: bool = True
+    after: After = "stop"
+    reason: str = "admin"
+
+
+@dataclass(slots=True)
+class _Outcome(_Cmd):
+    gen: int
+    kind: Literal["ready", "start_failed", "hung", "drained", "exited"]
+    detail: str = ""
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: PoolConfig,
+        replicas: ReplicaSet,
+        session: aiohttp.ClientSession,
+        metrics: PoolMetrics,
+        command_for: CommandFn,
+    ) -> None:
+        self.config = config
+        self.replicas = replicas
+        self.session = session
+        self.metrics = metrics
+        self.command_for = command_for
+        self.slots: dict[str, Slot] = {}
+        self._queue: asyncio.Queue[_Cmd] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()  # replaced after being set on every state change (for waiters)
+
+    # --- public: everything only enqueues -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="pool-supervisor")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for slot in self.slots.values():
+            for task in list(slot.tasks):
+                task.cancel()
+            if slot.process is not None:
+                slot.process.kill()
+                await slot.process.wait()
+
+    def add(self, slot: Slot) -> None:
+        """Register a new (stopped) replica; it joins the routing set, not yet warm. Launch it with `launch`."""
+        if slot.id in self.slots:
+            raise PoolError(f"replica {slot.id!r} already exists")
+        self.slots[slot.id] = slot
+        self.replicas.add(slot.replica)
+        self.metrics.set_state(slot)
+
+    def launch(self, slot_id: str) -> None:
+        self._queue.put_nowait(_Launch(slot_id))
+
+    def stop(self, slot_id: str, *, drain: bool, after: After = "stop", reason: str = "admin") -> None:
+        self._queue.put_nowait(_Stop(slot_id, drain, after, reason))
+
+    async def wait_for(
+        self,
+        slot_id: str,
+        states: set[SlotState],
+        *,
+        newer_than: int = -1,
+        timeout_s: float | None = None,
+    ) -> SlotState:
+        """Wait until the replica is in one of `states` with a launch generation above `newer_than` (REMOVED always
+        ends the wait); raises TimeoutError after timeout_s."""
+        slot = self.slots.get(slot_id)
+        if slot is None:
+            return SlotState.REMOVED
+        if slot.state in states and slot.gen > newer_than:
+            return slot.state
+        fut: asyncio.Future[SlotState] = asyncio.get_running_loop().create_future()
+        slot.waiters.append((frozenset(states | {SlotState.REMOVED}), newer_than, fut))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            slot.waiters = [w for w in slot.waiters if w[2] is not fut]
+
+    # --- the loop ----------------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            cmd = await self._queue.get()
+            try:
+                await self._apply(cmd)
+            except Exception:
+                log.exception("supervisor failed to apply %r", cmd)
+
+    async def _apply(self, cmd: _Cmd) -> None:
+        slot = self.slots.get(cmd.slot_id)
+        if slot is None:
+            return
+        if isinstance(cmd, _Launch):
+            await self._on_launch(slot, cmd)
+        elif isinstance(cmd, _Stop):
+            self._on_stop(slot, cmd)
+        elif isinstance(cmd, _Outcome) and cmd.gen == slot.gen:
+            await self._on_outcome(slot, cmd)
+
+    def _set_state(self, slot: Slot, state: SlotState, note: str = "") -> None:
+        slot.state = state
+        slot.events.append((time.time(), f"{state.value}{': ' + note if note else ''}"))
+        self.metrics.set_state(slot)
+        self.changed.set()
+        self.changed = asyncio.Event()
+        for states, newer_than, fut in slot.waiters:
+            if state in states and (slot.gen > newer_than or state is SlotState.REMOVED) and not fut.done():
+                fut.set_result(state)
+
+    def _spawn(self, slot: Slot, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=f"{name}:{slot.id}")
+        slot.tasks.add(task)
+        task.add_done_callback(slot.tasks.discard)
+
+    def _cancel_tasks(self, slot: Slot) -> None:
+        for task in list(slot.tasks):
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    def _out_of_routing(self, slot: Slot) -> None:
+        self.replicas.set_warm(slot.replica, False)
+        self.replicas.set_health(slot.replica, False)
+
+    # --- handlers ----------------------------------------------------------------------------------------------
+    async def _on_launch(self, slot: Slot, cmd: _Launch) -> None:
+        if cmd.gen is not None and (cmd.gen != slot.gen or slot.state is not SlotState.BACKOFF):
+            return  # a stale backoff timer
+        if slot.state not in (SlotState.STOPPED, SlotState.BACKOFF, SlotState.FAILED):
+            return  # already running or on its way
+        if cmd.gen is None:
+            slot.failures.clear()
+            slot.attempts = 0
+        slot.gen += 1
+        slot.replica.draining = False
+        argv, env = self.command_for(slot)
+        log_path = Path(self.config.log_dir) / f"{slot.id}.log"
+        slot.started_at = time.monotonic()
+        try:
+            slot.process = await EngineProcess.start(
+                argv,
+                env,
+                log_path,
+                max_bytes=self.config.log_max_bytes,
+                backups=self.config.log_backups,
+                name=slot.id,
+            )
+        except OSError as exc:
+            slot.process = None
+            self._failure(slot, "launch", f"cannot start: {exc}")
+            self._after_exit(slot)
+            return
+        self._set_state(slot, SlotState.STARTING, f"pid {slot.process.pid}")
+        gen, proc = slot.gen, slot.process
+        self._spawn(slot, self._watch_exit(slot, gen, proc), "exit")
+        self._spawn(slot, self._readiness(slot, gen), "ready")
+
+    def _on_stop(self, slot: Slot, cmd: _Stop) -> None:
+        if slot.state in (SlotState.STOPPED, SlotState.FAILED, SlotState.BACKOFF):
+            self._cancel_tasks(slot)
+            if cmd.after == "restart":
+                slot.state = SlotState.STOPPED
+                self.launch(slot.id)
+            elif cmd.after == "remove":
+                self._remove(slot)
+            else:
+                self._set_state(slot, SlotState.STOPPED, cmd.reason)
+            return
+        if slot.state in (SlotState.DRAINING, SlotState.STOPPING):
+            if cmd.after in ("remove", "stop") or slot.after == "backoff":
+                slot.after = cmd.after  # a stronger intent wins; a pending restart stays a restart
+            if not cmd.drain and slot.state is SlotState.DRAINING:
+                self._begin_stopping(slot)
+            return
+        slot.after, slot.drain = cmd.after, cmd.drain
+        if cmd.after == "restart":
+            slot.restarts += 1
+            self.metrics.restarts.labels(slot.id, slot.model.name, cmd.reason).inc()
+        slot.replica.draining = True
+        self.replicas.breaker_changed()  # wake waiters: routability changed
+        self._set_state(slot, SlotState.DRAINING, cmd.reason)
+        self._spawn(slot, self._drain(slot, slot.gen, cmd.drain), "drain")
+
+    async def _on_outcome(self, slot: Slot, cmd: _Outcome) -> None:
+        if cmd.kind == "ready" and slot.state is SlotState.STARTING:
+            slot.attempts, slot.last_error, slot.ready_at = 0, None, time.monotonic()
+            self.metrics.startup.labels(slot.model.name).observe(slot.ready_at - slot.started_at)
+            self.replicas.set_health(slot.replica, True)
+            self.replicas.set_warm(slot.replica, True)
+            self._set_state(slot, SlotState.READY, cmd.detail)
+            self._spawn(slot, self._liveness(slot, slot.gen), "live")
+        elif cmd.kind in ("start_failed", "hung") and slot.state in (SlotState.STARTING, SlotState.READY):
+            self._failure(slot, "startup" if cmd.kind == "start_failed" else "hung", cmd.detail)
+            self._begin_stopping(slot, kill=True)
+        elif cmd.kind == "drained" and slot.state is SlotState.DRAINING:
+            self._begin_stopping(slot)
+        elif cmd.kind == "exited":
+            if slot.state in (SlotState.STARTING, SlotState.READY):
+                self._failure(slot, "crash", cmd.detail)
+            self._cancel_tasks(slot)
+            self._out_of_routing(slot)
+            slot.process = None
+            self._after_exit(slot)
+
+    def _failure(self, slot: Slot, reason: str, detail: str) -> None:
+        """Record an unplanned failure; the caller stops the process, `_after_exit` decides backoff or failed."""
+        now = time.monotonic()
+        self._out_of_routing(slot)
+        slot.last_error = f"{reason}: {detail}"
+        slot.after = "backoff"
+        slot.attempts += 1
+        slot.failures.append(now)
+        window = slot.model.restart.crash_loop_window_s
+        while slot.failures and now - slot.failures[0] > window:
+            slot.failures.popleft()
+        self.metrics.restarts.labels(slot.id, slot.model.name, reason).inc()
+        log.warning("replica %s failed (%s): %s", slot.id, reason, detail)
+
+    def _begin_stopping(self, slot: Slot, *, kill: bool = False) -> None:
+        self._out_of_routing(slot)
+        self._set_state(slot, SlotState.STOPPING)
+        proc = slot.process
+        if proc is None:
+            self._after_exit(slot)
+        elif kill:
+            proc.kill()
+        else:
+            self._spawn(slot, self._stop_process(proc, slot.model.stop_timeout_s), "stop")
+
+    def _after_exit(self, slot: Slot) -> None:
+        slot.replica.draining = False
+        if slot.after == "backoff":
+            limit = slot.model.restart.crash_loop_limit
+            if len(slot.failures) >= limit:
+                self.metrics.crash_loops.labels(slot.id, slot.model.name).inc()
+                log.error(
+                    "replica %s is crash-looping (%d failures in %.0f s); not restarting it: %s",
+                    slot.id,
+                    len(slot.failures),
+                    slot.model.restart.crash_loop_window_s,
+                    slot.last_error,
+                )
+                self._set_state(slot, SlotState.FAILED, f"crash loop: {slot.last_error}")
+                return
+            r = slot.model.restart
+            delay = min(r.backoff_base_s * 2 ** (slot.attempts - 1), r.backoff_max_s)
+            self._set_state(slot, SlotState.BACKOFF, f"restart in {delay:.1f} s after {slot.last_error}")
+            slot.restarts += 1
+            self._spawn(slot, self._timer(slot, slot.gen, delay), "backoff")
+        elif slot.after == "restart":
+            self._set_state(slot, SlotState.STOPPED, "restarting")
+            self.launch(slot.id)
+        elif slot.after == "remove":
+            self._remove(slot)
+        else:
+            self._set_state(slot, SlotState.STOPPED)
+
+    def _remove(self, slot: Slot) -> None:
+        self._cancel_tasks(slot)
+        self.slots.pop(slot.id, None)
+        self._set_state(slot, SlotState.REMOVED)
+        self.metrics.forget(slot)
+        task = asyncio.create_task(self.replicas.remove(slot.id), name=f"remove:{slot.id}")
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    # --- helper tasks (they only wait, then enqueue) ------------------------------------------------------------
+    def _post(
+        self,
+        slot: Slot,
+        gen: int,
+        kind: Literal["ready", "start_failed", "hung", "drained", "exited"],
+        detail: str = "",
+    ) -> None:
+        self._queue.put_nowait(_Outcome(slot.id, gen, kind, detail))
+
+    async def _watch_exit(self, slot: Slot, gen: int, proc: EngineProcess) -> None:
+        rc = await proc.wait()
+        self._post(slot, gen, "exited", f"exit status {rc}")
+
+    async def _timer(self, slot: Slot, gen: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._queue.put_nowait(_Launch(slot.id, gen))
+
+    async def _stop_process(self, proc: EngineProcess, timeout_s: float) -> None:
+        await proc.stop(timeout_s)  # the exit watcher reports the exit
+
+    async def _drain(self, slot: Slot, gen: int, drain: bool) -> None:
+        if drain:
+            await slot.replica.wait_idle(slot.model.drain_grace_s)
+        self._post(slot, gen, "drained")
+
+    async def _get_ok(self, url: str, timeout_s: float) -> bool:
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _warm_up(self, slot: Slot, timeout_s: float) -> str | None:
+        """One real completion; None on success, else why it failed."""
+        m = slot.model
+        body = {"model": m.name, "prompt": m.warmup_prompt, "max_tokens": m.warmup_max_tokens, "temperature": 0}
+        try:
+            async with self.session.post(
+                f"{slot.replica.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status == 200 and isinstance(data, dict) and data.get("choices"):
+                    return None
+                return f"warm-up answered HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return f"warm-up failed: {exc!r}"
+
+    async def _readiness(self, slot: Slot, gen: int) -> None:
+        deadline = slot.started_at + slot.model.startup_deadline_s
+        probe_timeout = slot.model.liveness.timeout_s
+        why = "no /health answer"
+        while (left := deadline - time.monotonic()) > 0:
+            if await self._get_ok(f"{slot.replica.url}/health", min(probe_timeout, left)):
+                left = deadline - time.monotonic()
+                error = await self._warm_up(slot, max(0.1, left))
+                if error is None:
+                    self._post(slot, gen, "ready", f"{time.monotonic() - slot.started_at:.1f} s after launch")
+                    return
+                why = error
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        self._post(slot, gen, "start_failed", f"not ready within {slot.model.startup_deadline_s:.0f} s ({why})")
+
+    async def _liveness(self, slot: Slot, gen: int) -> None:
+        cfg = slot.model.liveness
+        failed = 0
+        while True:
+            await asyncio.sleep(cfg.interval_s)
+            if await self._get_ok(f"{slot.replica.url}/health", cfg.timeout_s):
+                failed = 0
+                continue
+            failed += 1
+            self.replicas.set_health(slot.replica, False)  # out of routing at once
+            if failed >= cfg.failures:
+                self._post(slot, gen, "hung", f"{failed} liveness probes failed")
+                return

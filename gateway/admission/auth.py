@@ -1,0 +1,67 @@
+"""Who is calling: `Authorization: Bearer <key>` -> tenant, and the admin bearer check.
+
+Keys are stored as sha256 digests; the presented key is hashed and looked up by digest (O(1)), so the time taken
+never depends on how much of a stored clear key matched (there is none to match). The admin key is compared with
+`hmac.compare_digest`. When auth is off every request belongs to the anonymous tenant; with auth on, the tenant
+comes only from the key (no client header can choose it).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gateway.admission.config import AdmissionConfig, hash_key
+from gateway.errors import Unauthorized
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    tenant: str
+    priority: int  # rank of the request's priority class (0 = highest)
+    priority_name: str
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("Authorization", "")
+    scheme, _, token = value.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+class Authenticator:
+    def __init__(self, config: AdmissionConfig) -> None:
+        self.config = config
+        self._by_hash = {k: name for name, tenant in config.tenants.items() for k in tenant.keys}
+        self._ranks = {name: i for i, name in enumerate(config.priority_classes)}
+
+    def identify(self, headers: Mapping[str, str]) -> Identity:
+        """The caller's tenant and priority class; raises Unauthorized (401) when auth is on and the key is bad."""
+        if not self.config.auth:
+            tenant = self.config.anonymous_tenant
+        else:
+            token = bearer(headers)
+            if token is None:
+                raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+            digest = hash_key(token)
+            found = self._by_hash.get(digest)  # keyed by digest: timing reveals nothing about the clear key
+            if found is None:
+                raise Unauthorized("incorrect API key provided")
+            tenant = found
+        return self._priority(tenant, headers.get("x-kvgate-priority"))
+
+    def _priority(self, tenant: str, requested: str | None) -> Identity:
+        """The request may ask for a class at or below its tenant's ceiling; a higher or unknown one is clamped."""
+        classes = self.config.priority_classes
+        ceiling = self._ranks.get(self.config.tenant(tenant).priority or classes[0], 0)
+        rank = self._ranks.get(requested, ceiling) if requested else ceiling
+        rank = max(rank, ceiling)
+        return Identity(tenant, rank, classes[rank])
+
+
+def check_admin(headers: Mapping[str, str], admin_key: str | None) -> None:
+    """Raise Unauthorized unless the bearer equals the configured admin key (constant-time); off when unset."""
+    token = bearer(headers)
+    if admin_key is None or token is None or not hmac.compare_digest(token.encode(), admin_key.encode()):
+        raise Unauthorized("admin endpoint: missing or incorrect admin key", code="invalid_admin_key")

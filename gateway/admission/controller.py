@@ -1,0 +1,355 @@
+"""The admission controller: the one object `_completion` calls, per request, around `proxy.forward`.
+
+Per request: identify the tenant (401) -> quota check in the store (429, or 503 when the store is down and the
+policy is fail-closed) -> capacity gate: pass at once when nothing of the model is queued and a slot is free,
+otherwise wait in the model's fair queue (503 at once when the queue is full or no replica is ready, 503 after
+`max_wait_s`) -> forward -> release the slot (which dispatches the next queued request) and reconcile tokens.
+
+Capacity of a model = sum of `max_concurrency` over its routable, unsaturated replicas (unbounded if one has no
+gate); a slot is free while the requests this controller admitted for the model are fewer than that and the router
+agrees (`has_capacity`). Counting admitted requests (not the replicas' in-flight counts) means a request granted but
+not yet sent still holds its slot, so a burst of releases never over-admits. Queued requests are dispatched on a
+release, on any replica-set change and every `queue.tick_s` (engine saturation changes without notice).
+A refusal costs one quota check and a few dict lookups: no engine is involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine_pool.replica import Replica
+from engine_pool.replica_set import ReplicaSet
+from gateway.admission.auth import Authenticator, Identity
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.queue import DrainRate, FairQueue, QueueEntry
+from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
+from gateway.context import RequestContext
+from gateway.errors import BadRequest, Overloaded, RateLimited
+from gateway.router import Router
+from policies.saturation import saturated
+
+log = logging.getLogger("kvgate.admission")
+
+SALT_PREFIX = "kvgate:"
+_UNBOUNDED = 1 << 30
+
+
+@dataclass(slots=True)
+class Ticket:
+    identity: Identity
+    model: str
+    prompt_estimate: int
+    lease: Lease | None
+    quota: QuotaResult
+    holds_slot: bool = False
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        replicas: ReplicaSet,
+        router: Router,
+        store: QuotaStore,
+        metrics: AdmissionMetrics,
+        *,
+        reload_source: Callable[[], AdmissionConfig] | None = None,
+    ) -> None:
+        self.config = config
+        self.auth = Authenticator(config)
+        self.replicas = replicas
+        self.router = router
+        self.store = store
+        self.metrics = metrics
+        self.reload_source = reload_source  # blocking loader (runs in a thread) for SIGHUP / empty admin reload
+        self._queues: dict[str, FairQueue] = {}  # per model; models come from the replica set (bounded)
+        self._active: dict[str, int] = {}  # model -> admitted requests holding a slot
+        self._tenant_active: dict[str, int] = {}
+        self._defaulted: set[str] = set()  # replicas whose gate this controller set
+        self.drain = DrainRate()
+        self._reload_wanted = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        replicas.add_listener(self)
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for replica in self.replicas:
+            self._apply_default_gate(replica)
+        self._tasks = [
+            asyncio.create_task(self._watch(), name="kvgate:admission-watch"),
+            asyncio.create_task(self._reload_loop(), name="kvgate:admission-reload"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for queue in self._queues.values():
+            while (entry := queue.pop()) is not None:
+                if not entry.future.done():
+                    entry.future.set_exception(Overloaded("gateway shutting down", code="shutting_down"))
+        await self.store.close()
+
+    # --- replica gates (ReplicaListener) ----------------------------------------------------------------------
+    def replica_up(self, replica: Replica) -> None:
+        self._apply_default_gate(replica)
+
+    def replica_down(self, replica: Replica) -> None:
+        return None
+
+    def replica_removed(self, replica: Replica) -> None:
+        self._defaulted.discard(replica.id)
+
+    def _apply_default_gate(self, replica: Replica) -> None:
+        if replica.max_concurrency is not None and replica.id not in self._defaulted:
+            return  # configured explicitly
+        gate = self.config.replica_max_concurrency
+        m, expected = replica.metrics, self.config.expected_context_tokens
+        if expected and m.num_blocks and m.block_size:
+            gate = max(1, m.num_blocks * m.block_size // expected)
+        if gate is not None:
+            replica.max_concurrency = gate
+            self._defaulted.add(replica.id)
+
+    # --- per request -------------------------------------------------------------------------------------------
+    def identify(self, headers: Mapping[str, str]) -> Identity:
+        return self.auth.identify(headers)
+
+    def apply_cache_salt(self, identity: Identity, body: dict[str, Any]) -> bool:
+        """Inject the tenant's cache_salt into the body (and so into prefix hashing); True when the body changed."""
+        client = body.get("cache_salt")
+        if isinstance(client, str) and client.startswith(SALT_PREFIX):
+            raise BadRequest(f"cache_salt values starting with {SALT_PREFIX!r} are reserved", param="cache_salt")
+        tenant = self.config.tenant(identity.tenant)
+        if not (tenant.cache_isolation or tenant.cache_salt):
+            return False
+        secret = (self.config.cache_salt_secret or "").encode()
+        salt = tenant.cache_salt or hmac.new(secret, identity.tenant.encode(), hashlib.sha256).hexdigest()[:32]
+        body["cache_salt"] = f"{SALT_PREFIX}{salt}" + (f":{client}" if isinstance(client, str) and client else "")
+        return True
+
+    @contextlib.asynccontextmanager
+    async def admission(
+        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext
+    ) -> AsyncIterator[Ticket]:
+        ticket = await self.admit(identity, model, prompt_tokens, ctx)
+        try:
+            yield ticket
+        finally:
+            await self.finish(ticket, ctx)
+
+    async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
+        tenant = identity.tenant
+        tenant_cfg = self.config.tenant(tenant)
+        quota = await self.store.check(tenant, tenant_cfg.limits, prompt_tokens, uuid.uuid4().hex)
+        ctx.extra_headers.update(quota.headers())
+        if not quota.allowed:
+            self.metrics.rejections.labels(tenant, quota.reason or "quota").inc()
+            if quota.reason == "store_unavailable":
+                raise Overloaded(
+                    "quota store unavailable", retry_after_s=quota.retry_after_s, code="quota_store_unavailable"
+                )
+            retry = str(max(1, round(quota.retry_after_s)))
+            raise RateLimited(
+                f"rate limit exceeded for tenant {tenant!r}: {quota.reason}",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": retry},
+            )
+        ticket = Ticket(identity, model, prompt_tokens, quota.lease, quota)
+        self._tenant_add(tenant, 1)
+        try:
+            if self.config.enabled:
+                await self._acquire_slot(identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx)
+                ticket.holds_slot = True
+        except BaseException:
+            await self._release_quota(ticket, ctx, failed=True)
+            raise
+        return ticket
+
+    async def finish(self, ticket: Ticket, ctx: RequestContext) -> None:
+        if ticket.holds_slot:
+            ticket.holds_slot = False
+            self._give_back(ticket.model)
+        await self._release_quota(ticket, ctx, failed=False)
+
+    async def _release_quota(self, ticket: Ticket, ctx: RequestContext, *, failed: bool) -> None:
+        tenant = ticket.identity.tenant
+        self._tenant_add(tenant, -1)
+        prompt = ctx.prompt_tokens if ctx.prompt_tokens is not None else (0 if failed else ticket.prompt_estimate)
+        cached, completion = ctx.cached_tokens or 0, ctx.completion_tokens or 0
+        for kind, value in (
+            ("prompt", ctx.prompt_tokens),
+            ("cached", ctx.cached_tokens),
+            ("completion", ctx.completion_tokens),
+        ):
+            if value:
+                self.metrics.tokens.labels(tenant, kind).inc(value)
+        if ticket.lease is not None:
+            weight = self.config.tenant(tenant).limits.cached_token_weight
+            cost = token_cost(prompt, cached, completion, weight)
+            await asyncio.shield(self.store.release(ticket.lease, cost))
+
+    def _tenant_add(self, tenant: str, delta: int) -> None:
+        value = self._tenant_active.get(tenant, 0) + delta
+        if value > 0:
+            self._tenant_active[tenant] = value
+        else:
+            self._tenant_active.pop(tenant, None)
+        self.metrics.concurrency.labels(tenant).set(max(0, value))
+
+    # --- capacity and queue ------------------------------------------------------------------------------------
+    def capacity(self, model: str) -> tuple[int, int]:
+        """(slots of routable unsaturated replicas, replicas ready) for the model."""
+        now, cap, ready = time.monotonic(), 0, 0
+        threshold = self.config.saturation_kv_usage
+        for r in self.replicas.for_model(model):
+            if not r.routable(now):
+                continue
+            ready += 1
+            if saturated(r.snapshot(now), threshold):
+                continue
+            cap += _UNBOUNDED if r.max_concurrency is None else r.max_concurrency
+        return cap, ready
+
+    def _has_slot(self, model: str) -> bool:
+        cap, _ = self.capacity(model)
+        return self._active.get(model, 0) < cap and self.router.has_capacity(model)
+
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def queued_for(self, tenant: str) -> int:
+        return sum(q.tenant_len(tenant) for q in self._queues.values())
+
+    async def _acquire_slot(
+        self, identity: Identity, weight: float, tenant_bound: int | None, model: str, ctx: RequestContext
+    ) -> None:
+        queue = self._queues.get(model)
+        if (queue is None or not len(queue)) and self._has_slot(model):
+            self._take(model)
+            return
+        qcfg, tenant = self.config.queue, identity.tenant
+        reason = None
+        if self.capacity(model)[1] == 0:
+            reason = "no_ready_replica"
+        elif self.queued() >= qcfg.max_queued:
+            reason = "queue_full"
+        elif self.queued_for(tenant) >= (qcfg.max_queued_per_tenant if tenant_bound is None else tenant_bound):
+            reason = "tenant_queue_full"
+        if reason is not None:
+            self.metrics.rejections.labels(tenant, reason).inc()
+            raise Overloaded(
+                f"no capacity for model {model!r} now ({reason})",
+                retry_after_s=self.drain.retry_after(self.queued()),
+                code=reason,
+            )
+        queue = self._queues.setdefault(model, FairQueue())
+        entry = queue.push(tenant, weight, identity.priority)
+        self.metrics.queued.set(self.queued())
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(qcfg.max_wait_s):
+                await entry.future
+        except BaseException as exc:
+            self._abandon(queue, entry, model)
+            if isinstance(exc, TimeoutError):
+                self.metrics.rejections.labels(tenant, "queue_timeout").inc()
+                raise Overloaded(
+                    f"waited {qcfg.max_wait_s:.0f} s for capacity on model {model!r}",
+                    retry_after_s=self.drain.retry_after(self.queued()),
+                    code="queue_timeout",
+                ) from None
+            raise
+        finally:
+            ctx.queue_wait_s = time.monotonic() - started
+            self.metrics.queued.set(self.queued())
+        self.metrics.queue_wait.labels(tenant).observe(ctx.queue_wait_s)
+
+    def _abandon(self, queue: FairQueue, entry: QueueEntry, model: str) -> None:
+        fut = entry.future
+        if entry.dead and fut.done() and not fut.cancelled() and fut.exception() is None:
+            self._give_back(model)  # granted as we gave up: pass the slot on
+        else:
+            queue.remove(entry)
+
+    def _take(self, model: str) -> None:
+        self._active[model] = self._active.get(model, 0) + 1
+        self.drain.record()
+
+    def _give_back(self, model: str) -> None:
+        left = self._active.get(model, 0) - 1
+        if left > 0:
+            self._active[model] = left
+        else:
+            self._active.pop(model, None)
+        self.pump(model)
+
+    def pump(self, model: str) -> int:
+        """Dispatch queued requests of the model while slots are free; returns how many were dispatched."""
+        queue = self._queues.get(model)
+        n = 0
+        while queue is not None and (entry := queue.peek()) is not None:
+            if entry.future.done():  # its waiter was cancelled and has not cleaned up yet
+                queue.pop()
+                continue
+            if not self._has_slot(model):
+                break
+            queue.pop()
+            self._take(model)
+            entry.future.set_result(None)
+            n += 1
+        if queue is not None and not len(queue):
+            del self._queues[model]
+        return n
+
+    async def _watch(self) -> None:
+        while True:
+            changed = self.replicas.changed  # captured before waiting: the set replaces it on every change
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.queue.tick_s):
+                    await changed.wait()
+            for model in list(self._queues):
+                self.pump(model)
+
+    # --- reload -------------------------------------------------------------------------------------------------
+    def reload(self, config: AdmissionConfig) -> None:
+        """Swap tenants, keys, limits and queue bounds; in-flight and queued requests keep their leases."""
+        if config.redis != self.config.redis:
+            log.warning("admission.redis changed: the quota store is only rebuilt on restart")
+        self.config = config
+        self.auth = Authenticator(config)
+        for replica in self.replicas:
+            if replica.id in self._defaulted:
+                self._apply_default_gate(replica)
+        log.info("admission config reloaded: %d tenants, auth %s", len(config.tenants), "on" if config.auth else "off")
+        for model in list(self._queues):
+            self.pump(model)
+
+    def request_reload(self) -> None:
+        """Signal-handler safe: only records the request; the reload task acts on it."""
+        self._reload_wanted.set()
+
+    async def _reload_loop(self) -> None:
+        while True:
+            await self._reload_wanted.wait()
+            self._reload_wanted.clear()
+            if self.reload_source is None:
+                log.warning("reload requested but the gateway was started without a config file")
+                continue
+            try:
+                config = await asyncio.to_thread(self.reload_source)
+            except ValueError as exc:  # ConfigError / ValidationError: keep the running config
+                log.error("config reload failed, keeping the running config: %s", exc)
+                continue
+            self.reload(config)

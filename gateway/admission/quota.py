@@ -1,0 +1,93 @@
+"""Per-tenant quotas: the `QuotaStore` contract both stores implement, and the OpenAI-style rate-limit headers.
+
+Windows are fixed per clock minute (requests, tokens) and per UTC day (daily token budget), so every gateway
+sharing a store agrees on them. A check atomically: drops expired concurrency leases, tests the concurrency,
+request, token and daily limits (in that order; the first one exceeded is the reason), and when all pass takes a
+concurrency lease, counts the request and charges the estimated tokens. `release` frees the lease and charges the
+difference between the real token cost and the estimate to the current windows (never below zero).
+Token cost = uncached prompt tokens + cached prompt tokens x `cached_token_weight` + completion tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.admission.config import LimitsConfig
+
+MINUTE_S = 60.0
+DAY_S = 86_400.0
+
+
+@dataclass(slots=True)
+class Lease:
+    """A granted request: its concurrency slot and the tokens charged for it so far."""
+
+    tenant: str
+    lease_id: str
+    charged_tokens: int
+    store: str  # "local" or "redis": which store holds the slot (Redis may fail over to local)
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaResult:
+    allowed: bool
+    reason: str | None = None  # concurrency | requests | tokens | daily_tokens | store_unavailable
+    retry_after_s: float = 0.0
+    lease: Lease | None = None
+    limit_requests: int | None = None
+    remaining_requests: int = 0
+    reset_requests_s: float = 0.0
+    limit_tokens: int | None = None
+    remaining_tokens: int = 0
+    reset_tokens_s: float = 0.0
+
+    def headers(self) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for the limits that are configured."""
+        out: dict[str, str] = {}
+        if self.limit_requests is not None:
+            out["x-ratelimit-limit-requests"] = str(self.limit_requests)
+            out["x-ratelimit-remaining-requests"] = str(max(0, self.remaining_requests))
+            out["x-ratelimit-reset-requests"] = format_reset(self.reset_requests_s)
+        if self.limit_tokens is not None:
+            out["x-ratelimit-limit-tokens"] = str(self.limit_tokens)
+            out["x-ratelimit-remaining-tokens"] = str(max(0, self.remaining_tokens))
+            out["x-ratelimit-reset-tokens"] = format_reset(self.reset_tokens_s)
+        return out
+
+
+class QuotaStore(Protocol):
+    name: str
+
+    async def check(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str) -> QuotaResult:
+        """Test every limit and, when all pass, take a lease and charge `tokens` (the estimate)."""
+        ...
+
+    async def release(self, lease: Lease, tokens: int) -> None:
+        """Free the lease; `tokens` is the real cost, the difference to the estimate is charged now."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def token_cost(prompt: int, cached: int, completion: int, cached_weight: float) -> int:
+    cached = min(max(0, cached), max(0, prompt))
+    return max(0, prompt - cached) + round(cached * cached_weight) + max(0, completion)
+
+
+def format_reset(seconds: float) -> str:
+    """OpenAI's duration format: '20ms', '1s', '6m0s', '1h2m3s'."""
+    if seconds < 1.0:
+        return f"{max(0, round(seconds * 1000))}ms"
+    total = round(seconds)
+    h, rem = divmod(total, 3600)
+    m, s = divmod(rem, 60)
+    if h:
+        return f"{h}h{m}m{s}s"
+    if m:
+        return f"{m}m{s}s"
+    return f"{s}s"
+
+
+def limit_or_zero(value: int | None) -> int:
+    return 0 if value is None else value

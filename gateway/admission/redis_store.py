@@ -1,0 +1,245 @@
+"""Quota store shared by several gateways through Redis: one Lua script per check and one per release.
+
+Keys (all under the `{tenant}` hash tag, so a tenant's keys share a cluster slot):
+  <prefix>:{t}:conc        sorted set lease_id -> expiry (ms, Redis clock); expired leases are dropped on check,
+                           live ones renewed every lease_s/3 by the gateway that holds them, so a crashed gateway's
+                           slots come back after at most lease_s
+  <prefix>:{t}:req:<min>   requests in the clock minute (expires after 2 min)
+  <prefix>:{t}:tok:<min>   tokens charged in the clock minute (expires after 2 min)
+  <prefix>:{t}:day:<day>   tokens charged in the UTC day (expires after 2 days)
+Times come from Redis' TIME, so gateways with skewed clocks still share one window.
+
+Failure policy: a command error or a command slower than `timeout_s` marks the store down (metric, one warning
+log) and starts a reconnect task (PING with exponential backoff from reconnect_min_s to reconnect_max_s). While
+down, checks never touch Redis: policy "open" answers from an in-process `LocalQuotaStore` (each gateway enforces
+the limits alone), "closed" refuses (503). Leases taken locally are released locally; releases of Redis leases
+that fail are dropped (the lease expires).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from gateway.admission.config import LimitsConfig, RedisConfig
+from gateway.admission.local import LocalQuotaStore
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.quota import Lease, QuotaResult, limit_or_zero
+
+log = logging.getLogger("kvgate.admission.redis")
+
+_CHECK = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
+local base = ARGV[1] .. ':{' .. ARGV[2] .. '}:'
+local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
+local max_conc, rpm, tpm, tpd = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local tokens, lease_ms = tonumber(ARGV[7]), tonumber(ARGV[9])
+redis.call('ZREMRANGEBYSCORE', ck, '-inf', now)
+local conc = redis.call('ZCARD', ck)
+local reqs = tonumber(redis.call('GET', rk) or '0')
+local toks = tonumber(redis.call('GET', tk) or '0')
+local dtoks = tonumber(redis.call('GET', dk) or '0')
+local to_min, to_day = 60000 - now % 60000, 86400000 - now % 86400000
+local reason, retry = '', 0
+if max_conc > 0 and conc >= max_conc then reason, retry = 'concurrency', 1000
+elseif rpm > 0 and reqs + 1 > rpm then reason, retry = 'requests', to_min
+elseif tpm > 0 and toks > 0 and toks + tokens > tpm then reason, retry = 'tokens', to_min
+elseif tpd > 0 and dtoks > 0 and dtoks + tokens > tpd then reason, retry = 'daily_tokens', to_day
+end
+if reason == '' then
+  redis.call('ZADD', ck, now + lease_ms, ARGV[8])
+  redis.call('PEXPIRE', ck, lease_ms * 2)
+  reqs = redis.call('INCR', rk)
+  redis.call('PEXPIRE', rk, 120000)
+  toks = redis.call('INCRBY', tk, tokens)
+  redis.call('PEXPIRE', tk, 120000)
+  redis.call('INCRBY', dk, tokens)
+  redis.call('PEXPIRE', dk, 172800000)
+end
+return {reason, retry, reqs, toks, to_min}
+"""
+
+_RELEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
+local base = ARGV[1] .. ':{' .. ARGV[2] .. '}:'
+redis.call('ZREM', base .. 'conc', ARGV[3])
+local delta = tonumber(ARGV[4])
+if delta ~= 0 then
+  for _, key in ipairs({base .. 'tok:' .. minute, base .. 'day:' .. day}) do
+    local ttl = (key == base .. 'tok:' .. minute) and 120000 or 172800000
+    if redis.call('INCRBY', key, delta) < 0 then redis.call('SET', key, 0) end
+    redis.call('PEXPIRE', key, ttl)
+  end
+end
+return 1
+"""
+
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease_ms = tonumber(ARGV[2])
+for i = 3, #ARGV, 2 do
+  local ck = ARGV[1] .. ':{' .. ARGV[i] .. '}:conc'
+  redis.call('ZADD', ck, 'XX', now + lease_ms, ARGV[i + 1])
+  redis.call('PEXPIRE', ck, lease_ms * 2)
+end
+return 1
+"""
+
+_ERRORS = (RedisError, OSError, TimeoutError)
+
+
+class RedisQuotaStore:
+    name = "redis"
+
+    def __init__(self, config: RedisConfig, metrics: AdmissionMetrics, *, max_tenants: int = 10_000) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.client: Any = aioredis.Redis.from_url(
+            config.url,
+            socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._check = self.client.register_script(_CHECK)
+        self._release = self.client.register_script(_RELEASE)
+        self._renew = self.client.register_script(_RENEW)
+        self.fallback = LocalQuotaStore(max_tenants=max_tenants)
+        self.up = True
+        self._leases: dict[str, str] = {}  # lease_id -> tenant, for renewal; bounded by requests in flight
+        self._reconnect: asyncio.Task[None] | None = None
+        self._renewer: asyncio.Task[None] | None = None
+        metrics.store_up.labels("redis").set(1)
+
+    def start(self) -> None:
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew_loop(), name="kvgate:redis-lease-renew")
+
+    async def check(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str) -> QuotaResult:
+        if self.up:
+            args: list[str | int] = [
+                self.config.key_prefix,
+                tenant,
+                limit_or_zero(limits.max_concurrency),
+                limit_or_zero(limits.requests_per_minute),
+                limit_or_zero(limits.tokens_per_minute),
+                limit_or_zero(limits.tokens_per_day),
+                tokens,
+                lease_id,
+                round(self.config.lease_s * 1000),
+            ]
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    raw = await self._check(args=args)
+            except _ERRORS as exc:
+                self._mark_down(exc)
+            else:
+                return self._result(tenant, limits, tokens, lease_id, raw)
+        if self.config.failure_policy == "closed":
+            self.metrics.store_fallbacks.labels("closed").inc()
+            return QuotaResult(allowed=False, reason="store_unavailable", retry_after_s=self.config.reconnect_max_s)
+        self.metrics.store_fallbacks.labels("open").inc()
+        return self.fallback.check_now(tenant, limits, tokens, lease_id)
+
+    def _result(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str, raw: list[Any]) -> QuotaResult:
+        reason_raw, retry_ms, reqs, toks, to_min_ms = raw
+        reason = reason_raw.decode() if isinstance(reason_raw, bytes) else str(reason_raw)
+        lease = None
+        if not reason:
+            lease = Lease(tenant, lease_id, tokens, self.name)
+            self._leases[lease_id] = tenant
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        return QuotaResult(
+            allowed=not reason,
+            reason=reason or None,
+            retry_after_s=int(retry_ms) / 1000,
+            lease=lease,
+            limit_requests=rpm,
+            remaining_requests=(rpm - int(reqs)) if rpm else 0,
+            reset_requests_s=int(to_min_ms) / 1000,
+            limit_tokens=tpm,
+            remaining_tokens=(tpm - int(toks)) if tpm else 0,
+            reset_tokens_s=int(to_min_ms) / 1000,
+        )
+
+    async def release(self, lease: Lease, tokens: int) -> None:
+        if lease.store != self.name:
+            self.fallback.release_now(lease, tokens)
+            return
+        self._leases.pop(lease.lease_id, None)
+        if not self.up:
+            return  # the lease expires by itself; the token difference is lost
+        args: list[str | int] = [self.config.key_prefix, lease.tenant, lease.lease_id, tokens - lease.charged_tokens]
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                await self._release(args=args)
+            lease.charged_tokens = tokens
+        except _ERRORS as exc:
+            self._mark_down(exc)
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if not self.up:
+            return
+        self.up = False
+        self.metrics.store_up.labels("redis").set(0)
+        self.metrics.store_transitions.labels("redis", "down").inc()
+        log.warning(
+            "quota store redis unreachable (%s: %s); policy fail-%s until it answers again",
+            type(exc).__name__,
+            exc,
+            self.config.failure_policy,
+        )
+        if self._reconnect is None or self._reconnect.done():
+            self._reconnect = asyncio.create_task(self._reconnect_loop(), name="kvgate:redis-reconnect")
+
+    async def _reconnect_loop(self) -> None:
+        delay = self.config.reconnect_min_s
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    await self.client.ping()
+            except _ERRORS:
+                delay = min(delay * 2, self.config.reconnect_max_s)
+                continue
+            self.up = True
+            self.metrics.store_up.labels("redis").set(1)
+            self.metrics.store_transitions.labels("redis", "up").inc()
+            log.warning("quota store redis is reachable again; shared limits resume")
+            return
+
+    async def _renew_loop(self) -> None:
+        period = self.config.lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            if not self.up or not self._leases:
+                continue
+            args: list[str | int] = [self.config.key_prefix, round(self.config.lease_s * 1000)]
+            for lease_id, tenant in self._leases.items():
+                args += [tenant, lease_id]
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    await self._renew(args=args)
+            except _ERRORS as exc:
+                self._mark_down(exc)
+
+    async def close(self) -> None:
+        for task in (self._reconnect, self._renewer):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.client.aclose()
+        await self.fallback.close()

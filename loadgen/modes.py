@@ -1,0 +1,280 @@
+"""The four modes behind `kvgate loadgen`: sweep, run, quality and compare (argument parsing is in `loadgen.cli`).
+
+sweep: one setting per concurrency (closed loop) or rate (Poisson), each with a fresh workload (seed + 1000 * i,
+so settings do not reuse each other's prompts unless `--same-prompts`), metrics scraped before and after each;
+then the knee rule and the recommended per-replica gate (`loadgen.stats`), optionally written to a config.
+run: one setting for N requests or a duration. quality: `loadgen.quality` checks. compare: side-by-side of result
+files. Every mode prints the table, and with `--out DIR` writes result.json, charts and report.html.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadgen import workloads as wl
+from loadgen.client import RequestSpec, Target, fetch_model
+from loadgen.gatecfg import GateConfigError, write_gate
+from loadgen.promscrape import prefix_cache_report, replica_load, scrape_all
+from loadgen.quality import run_quality
+from loadgen.report import Doc, format_compare, format_table, write_charts, write_html, write_json
+from loadgen.runner import Arrival, Progress, SettingResult, Tenant, WorkloadFactory, run_setting
+from loadgen.stats import KneeRule, SweepPoint, find_knee, recommend_gate, summarize, verdict
+from loadgen.text import TextMaker, make_text_maker
+
+FORMAT = "kvgate-loadgen/1"
+
+
+def build_factory(args: argparse.Namespace, maker: TextMaker) -> WorkloadFactory:
+    name = args.workload
+    records: list[wl.TraceRecord] = []
+    if name == "trace":
+        if not args.trace:
+            raise ValueError("--workload trace needs --trace FILE")
+        with open(args.trace) as fh:
+            records = wl.parse_mooncake_trace(fh)
+
+    def factory(seed: int) -> Iterator[RequestSpec]:
+        if name == "shared-prefix":
+            return wl.shared_prefix(
+                maker, seed=seed, groups=args.groups, prompts_per_group=args.prompts_per_group,
+                system_tokens=args.system_len, question_tokens=args.question_len, output_tokens=args.output_len,
+                popularity=args.popularity, zipf_s=args.zipf_s,
+            )  # fmt: skip
+        if name == "multi-round":
+            return wl.multi_round_chat(
+                maker, seed=seed, users=args.users, rounds=args.rounds, system_tokens=args.system_len,
+                question_tokens=args.question_len, answer_tokens=args.output_len, think_s=args.think_s,
+            )  # fmt: skip
+        if name == "agent":
+            return wl.agent_sessions(
+                maker, seed=seed, sessions=args.sessions, turns=args.turns, system_tokens=args.system_len,
+                task_tokens=args.question_len, tool_result_tokens=args.tool_result_len,
+                output_tokens=args.output_len, pause_s=args.pause_s,
+            )  # fmt: skip
+        if name == "random":
+            return wl.random_requests(
+                maker, seed=seed, num_requests=args.num_requests or 64, input_tokens=tuple(args.input_len),
+                output_tokens=tuple(args.random_output_len),
+            )  # fmt: skip
+        return wl.trace_replay(
+            maker, records, seed=seed, block_tokens=args.trace_block_tokens, time_scale=args.time_scale,
+            max_input_tokens=args.max_input_len, max_output_tokens=args.max_output_len,
+        )  # fmt: skip
+
+    factory(args.seed)  # validates the parameters now rather than mid-run
+    return factory
+
+
+def _target(args: argparse.Namespace, model: str) -> Target:
+    return Target(
+        base_url=args.url,
+        model=model,
+        endpoint=args.endpoint,
+        timeout_s=args.timeout,
+        ignore_eos=not args.no_ignore_eos,
+    )
+
+
+def _auth(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+async def _model(http: aiohttp.ClientSession, args: argparse.Namespace) -> str:
+    return str(args.model) if args.model else await fetch_model(http, args.url, _auth(args))
+
+
+def _tenants(args: argparse.Namespace) -> list[Tenant]:
+    return list(args.tenant or [])
+
+
+def _per_tenant(setting: SettingResult) -> dict[str, dict[str, Any]]:
+    groups: dict[str, list[Any]] = {}
+    for r in setting.results:
+        groups.setdefault(r.tenant or "-", []).append(r)
+    out = {}
+    for label, rs in sorted(groups.items()):
+        s = summarize(rs, setting.wall_s)
+        out[label] = {"requests": s.requests, "succeeded": s.succeeded, "ttft_p50_s": s.ttft_s["p50"],
+                      "output_tok_per_s": s.output_tok_per_s}  # fmt: skip
+    return out
+
+
+async def run_point(
+    http: aiohttp.ClientSession, target: Target, factory: WorkloadFactory, arrival: Arrival,
+    args: argparse.Namespace, seed: int, label: str,
+) -> dict[str, Any]:  # fmt: skip
+    """One setting, with metrics scraped before and after; returns the point's JSON."""
+    urls = list(args.metrics_url or [])
+    before = await scrape_all(http, urls) if urls else []
+    progress = Progress(args.progress or sys.stderr.isatty(), label)
+    setting = await run_setting(
+        http, target, factory, arrival, seed=seed, max_requests=args.num_requests,
+        duration_s=getattr(args, "duration", None), tenants=_tenants(args), api_key=args.api_key, progress=progress,
+    )  # fmt: skip
+    after = await scrape_all(http, urls) if urls else []
+    summary = summarize(setting.results, setting.wall_s)
+    return {
+        "load": arrival.load,
+        "arrival": arrival.mode,
+        "concurrency": arrival.concurrency if arrival.mode == "closed" else None,
+        "rate": arrival.rate if arrival.mode == "poisson" else None,
+        "seed": seed,
+        "started_at": setting.started_at,
+        "summary": summary.to_json(),
+        "verdict": None,
+        "replica_load": replica_load(r.replica for r in setting.results),
+        "tenants": _per_tenant(setting),
+        "prefix_cache": prefix_cache_report(before, after) if urls else None,
+        "requests": [r.to_json() for r in setting.results],
+    }
+
+
+def _new_doc(args: argparse.Namespace, mode: str, target: Target | None) -> Doc:
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "tenant", "func")}
+    return {
+        "format": FORMAT,
+        "mode": mode,
+        "label": args.label or mode,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "description": f"{mode} of workload {getattr(args, 'workload', '-')} against {getattr(args, 'url', '-')}",
+        "target": {"url": target.url, "model": target.model, "endpoint": target.endpoint} if target else None,
+        "tenants": [{"tenant": t.label, "weight": t.weight} for t in _tenants(args)],
+        "config": json.loads(json.dumps(config, default=str)),
+        "arrival": "closed",
+        "points": [],
+        "knee": None,
+        "recommendation": None,
+        "quality": None,
+    }
+
+
+def _finish(doc: Doc, args: argparse.Namespace) -> None:
+    print(format_table(doc))
+    if not args.out:
+        return
+    out = Path(args.out)
+    path = write_json(doc, out)
+    charts: list[Path] = []
+    if not args.no_charts and doc["points"]:
+        charts = write_charts([(doc["label"], doc)], out)
+    write_html([(doc["label"], doc)], charts, out / "report.html", f"kvgate loadgen {doc['mode']}: {doc['label']}")
+    print(f"wrote {path}, {out / 'report.html'}" + (f" and {len(charts)} charts" if charts else ""))
+
+
+def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None:
+    pts = [
+        SweepPoint(p["load"], p["summary"]["ttft_s"]["p50"] or 0.0, p["summary"]["output_tok_per_s"],
+                   p["summary"]["success_rate"], p["summary"]["e2e_s"]["mean"] or 0.0)
+        for p in doc["points"]
+    ]  # fmt: skip
+    rule = KneeRule(ttft_factor=args.knee_ttft_factor, min_gain=args.knee_min_gain, min_success=args.min_success)
+    knee = find_knee(pts, rule)
+    for p, sp in zip(doc["points"], pts, strict=True):
+        p["verdict"] = verdict(sp, knee, rule)
+    replicas_seen = {r for p in doc["points"] for r in p["replica_load"] if r != "-"}
+    replicas = args.replicas or max(1, len(replicas_seen))
+    gate = recommend_gate(knee, pts[knee.index], replicas=replicas, by_rate=by_rate)
+    unit = "req/s" if by_rate else "concurrency"
+    if knee.found:
+        text = (f"knee at {unit} {knee.load:g} ({knee.reason} at {knee.saturated_at:g}); recommended "
+                f"admission.replica_max_concurrency: {gate} for {replicas} replica(s)")  # fmt: skip
+    else:
+        text = f"no knee up to {unit} {knee.load:g}: the gate is at least {gate} per replica (sweep higher)"
+    doc["knee"] = knee.to_json()
+    doc["recommendation"] = {"replica_max_concurrency": gate, "replicas": replicas, "found": knee.found, "text": text}
+    return gate if knee.found else None
+
+
+async def sweep(args: argparse.Namespace) -> int:
+    maker = make_text_maker(args.tokenizer)
+    factory = build_factory(args, maker)
+    by_rate = bool(args.rates)
+    loads = args.rates or args.concurrencies
+    async with aiohttp.ClientSession() as http:
+        target = _target(args, await _model(http, args))
+        doc = _new_doc(args, "sweep", target)
+        doc["arrival"] = "poisson" if by_rate else "closed"
+        for i, load in enumerate(sorted(loads)):
+            arrival = Arrival("poisson", rate=load) if by_rate else Arrival("closed", concurrency=int(load))
+            seed = args.seed if args.same_prompts else args.seed + 1000 * i
+            doc["points"].append(await run_point(http, target, factory, arrival, args, seed, f"{load:g}"))
+    gate = _apply_knee(doc, args, by_rate)
+    _finish(doc, args)
+    if args.write_gate:
+        if gate is None:
+            print(f"no knee found: {args.write_gate} left unchanged", file=sys.stderr)
+        else:
+            try:
+                write_gate(args.write_gate, gate)
+            except (GateConfigError, OSError) as exc:
+                print(f"cannot write the gate: {exc}", file=sys.stderr)
+                return 1
+            print(f"set admission.replica_max_concurrency: {gate} in {args.write_gate}")
+    return 1 if all(p["summary"]["succeeded"] == 0 for p in doc["points"]) else 0
+
+
+async def run(args: argparse.Namespace) -> int:
+    maker = make_text_maker(args.tokenizer)
+    factory = build_factory(args, maker)
+    if args.rate:
+        arrival = Arrival("poisson", rate=args.rate, max_inflight=args.max_inflight)
+    elif args.trace_arrival:
+        arrival = Arrival("trace", max_inflight=args.max_inflight)
+    else:
+        arrival = Arrival("closed", concurrency=args.concurrency)
+    async with aiohttp.ClientSession() as http:
+        target = _target(args, await _model(http, args))
+        doc = _new_doc(args, "run", target)
+        doc["arrival"] = arrival.mode
+        doc["points"].append(await run_point(http, target, factory, arrival, args, args.seed, "run"))
+    _finish(doc, args)
+    return 1 if doc["points"][0]["summary"]["succeeded"] == 0 else 0
+
+
+async def quality(args: argparse.Namespace) -> int:
+    maker = make_text_maker(args.tokenizer)
+    async with aiohttp.ClientSession() as http:
+        target = _target(args, await _model(http, args))
+        checks = await run_quality(
+            http, target, maker, headers=_auth(args), long_input_tokens=args.long_input,
+            long_output_tokens=args.long_output, identical=args.identical, seed=args.seed,
+        )  # fmt: skip
+    doc = _new_doc(args, "quality", target)
+    doc["quality"] = [c.to_json() for c in checks]
+    for c in checks:
+        print(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<20} {c.detail}")
+    if args.out:
+        out = Path(args.out)
+        write_json(doc, out)
+        write_html([(doc["label"], doc)], [], out / "report.html", "kvgate loadgen quality")
+    return 0 if all(c.passed for c in checks) else 1
+
+
+def compare(args: argparse.Namespace) -> int:
+    docs: list[tuple[str, Doc]] = []
+    labels = list(args.labels or [])
+    for i, name in enumerate(args.files):
+        try:
+            doc = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"cannot read {name}: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            print(f"{name} is not a kvgate loadgen result", file=sys.stderr)
+            return 2
+        docs.append((labels[i] if i < len(labels) else str(doc.get("label") or Path(name).parent.name), doc))
+    print(format_compare(docs))
+    if args.out:
+        out = Path(args.out)
+        charts = [] if args.no_charts else write_charts(docs, out, prefix="compare_")
+        write_html(docs, charts, out / "compare.html", "kvgate loadgen comparison")
+        print(f"wrote {out / 'compare.html'}")
+    return 0

@@ -1,0 +1,220 @@
+"""Output of a run: the terminal table, `result.json`, PNG charts and a self-contained HTML report.
+
+A result document (`doc`, the JSON written to DIR/result.json) has `points`: one per setting with `load`,
+`summary` (see `loadgen.stats.Summary`), `verdict`, `replica_load`, `tenants`, `prefix_cache` and per-request
+`requests` rows; a sweep adds `knee` and `recommendation`, a quality run `quality`. Charts use matplotlib's
+object API (`Figure` + Agg canvas, imported on first use, no pyplot state): throughput and TTFT p50/p99 against
+load with the knee marked, and TTFT / e2e latency CDFs. The HTML embeds the PNGs as base64 data URIs.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Doc = dict[str, Any]
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _load_name(doc: Doc) -> str:
+    return "rate" if doc.get("arrival") == "poisson" else "conc"
+
+
+def table_rows(doc: Doc) -> tuple[list[str], list[list[str]]]:
+    knee = (doc.get("knee") or {}).get("load")
+    head = [_load_name(doc), "out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "e2e p50", "e2e p99",
+            "ok", "cached", "hit rate", "verdict"]  # fmt: skip
+    rows = []
+    for p in doc.get("points", []):
+        s = p["summary"]
+        hit = (p.get("prefix_cache") or {}).get("hit_rate")
+        mark = "*" if knee is not None and p["load"] == knee else ""
+        rows.append(
+            [
+                f"{p['load']:g}{mark}",
+                f"{s['output_tok_per_s']:.1f}",
+                f"{s['req_per_s']:.2f}",
+                _ms(s["ttft_s"]["p50"]),
+                _ms(s["ttft_s"]["p99"]),
+                _ms(s["tpot_s"]["p50"]),
+                _ms(s["e2e_s"]["p50"]),
+                _ms(s["e2e_s"]["p99"]),
+                f"{s['success_rate'] * 100:.1f}%",
+                f"{s['cached_fraction'] * 100:.0f}%",
+                "-" if hit is None else f"{hit * 100:.0f}%",
+                p.get("verdict") or "",
+            ]
+        )
+    return head, rows
+
+
+def _render(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) if rows else len(head[i]) for i in range(len(head))]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(out)
+
+
+def format_table(doc: Doc) -> str:
+    """Compact terminal table (latencies in ms); the knee row is marked * and the recommendation follows."""
+    text = _render(*table_rows(doc))
+    rec = doc.get("recommendation")
+    if rec:
+        text += f"\n{rec['text']}"
+    return text
+
+
+def format_compare(docs: Sequence[tuple[str, Doc]]) -> str:
+    """Side by side: one row per load, per document output tok/s, TTFT p50 (ms) and prefix hit rate."""
+    loads = sorted({p["load"] for _, d in docs for p in d.get("points", [])})
+    head = ["load"]
+    for label, _ in docs:
+        head += [f"{label} tok/s", f"{label} TTFT", f"{label} hit"]
+    rows = []
+    for load in loads:
+        row = [f"{load:g}"]
+        for _, d in docs:
+            p = next((x for x in d.get("points", []) if x["load"] == load), None)
+            if p is None:
+                row += ["-", "-", "-"]
+                continue
+            hit = (p.get("prefix_cache") or {}).get("hit_rate")
+            hit = hit if hit is not None else p["summary"]["cached_fraction"]
+            row += [f"{p['summary']['output_tok_per_s']:.1f}", _ms(p["summary"]["ttft_s"]["p50"]), f"{hit * 100:.0f}%"]
+        rows.append(row)
+    return _render(head, rows)
+
+
+def write_json(doc: Doc, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "result.json"
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    return path
+
+
+def _new_figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _cdf(ax: Any, values: list[float], label: str) -> None:
+    if not values:
+        return
+    v = sorted(values)
+    ax.plot([x * 1e3 for x in v], [(i + 1) / len(v) for i in range(len(v))], label=label)
+
+
+def _series(doc: Doc, dist: str, key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for p in doc.get("points", []):
+        y = p["summary"][dist][key]
+        if y is not None:
+            xs.append(p["load"])
+            ys.append(y * 1e3)
+    return xs, ys
+
+
+def plot_load_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
+    fig = _new_figure(11, 4.2)
+    ax1, ax2 = fig.subplots(1, 2)
+    for label, d in docs:
+        pts = d.get("points", [])
+        ax1.plot([p["load"] for p in pts], [p["summary"]["output_tok_per_s"] for p in pts], "o-", label=label)
+        ax2.plot(*_series(d, "ttft_s", "p50"), "o-", label=f"{label} p50")
+        ax2.plot(*_series(d, "ttft_s", "p99"), "x--", label=f"{label} p99")
+        knee = (d.get("knee") or {}).get("load")
+        if knee is not None:
+            for ax in (ax1, ax2):
+                ax.axvline(knee, color="red", linestyle=":", linewidth=1)
+            ax1.annotate(f"knee {knee:g}", (knee, 0), xycoords=("data", "axes fraction"), textcoords="offset points",
+                         xytext=(4, 6), color="red")  # fmt: skip
+    xlabel = "request rate (req/s)" if docs and _load_name(docs[0][1]) == "rate" else "concurrency"
+    ax1.set(xlabel=xlabel, ylabel="output tokens / s", title="Throughput")
+    ax2.set(xlabel=xlabel, ylabel="TTFT (ms)", title="Time to first token")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_cdf_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
+    """One line per point for one document; for several, each document's point at the highest common load."""
+    fig = _new_figure(11, 4.2)
+    ax1, ax2 = fig.subplots(1, 2)
+    lines: list[tuple[str, dict[str, Any]]] = []
+    if len(docs) == 1:
+        lines = [(f"{_load_name(docs[0][1])} {p['load']:g}", p) for p in docs[0][1].get("points", [])][:10]
+    else:
+        common = set.intersection(*({p["load"] for p in d.get("points", [])} for _, d in docs)) if docs else set()
+        for label, d in docs:
+            pts = d.get("points", [])
+            if not pts:
+                continue
+            pick = max(common) if common else pts[-1]["load"]
+            lines.append((f"{label} @ {pick:g}", next(p for p in pts if p["load"] == pick) if common else pts[-1]))
+    for name, p in lines:
+        ok = [r for r in p.get("requests", []) if r["ok"]]
+        _cdf(ax1, [r["ttft_s"] for r in ok if r["ttft_s"] is not None], name)
+        _cdf(ax2, [r["e2e_s"] for r in ok], name)
+    ax1.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
+    ax2.set(xlabel="end-to-end latency (ms)", ylabel="fraction of requests", title="Latency CDF")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        if lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_charts(docs: Sequence[tuple[str, Doc]], out_dir: Path, prefix: str = "") -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        plot_load_chart(docs, out_dir / f"{prefix}throughput_ttft.png"),
+        plot_cdf_chart(docs, out_dir / f"{prefix}latency_cdf.png"),
+    ]
+
+
+def _html_table(head: list[str], rows: list[list[str]]) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{trs}</table>"
+
+
+def write_html(docs: Sequence[tuple[str, Doc]], charts: Sequence[Path], path: Path, title: str) -> Path:
+    """A self-contained page: per-document tables, knee and recommendation, quality checks, embedded charts."""
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+    ]
+    for label, d in docs:
+        parts.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(d.get('description', ''))}</p>")
+        parts.append(_html_table(*table_rows(d)))
+        if d.get("knee"):
+            parts.append(f"<p>Knee: {html.escape(d['knee']['reason'])}</p>")
+        if d.get("recommendation"):
+            parts.append(f"<p><b>{html.escape(d['recommendation']['text'])}</b></p>")
+        if d.get("quality"):
+            rows = [[c["name"], "pass" if c["passed"] else "FAIL", c["detail"]] for c in d["quality"]]
+            parts.append(_html_table(["check", "result", "detail"], rows))
+    for chart in charts:
+        data = base64.b64encode(chart.read_bytes()).decode("ascii")
+        parts.append(f"<p><img alt='{html.escape(chart.stem)}' src='data:image/png;base64,{data}'></p>")
+    parts.append("</body></html>")
+    path.write_text("\n".join(parts))
+    return path

@@ -1,0 +1,203 @@
+"""Figures of a load-generator run: percentiles, per-setting summaries, the knee rule and the verdicts.
+
+Percentiles: linear interpolation between closest ranks (numpy's default "linear" method, Hyndman-Fan type 7):
+for sorted values v[0..n-1] and q in [0, 100], h = (n - 1) * q / 100, p = v[floor h] + (h - floor h) *
+(v[ceil h] - v[floor h]). Monotone in q, so p50 <= p90 <= p99 always. O(n log n) for the sort.
+
+Throughput = tokens of successful requests / wall time of the setting (first send to last completion).
+
+Knee rule (`find_knee`), over sweep points sorted by load x (concurrency or rate), each with TTFT p50 t, output
+throughput r and success rate s. The baseline b is the TTFT p50 of the lowest-load point. Point i (i >= 1) is
+*saturated* when
+    (a) t_i > ttft_factor * b  and  t_i - b > min_rise_s      (TTFT rose sharply: queueing, not noise), and
+    (b) r_i < (1 + min_gain) * r_{i-1}                        (throughput stopped rising),
+or when s_i < min_success (the endpoint fails requests). The knee is the point just before the first saturated
+point; when no point saturates the knee is the highest load tested and `found` is False (the sweep did not reach
+it). Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99. O(points).
+
+Verdicts (`verdict`), with ratio = t_i / b and the knee load k:
+    success < min_success         -> "failing"
+    x == k                        -> "sweet spot"   (most throughput before queueing)
+    x < k and ratio <= 1.5        -> "interactive"
+    x < k                         -> "production"
+    x > k and ratio <= 10         -> "queueing"
+    x > k                         -> "batch only"
+
+Recommended per-replica gate: floor(k / replicas), at least 1, for a concurrency sweep. For a rate sweep the knee
+concurrency comes from Little's law, L = rate * mean e2e latency at the knee (rounded up).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from loadgen.client import RequestResult
+
+PERCENTILES = (50.0, 90.0, 99.0)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0 <= q <= 100) of values by linear interpolation; NaN for no values."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    if not values:
+        return math.nan
+    v = sorted(values)
+    h = (len(v) - 1) * q / 100.0
+    lo = math.floor(h)
+    hi = math.ceil(h)
+    return v[lo] + (h - lo) * (v[hi] - v[lo])
+
+
+def distribution(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99, min, max of values (None when empty, so the JSON stays valid)."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "min": None, "max": None}
+    out: dict[str, float | None] = {"mean": sum(values) / len(values)}
+    for q in PERCENTILES:
+        out[f"p{q:g}"] = percentile(values, q)
+    out["min"] = min(values)
+    out["max"] = max(values)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Figures of one setting (one sweep point or one `run`)."""
+
+    requests: int
+    succeeded: int
+    failed: int
+    success_rate: float
+    wall_s: float
+    req_per_s: float
+    output_tok_per_s: float
+    input_tok_per_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cached_fraction: float  # cached / prompt tokens, from usage.prompt_tokens_details.cached_tokens
+    ttft_s: dict[str, float | None]
+    tpot_s: dict[str, float | None]
+    e2e_s: dict[str, float | None]
+    errors: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(results: Iterable[RequestResult], wall_s: float) -> Summary:
+    rs = list(results)
+    ok = [r for r in rs if r.ok]
+    errors: dict[str, int] = {}
+    for r in rs:
+        if not r.ok:
+            key = r.error_type or "unknown"
+            errors[key] = errors.get(key, 0) + 1
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    completion = sum(r.completion_tokens for r in ok)
+    wall = max(wall_s, 1e-9)
+    return Summary(
+        requests=len(rs),
+        succeeded=len(ok),
+        failed=len(rs) - len(ok),
+        success_rate=len(ok) / len(rs) if rs else 0.0,
+        wall_s=wall_s,
+        req_per_s=len(ok) / wall,
+        output_tok_per_s=completion / wall,
+        input_tok_per_s=prompt / wall,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        cached_fraction=cached / prompt if prompt else 0.0,
+        ttft_s=distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        tpot_s=distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
+        e2e_s=distribution([r.e2e_s for r in ok]),
+        errors=errors,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """What the knee rule reads of one sweep point."""
+
+    load: float  # concurrency or request rate
+    ttft_p50_s: float
+    output_tok_per_s: float
+    success_rate: float = 1.0
+    e2e_mean_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KneeRule:
+    ttft_factor: float = 3.0
+    min_rise_s: float = 0.005
+    min_gain: float = 0.10
+    min_success: float = 0.99
+
+
+@dataclass(frozen=True, slots=True)
+class Knee:
+    index: int  # index of the knee point in the sorted points
+    load: float
+    found: bool  # False: no point saturated, the knee is at least the highest load tested
+    baseline_ttft_s: float
+    saturated_at: float | None  # load of the first saturated point
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _saturated(prev: SweepPoint, cur: SweepPoint, base: float, rule: KneeRule) -> str | None:
+    if cur.success_rate < rule.min_success:
+        return f"success rate {cur.success_rate:.3f} < {rule.min_success}"
+    ttft_jump = cur.ttft_p50_s > rule.ttft_factor * base and cur.ttft_p50_s - base > rule.min_rise_s
+    flat = cur.output_tok_per_s < (1.0 + rule.min_gain) * prev.output_tok_per_s
+    if ttft_jump and flat:
+        return (
+            f"TTFT p50 {cur.ttft_p50_s * 1e3:.1f} ms > {rule.ttft_factor:g} x baseline {base * 1e3:.1f} ms "
+            f"while throughput {cur.output_tok_per_s:.1f} tok/s < {1 + rule.min_gain:.2f} x "
+            f"{prev.output_tok_per_s:.1f}"
+        )
+    return None
+
+
+def find_knee(points: Sequence[SweepPoint], rule: KneeRule | None = None) -> Knee:
+    """Apply the knee rule of the module header; points need not be sorted. Raises ValueError when empty."""
+    if not points:
+        raise ValueError("find_knee needs at least one sweep point")
+    rule = rule or KneeRule()
+    pts = sorted(points, key=lambda p: p.load)
+    base = pts[0].ttft_p50_s
+    if pts[0].success_rate < rule.min_success:
+        return Knee(0, pts[0].load, True, base, pts[0].load, "lowest load already fails requests")
+    for i in range(1, len(pts)):
+        why = _saturated(pts[i - 1], pts[i], base, rule)
+        if why is not None:
+            return Knee(i - 1, pts[i - 1].load, True, base, pts[i].load, why)
+    return Knee(len(pts) - 1, pts[-1].load, False, base, None, "no saturated point: sweep higher")
+
+
+def verdict(point: SweepPoint, knee: Knee, rule: KneeRule | None = None) -> str:
+    rule = rule or KneeRule()
+    if point.success_rate < rule.min_success:
+        return "failing"
+    ratio = point.ttft_p50_s / knee.baseline_ttft_s if knee.baseline_ttft_s > 0 else 1.0
+    if point.load == knee.load:
+        return "sweet spot"
+    if point.load < knee.load:
+        return "interactive" if ratio <= 1.5 else "production"
+    return "queueing" if ratio <= 10.0 else "batch only"
+
+
+def recommend_gate(knee: Knee, knee_point: SweepPoint, *, replicas: int, by_rate: bool) -> int:
+    """Per-replica concurrency gate from the knee (module header); at least 1."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    total = math.ceil(knee.load * knee_point.e2e_mean_s) if by_rate else int(knee.load)
+    return max(1, total // replicas)

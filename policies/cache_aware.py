@@ -1,0 +1,141 @@
+"""cache-aware: send a request where its prompt prefix is cached, unless waiting there costs more than recomputing.
+
+Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang's imbalance guard for sessions):
+1. Filter: ready, not draining, below `max_concurrency` (`policies.filters.routable`).
+2. Session: when the request's session is bound to a candidate (`view.session_replica`) and that replica is not
+   overloaded relative to the least-loaded candidate (load - min_load > `session_max_gap` AND
+   load > `session_max_ratio` x min_load, SGLang's rule), it gets the request: reason `session`.
+3. Cost, in prompt-token equivalents, per candidate r (lower is better):
+       cost(r) = prefill_token_cost  * uncached_tokens(r)
+               + queued_request_cost * load(r)
+               + kv_pressure_cost    * max(0, kv_usage(r) - kv_usage_threshold) / (1 - kv_usage_threshold)
+   where uncached_tokens = prompt_tokens - overlap(r) x block_size (overlap = leading prompt blocks believed
+   cached there, `view.overlap`) and load = max(gateway in-flight, engine running + waiting).
+   A cached prefix is worth `prefill_token_cost x cached tokens`; one queued request costs `queued_request_cost`.
+   So a hot prefix keeps going to the replica that holds it until that replica's queue is longer than the others'
+   by (cached tokens x prefill_token_cost / queued_request_cost); then the next request goes elsewhere, that
+   replica caches the prefix too (the gateway records the routed blocks), and the two share the prefix from then on.
+4. Pick: the minimum cost; ties by larger overlap, then (in_flight, waiting, running), then rotate with
+   `view.seq` among fully tied candidates (deterministic, no hidden state).
+
+Reason labels:
+- `session`: the session's bound replica (step 2).
+- `cold-least-load`: no candidate holds any block of the prompt; the cost reduces to load (+ KV pressure).
+- `cache-hit`: the chosen replica holds the longest cached prefix among the candidates.
+- `spread-hot-prefix`: some candidate holds a longer prefix but is loaded enough that another one is cheaper.
+
+Scores in the decision: per candidate `(1 + min_cost) / (1 + cost)`, in (0, 1], 1 for the cheapest.
+
+Parameters (all optional; an unknown name or a bad value raises ValueError):
+  prefill_token_cost   float > 0   default 1.0
+  queued_request_cost  float >= 0  default 256.0   (token equivalents per outstanding request)
+  kv_usage_threshold   0 <= x < 1  default 0.9     (KV usage above which a replica is penalised)
+  kv_pressure_cost     float >= 0  default 2048.0  (penalty at 100% KV usage)
+  session_max_gap      int >= 0    default 8
+  session_max_ratio    float >= 1  default 1.5
+
+Complexity: O(n log n) for n candidates (the id sort that makes results independent of snapshot order); the
+overlap itself is computed by the gateway's index in O(prompt blocks) per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from policies.base import Decision, NoCandidate, ReplicaState, RoutingView
+from policies.filters import routable
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAwareParams:
+    prefill_token_cost: float = 1.0
+    queued_request_cost: float = 256.0
+    kv_usage_threshold: float = 0.9
+    kv_pressure_cost: float = 2048.0
+    session_max_gap: int = 8
+    session_max_ratio: float = 1.5
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any]) -> CacheAwareParams:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"cache-aware: unknown parameter(s) {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in params.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"cache-aware: {name} must be a number, got {value!r}")
+            if name == "session_max_gap":
+                if value != int(value):
+                    raise ValueError(f"cache-aware: session_max_gap must be an integer, got {value!r}")
+                value = int(value)
+            values[name] = value
+        p = cls(**values)
+        checks = (
+            (p.prefill_token_cost > 0, "prefill_token_cost must be > 0"),
+            (p.queued_request_cost >= 0, "queued_request_cost must be >= 0"),
+            (0 <= p.kv_usage_threshold < 1, "kv_usage_threshold must be in [0, 1)"),
+            (p.kv_pressure_cost >= 0, "kv_pressure_cost must be >= 0"),
+            (p.session_max_gap >= 0, "session_max_gap must be >= 0"),
+            (p.session_max_ratio >= 1, "session_max_ratio must be >= 1"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"cache-aware: {message}")
+        return p
+
+
+def _load_key(r: ReplicaState) -> tuple[int, int, int]:
+    return (r.in_flight, r.waiting, r.running)
+
+
+class CacheAware:
+    name = "cache-aware"
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        self.params = CacheAwareParams.parse(params or {})
+
+    def cost(self, view: RoutingView, r: ReplicaState) -> float:
+        p = self.params
+        req = view.request
+        cached = min(view.overlap.get(r.id, 0) * req.block_size, req.prompt_tokens)
+        pressure = max(0.0, r.kv_usage - p.kv_usage_threshold) / (1.0 - p.kv_usage_threshold)
+        return (
+            p.prefill_token_cost * (req.prompt_tokens - cached)
+            + p.queued_request_cost * r.load
+            + p.kv_pressure_cost * min(pressure, 1.0)
+        )
+
+    def _session_overloaded(self, bound: ReplicaState, candidates: list[ReplicaState]) -> bool:
+        min_load = min(r.load for r in candidates)
+        p = self.params
+        return bound.load - min_load > p.session_max_gap and bound.load > p.session_max_ratio * min_load
+
+    def decide(self, view: RoutingView) -> Decision:
+        candidates = sorted(routable(view.replicas), key=lambda r: r.id)
+        if not candidates:
+            raise NoCandidate()
+        costs = {r.id: self.cost(view, r) for r in candidates}
+        min_cost = min(costs.values())
+        scores = {rid: (1.0 + min_cost) / (1.0 + c) for rid, c in costs.items()}
+
+        if view.session_replica is not None:
+            bound = next((r for r in candidates if r.id == view.session_replica), None)
+            if bound is not None and not self._session_overloaded(bound, candidates):
+                return Decision(bound.id, "session", scores)
+
+        overlap = {r.id: view.overlap.get(r.id, 0) for r in candidates}
+        best_key = min((costs[r.id], -overlap[r.id], _load_key(r)) for r in candidates)
+        tied = [r for r in candidates if (costs[r.id], -overlap[r.id], _load_key(r)) == best_key]
+        chosen = tied[view.seq % len(tied)]
+
+        max_overlap = max(overlap.values())
+        if max_overlap == 0 or view.request.block_size == 0:
+            reason = "cold-least-load"
+        elif overlap[chosen.id] >= max_overlap:
+            reason = "cache-hit"
+        else:
+            reason = "spread-hot-prefix"
+        return Decision(chosen.id, reason, scores)

@@ -1,0 +1,187 @@
+"""OpenAI chat messages -> the conversation vLLM hands to `tokenizer.apply_chat_template`.
+
+vLLM (0.32, `vllm/renderers/chat_utils.py` and `renderers/hf.py`) does not pass the request's messages to the chat
+template as they are; kvgate must normalize them the same way or its token ids (and so its block hashes) differ from
+the engine's and every overlap silently reads zero. What vLLM does, and what is reproduced here:
+- content format: it parses the Jinja template and looks for a loop over a message's `content`. Such a template
+  ("openai" format) receives content as a list of `{"type": "text", "text": ...}` parts (a string content becomes
+  one part, None becomes []); any other template ("string" format) receives the text parts joined with "\n".
+- `tool` messages whose content is a list of text parts get it joined with "\n".
+- assistant `tool_calls`: arguments given as a JSON string are parsed to a dict (invalid or non-object -> {});
+  an empty `tool_calls` list is dropped.
+- a `developer` message becomes `system` when the template never mentions "developer", and all system messages are
+  then merged (joined with "\n\n") into the first position.
+Non-text content parts (images, audio) are dropped: kvgate does not predict multimodal prompts.
+
+Complexity: O(size of the messages); template detection is cached per template string by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jinja2
+import jinja2.nodes as jn
+
+ContentFormat = Literal["string", "openai"]
+
+_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+
+
+def _is_name(node: jn.Node, names: set[str]) -> bool:
+    return isinstance(node, jn.Name) and node.name in names
+
+
+def _strip(node: jn.Node) -> jn.Node:
+    """Peel filters, tests and slices: `message['content'] | list` -> `message['content']`."""
+    while True:
+        if isinstance(node, jn.Filter | jn.Test) and node.node is not None:
+            node = node.node
+        elif isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice):
+            node = node.node
+        else:
+            return node
+
+
+def _is_content_of(node: jn.Node, names: set[str]) -> bool:
+    node = _strip(node)
+    if isinstance(node, jn.Getitem):
+        return _is_name(node.node, names) and isinstance(node.arg, jn.Const) and node.arg.value == "content"
+    if isinstance(node, jn.Getattr):
+        return _is_name(node.node, names) and node.attr == "content"
+    return False
+
+
+def detect_content_format(chat_template: str) -> ContentFormat:
+    """The content format vLLM would detect: "openai" when the template loops over a message's content (or a
+    variable named `content`), else "string".
+    A simplified port of vLLM's `_detect_content_format`; an unparsable template counts as "string"."""
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
+    except jinja2.TemplateError:
+        return "string"
+    # names bound to `messages` (or a slice/filter of it), then loop variables over those
+    message_lists = {"messages"}
+    for assign in ast.find_all(jn.Assign):
+        if isinstance(assign.target, jn.Name) and _is_name(_strip(assign.node), message_lists):
+            message_lists.add(assign.target.name)
+    message_vars: set[str] = set()
+    for loop in ast.find_all(jn.For):
+        if _is_name(_strip(loop.iter), message_lists) and isinstance(loop.target, jn.Name):
+            message_vars.add(loop.target.name)
+    for assign in ast.find_all(jn.Assign):  # {% set message = messages[0] %}
+        if isinstance(assign.target, jn.Name):
+            rhs = _strip(assign.node)
+            if isinstance(rhs, jn.Getitem) and _is_name(rhs.node, message_lists):
+                message_vars.add(assign.target.name)
+    content_vars = {"content"}
+    for assign in ast.find_all(jn.Assign):  # {% set content = message['content'] %}
+        if isinstance(assign.target, jn.Name) and _is_content_of(assign.node, message_vars):
+            content_vars.add(assign.target.name)
+    for loop in ast.find_all(jn.For):
+        if _is_content_of(loop.iter, message_vars) or _is_name(_strip(loop.iter), content_vars):
+            return "openai"
+    return "string"
+
+
+def _text_parts(content: Any) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, Sequence):
+        texts: list[str] = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, Mapping) and part.get("type", "text") in _TEXT_PART_TYPES:
+                text = part.get("text")
+                if isinstance(text, str):
+                    texts.append(text)
+            elif isinstance(part, Mapping) and part.get("type") == "refusal":
+                refusal = part.get("refusal")
+                if isinstance(refusal, str):
+                    texts.append(refusal)
+        return texts
+    raise ValueError("message content must be a string, a list of content parts or null")
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
+    if not isinstance(calls, list) or not calls:
+        return None
+    out: list[dict[str, Any]] = []
+    for item in calls:
+        if not isinstance(item, Mapping):
+            raise ValueError("assistant tool_calls entries must be objects")
+        call = dict(item)
+        function = call.get("function")
+        if isinstance(function, Mapping):
+            function = dict(function)
+            args = function.get("arguments")
+            parsed: Any = {}
+            if isinstance(args, Mapping):
+                parsed = dict(args)
+            elif isinstance(args, str) and args:
+                try:
+                    parsed = json.loads(args)
+                except json.JSONDecodeError:
+                    parsed = {}
+            function["arguments"] = parsed if isinstance(parsed, dict) else {}
+            call["function"] = function
+        out.append(call)
+    return out
+
+
+def normalize_conversation(
+    messages: Sequence[Mapping[str, Any]], content_format: ContentFormat, chat_template: str | None
+) -> list[dict[str, Any]]:
+    """The conversation vLLM would render for `messages`; raises ValueError on a malformed message."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ValueError("'messages' must be a list of message objects")
+    conversation: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ValueError("each message must be an object with a string 'role'")
+        role: str = message["role"]
+        texts = _text_parts(message.get("content"))
+        content: Any
+        if content_format == "openai" and role != "tool":
+            content = [{"type": "text", "text": t} for t in texts]
+        else:
+            content = "\n".join(texts)
+        out: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            calls = _tool_calls(message.get("tool_calls"))
+            if calls is not None:
+                out["tool_calls"] = calls
+            reasoning = message.get("reasoning")
+            if reasoning is not None:
+                out["reasoning"] = reasoning
+                out["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in message:
+            out["tool_call_id"] = message["tool_call_id"]
+        conversation.append(out)
+    if any(m["role"] == "developer" for m in conversation) and not _mentions_developer(chat_template):
+        conversation = _developer_to_system(conversation)
+    return conversation
+
+
+def _mentions_developer(chat_template: str | None) -> bool:
+    return chat_template is not None and ('"developer"' in chat_template or "'developer'" in chat_template)
+
+
+def _developer_to_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    converted = [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
+    systems = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return converted
+    merged: list[str] = []
+    for i in systems:
+        content = converted[i]["content"]
+        text = "\n".join(p["text"] for p in content) if isinstance(content, list) else content
+        if text:
+            merged.append(text)
+    rest = [m for m in converted if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(merged)}, *rest]

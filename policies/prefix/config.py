@@ -1,0 +1,37 @@
+"""`CacheConfig`: everything the cache-aware state (tokenizers, hashes, KV index, events, sessions) is tuned by."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CacheConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    default_block_size: int = Field(16, gt=0, description="tokens per KV block when a replica does not say")
+    tokenizers: dict[str, str] = Field(
+        default_factory=dict,
+        description='model name -> local HF tokenizer dir, "sim" or "chars"; overrides the replica\'s own',
+    )
+    char_chunk_size: int = Field(4, gt=0, description='characters per pseudo token for the "chars" tokenizer')
+    session_header: str = Field("x-session-id", description="request header carrying the session key")
+    session_from_user: bool = Field(True, description="use the body's `user` field when the header is absent")
+    session_ttl_s: float = Field(600.0, gt=0, description="a session binding expires this long after last use")
+    session_max_entries: int = Field(100_000, gt=0, description="LRU bound of the session table")
+    speculative_ttl_s: float = Field(
+        2.0, ge=0, description="routed-but-unconfirmed blocks expire after this on replicas with KV events; 0 = never"
+    )
+    max_blocks_per_replica: int = Field(
+        65_536, gt=0, description="index capacity of a replica whose num_gpu_blocks is unknown"
+    )
+    kv_events: bool = Field(True, description="subscribe to replicas' KV events when they publish them")
+    kv_events_topic: str = Field("kv-events", description="ZMQ topic prefix to subscribe to")
+    kv_events_replay_timeout_s: float = Field(1.0, gt=0, description="deadline of a replay request after a gap")
+    tokenizer_thread_min_chars: int = Field(
+        1024, ge=0, description="prompts at least this long (characters) are tokenized in the thread pool"
+    )
+    tokenizer_threads: int = Field(2, gt=0, description="size of the tokenization thread pool")
+    parity_window: int = Field(50, gt=0, description="finished requests per parity check (per model)")
+    parity_warn_fraction: float = Field(
+        0.2, gt=0, le=1, description="warn when the mean |predicted - reported| cached tokens exceeds this share"
+    )

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the cache-aware state, all on the registry the gateway passes in (names `kvgate_...`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class _SizeCollector(Collector):
+    """Index and session sizes, read when scraped (no per-replica gauge children to add and remove)."""
+
+    def __init__(self, index_sizes: Callable[[], Mapping[str, int]], sessions: Callable[[], int]) -> None:
+        self._index_sizes = index_sizes
+        self._sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        sizes = self._index_sizes()
+        per_replica = GaugeMetricFamily(
+            "kvgate_prefix_index_blocks", "KV blocks kvgate believes each replica holds", labels=["replica"]
+        )
+        for rid, n in sorted(sizes.items()):
+            per_replica.add_metric([rid], n)
+        yield per_replica
+        yield GaugeMetricFamily(
+            "kvgate_prefix_index_entries", "entries in the prefix index, all replicas", value=sum(sizes.values())
+        )
+        yield GaugeMetricFamily("kvgate_sessions", "session bindings held", value=self._sessions())
+
+
+class PrefixMetrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        index_sizes: Callable[[], Mapping[str, int]],
+        sessions: Callable[[], int],
+    ) -> None:
+        self.requests = Counter(
+            "kvgate_prefix_requests",
+            "requests tokenized and hashed for routing; approximate=true when pseudo tokens were used",
+            ["tokenizer", "approximate"],
+            registry=registry,
+        )
+        self.tokenize_errors = Counter(
+            "kvgate_prefix_tokenize_errors",
+            "requests the router could not tokenize (routed without prefix information)",
+            ["tokenizer"],
+            registry=registry,
+        )
+        self.tokenize_seconds = Histogram(
+            "kvgate_prefix_tokenize_seconds",
+            "time to tokenize and hash a prompt",
+            ["tokenizer"],
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+            registry=registry,
+        )
+        self.predicted = Counter(
+            "kvgate_prefix_predicted_cached_tokens",
+            "prompt tokens kvgate predicted the chosen replica had cached (finished requests with a report)",
+            ["model"],
+            registry=registry,
+        )
+        self.reported = Counter(
+            "kvgate_prefix_reported_cached_tokens",
+            "cached prompt tokens the engine reported for the same requests",
+            ["model"],
+            registry=registry,
+        )
+        self.gap = Histogram(
+            "kvgate_prefix_cached_tokens_gap",
+            "|predicted - reported| cached prompt tokens per finished request",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.events = Counter("kvgate_kv_events", "KV events applied, by type", ["replica", "type"], registry=registry)
+        self.events_skipped = Counter(
+            "kvgate_kv_events_skipped",
+            "KV events not applied (unknown-parent, medium, group, multimodal)",
+            ["replica", "reason"],
+            registry=registry,
+        )
+        self.events_resets = Counter(
+            "kvgate_kv_events_resets",
+            "times a replica's index was cleared because its event stream lost continuity",
+            ["replica", "reason"],
+            registry=registry,
+        )
+        registry.register(_SizeCollector(index_sizes, sessions))

@@ -1,0 +1,400 @@
+"""`CacheAwareState`: the one object the gateway holds for cache-aware routing.
+
+Per request: `request_info` tokenizes the prompt as the target engine will (tokenizer chosen per model: config,
+else the replica's, else `chars`), cuts it into full blocks of the model's block size and hashes them in the cache
+context (model or LoRA adapter name + `cache_salt`). Prompts of at least `tokenizer_thread_min_chars` characters
+are tokenized in a small thread pool (an 8k-token HF chat prompt takes ~20 ms on this machine); shorter ones inline.
+`overlap` / `session_replica` fill the `RoutingView`; `on_routed` records the speculative insert and binds the
+session; `on_finished` compares the predicted cached tokens with the engine's `cached_tokens` (live parity).
+
+Replicas: `add_replica` registers a replica's block size and capacity and, when KV events are enabled and its
+tokenizer is exact, a ZMQ subscriber (started by `start`, or at once when already started). Events are re-hashed
+into kvgate's chain (kv_index). Every structure is bounded: index by replica capacity, sessions by config, pending
+predictions by `_MAX_PENDING`, tokenizers by `_MAX_TOKENIZERS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from policies.base import Decision, RequestInfo
+from policies.prefix.config import CacheConfig
+from policies.prefix.hashing import context_seed, prompt_block_hashes
+from policies.prefix.kv_events import (
+    AllBlocksClearedEvent,
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    KvEvent,
+    KvEventSubscriber,
+)
+from policies.prefix.kv_index import KvIndex, StoredBlocks
+from policies.prefix.metrics import PrefixMetrics
+from policies.prefix.sessions import SessionTable
+from policies.prefix.tokenizers import CharsPromptTokenizer, PromptTokenizer, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+_MAX_PENDING = 65_536  # routed requests awaiting on_finished (parity); oldest forgotten first
+_MAX_TOKENIZERS = 32
+_GPU_MEDIA = (None, "GPU", "gpu")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRequestInfo(RequestInfo):
+    request_id: int = 0  # state-assigned, links on_routed to on_finished
+    tokenizer_kind: str = ""
+    approximate: bool = False  # pseudo tokens: overlaps are estimates
+
+
+@dataclass(slots=True)
+class _Replica:
+    model: str
+    block_size: int
+    tokenizer: str
+    events_endpoint: str | None
+    replay_endpoint: str | None
+    subscriber: KvEventSubscriber | None = None
+
+
+def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
+    """A cheap size estimate deciding inline vs thread-pool tokenization."""
+    if endpoint == "chat":
+        total = 0
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, Mapping) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+        return total
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str | list) else 0
+
+
+def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> list[int]:
+    if endpoint == "chat":
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        if body.get("continue_final_message"):
+            kwargs["continue_final_message"] = True
+        if body.get("tools"):
+            kwargs["tools"] = body["tools"]
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        return tok.tokenize_chat(body["messages"], bool(add_generation_prompt), kwargs)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, str):
+        return tok.tokenize_text(prompt, bool(body.get("add_special_tokens", True)))
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise ValueError("prompt must be a string, a list of strings or a list of token ids")
+
+
+class CacheAwareState:
+    def __init__(self, config: CacheConfig, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.registry = registry
+        self.index = KvIndex(speculative_ttl_s=config.speculative_ttl_s)
+        self.sessions = SessionTable(ttl_s=config.session_ttl_s, max_entries=config.session_max_entries)
+        self.metrics = PrefixMetrics(registry, index_sizes=self.index.sizes, sessions=lambda: len(self.sessions))
+        self._replicas: dict[str, _Replica] = {}
+        self._tokenizers: OrderedDict[str, PromptTokenizer] = OrderedDict()
+        self._tokenizer_locks: dict[str, asyncio.Lock] = {}
+        self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
+        self._ids = itertools.count(1)
+        self._pending: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._parity: dict[str, deque[tuple[int, int]]] = {}
+        self._zmq: zmq.asyncio.Context | None = None
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._warned_block_size: set[str] = set()
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        for rid, r in self._replicas.items():
+            self._start_subscriber(rid, r)
+
+    async def stop(self) -> None:
+        for r in self._replicas.values():
+            if r.subscriber is not None:
+                task = r.subscriber.cancel()
+                if task is not None:
+                    self._stopping.add(task)
+                r.subscriber = None
+        if self._stopping:
+            await asyncio.gather(*self._stopping, return_exceptions=True)
+            self._stopping.clear()
+        if self._zmq is not None:
+            self._zmq.term()
+            self._zmq = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- replicas ---------------------------------------------------------------------------------------------
+    def add_replica(
+        self,
+        replica_id: str,
+        *,
+        model: str,
+        block_size: int | None,
+        num_blocks: int | None,
+        kv_events_endpoint: str | None,
+        tokenizer: str | None,
+        kv_events_replay_endpoint: str | None = None,
+    ) -> None:
+        """Register a replica (re-registering one forgets what was known of its cache). `tokenizer`: a local HF
+        dir, "sim" or "chars" (config.tokenizers[model] wins)."""
+        if replica_id in self._replicas:
+            self.remove_replica(replica_id)
+        spec = self.config.tokenizers.get(model) or tokenizer or "chars"
+        r = _Replica(
+            model=model,
+            block_size=block_size or self.config.default_block_size,
+            tokenizer=spec,
+            events_endpoint=kv_events_endpoint if self.config.kv_events and spec != "chars" else None,
+            replay_endpoint=kv_events_replay_endpoint,
+        )
+        self._replicas[replica_id] = r
+        capacity = num_blocks if num_blocks and num_blocks > 0 else self.config.max_blocks_per_replica
+        self.index.add_replica(replica_id, capacity_blocks=capacity, precise=r.events_endpoint is not None)
+        if self._zmq is not None:
+            self._start_subscriber(replica_id, r)
+
+    def remove_replica(self, replica_id: str) -> None:
+        r = self._replicas.pop(replica_id, None)
+        self.index.remove_replica(replica_id)
+        self.sessions.drop_replica(replica_id)
+        if r is not None and r.subscriber is not None:
+            task = r.subscriber.cancel()
+            if task is not None:
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+
+    def _start_subscriber(self, replica_id: str, r: _Replica) -> None:
+        if r.events_endpoint is None or r.subscriber is not None or self._zmq is None:
+            return
+        r.subscriber = KvEventSubscriber(
+            self._zmq,
+            replica_id,
+            r.events_endpoint,
+            self,
+            topic=self.config.kv_events_topic,
+            replay_endpoint=r.replay_endpoint,
+            replay_timeout_s=self.config.kv_events_replay_timeout_s,
+        )
+        r.subscriber.start()
+
+    # --- per request ------------------------------------------------------------------------------------------
+    def _block_size(self, model: str) -> int:
+        for r in self._replicas.values():
+            if r.model == model:
+                return r.block_size
+        return self.config.default_block_size
+
+    def _tokenizer_spec(self, model: str) -> str:
+        spec = self.config.tokenizers.get(model)
+        if spec:
+            return spec
+        for r in self._replicas.values():
+            if r.model == model:
+                return r.tokenizer
+        return "chars"
+
+    async def tokenizer(self, spec: str) -> PromptTokenizer:
+        """The tokenizer for `spec`, loaded once in the thread pool. A spec that fails to load falls back to
+        `chars` (logged as an error: overlaps become approximate and KV events cannot match)."""
+        tok = self._tokenizers.get(spec)
+        if tok is not None:
+            return tok
+        lock = self._tokenizer_locks.setdefault(spec, asyncio.Lock())
+        async with lock:
+            tok = self._tokenizers.get(spec)
+            if tok is None:
+                loop = asyncio.get_running_loop()
+                try:
+                    tok = await loop.run_in_executor(
+                        self._pool, lambda: build_tokenizer(spec, chunk_chars=self.config.char_chunk_size)
+                    )
+                except (OSError, ValueError, ImportError) as exc:
+                    log.error("tokenizer %r failed to load (%s); using approximate 'chars' tokens", spec, exc)
+                    tok = CharsPromptTokenizer(self.config.char_chunk_size)
+                self._tokenizers[spec] = tok
+                while len(self._tokenizers) > _MAX_TOKENIZERS:
+                    self._tokenizers.popitem(last=False)
+        self._tokenizer_locks.pop(spec, None)
+        return tok
+
+    async def request_info(
+        self,
+        *,
+        model: str,
+        endpoint: Literal["chat", "completions"],
+        body: Mapping[str, Any],
+        tenant: str,
+        session_key: str | None,
+    ) -> PrefixRequestInfo:
+        """Tokenize and hash the request's prompt. Never raises on a prompt the router cannot tokenize: it then
+        carries no blocks (routing falls back to load) and `kvgate_prefix_tokenize_errors_total` counts it."""
+        tok = await self.tokenizer(self._tokenizer_spec(model))
+        block_size = self._block_size(model)
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+
+        def work() -> tuple[int, list[int]]:
+            tokens = _tokenize(tok, endpoint, body)
+            return len(tokens), prompt_block_hashes(tokens, block_size, model=model, cache_salt=salt)
+
+        started = time.perf_counter()
+        try:
+            if _prompt_chars(endpoint, body) >= self.config.tokenizer_thread_min_chars:
+                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(self._pool, work)
+            else:
+                n_tokens, hashes = work()
+        except Exception as exc:  # the router's prediction must never fail the request; the engine validates
+            log.debug("could not tokenize a %s request for %s: %r", endpoint, model, exc)
+            self.metrics.tokenize_errors.labels(tok.kind).inc()
+            n_tokens, hashes = 0, []
+        self.metrics.tokenize_seconds.labels(tok.kind).observe(time.perf_counter() - started)
+        self.metrics.requests.labels(tok.kind, "true" if tok.approximate else "false").inc()
+        if session_key is None and self.config.session_from_user:
+            user = body.get("user")
+            session_key = user if isinstance(user, str) and user else None
+        return PrefixRequestInfo(
+            model=model,
+            prompt_tokens=n_tokens,
+            block_hashes=tuple(hashes),
+            block_size=block_size,
+            session_key=session_key,
+            tenant=tenant,
+            request_id=next(self._ids),
+            tokenizer_kind=tok.kind,
+            approximate=tok.approximate,
+        )
+
+    def overlap(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, int]:
+        return self.index.overlap(info.block_hashes, replica_ids)
+
+    @staticmethod
+    def _session_key(info: RequestInfo) -> str | None:
+        return None if info.session_key is None else f"{info.tenant}\x00{info.session_key}"
+
+    def session_replica(self, info: RequestInfo) -> str | None:
+        key = self._session_key(info)
+        replica = self.sessions.get(key) if key is not None else None
+        return replica if replica in self._replicas else None
+
+    def on_routed(self, info: RequestInfo, decision: Decision) -> None:
+        rid = decision.replica
+        if isinstance(info, PrefixRequestInfo):
+            self._pending[info.request_id] = (rid, self.index.overlap(info.block_hashes, (rid,))[rid])
+            while len(self._pending) > _MAX_PENDING:
+                self._pending.popitem(last=False)
+        self.index.record_routed(rid, info.block_hashes)
+        key = self._session_key(info)
+        if key is not None and rid in self._replicas:
+            self.sessions.bind(key, rid)
+
+    def on_finished(self, info: RequestInfo, replica_id: str, reported_cached_tokens: int | None) -> None:
+        """Live parity: what kvgate predicted the replica had cached vs what the engine reported."""
+        if not isinstance(info, PrefixRequestInfo):
+            return
+        pending = self._pending.pop(info.request_id, None)
+        if pending is None or pending[0] != replica_id or reported_cached_tokens is None:
+            return
+        bs = info.block_size
+        # vLLM always computes the last prompt token, so a fully cached prompt reports one block less
+        max_blocks = max(info.prompt_tokens - 1, 0) // bs if bs else 0
+        predicted = min(pending[1], max_blocks) * bs
+        self.metrics.predicted.labels(info.model).inc(predicted)
+        self.metrics.reported.labels(info.model).inc(reported_cached_tokens)
+        gap = abs(predicted - reported_cached_tokens)
+        self.metrics.gap.labels(info.model).observe(gap)
+        if info.approximate:
+            return
+        window = self._parity.setdefault(info.model, deque(maxlen=self.config.parity_window))
+        window.append((gap, info.prompt_tokens))
+        if len(window) == window.maxlen:
+            gaps = sum(g for g, _ in window)
+            prompts = sum(p for _, p in window) or 1
+            if gaps / prompts > self.config.parity_warn_fraction:
+                log.warning(
+                    "prefix prediction for %s is off by %.0f%% of prompt tokens over the last %d requests "
+                    "(tokenizer or chat template mismatch with the engine?)",
+                    info.model, 100 * gaps / prompts, len(window),
+                )  # fmt: skip
+            window.clear()
+
+    # --- KV event sink ----------------------------------------------------------------------------------------
+    def on_kv_events(self, replica_id: str, events: Iterable[KvEvent]) -> None:
+        r = self._replicas.get(replica_id)
+        if r is None:
+            return
+        m = self.metrics
+        for ev in events:
+            if isinstance(ev, BlockStoredEvent):
+                reason = self._stored_skip_reason(replica_id, r, ev)
+                if reason is None:
+                    salt, seed_name = None, ev.lora_name or r.model
+                    if ev.parent_block_hash is None and ev.extra_keys:
+                        salt = _salt_of(ev.extra_keys[0], ev.lora_name)
+                    stored = StoredBlocks(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
+                    if self.index.apply_stored(replica_id, stored, context_seed(seed_name, None, salt)) < 0:
+                        reason = "unknown-parent"
+                if reason is not None:
+                    m.events_skipped.labels(replica_id, reason).inc()
+                    continue
+                m.events.labels(replica_id, "BlockStored").inc()
+            elif isinstance(ev, BlockRemovedEvent):
+                if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
+                    continue
+                self.index.apply_removed(replica_id, ev.block_hashes)
+                m.events.labels(replica_id, "BlockRemoved").inc()
+            elif isinstance(ev, AllBlocksClearedEvent):
+                self.index.clear(replica_id)
+                m.events.labels(replica_id, "AllBlocksCleared").inc()
+
+    def _stored_skip_reason(self, replica_id: str, r: _Replica, ev: BlockStoredEvent) -> str | None:
+        if ev.medium not in _GPU_MEDIA:
+            return "medium"
+        if ev.group_idx not in (None, 0):
+            return "group"
+        if ev.extra_keys and any(_has_mm(k) for k in ev.extra_keys):
+            return "multimodal"
+        if ev.block_size != r.block_size and replica_id not in self._warned_block_size:
+            self._warned_block_size.add(replica_id)
+            log.warning(
+                "replica %s publishes blocks of %d tokens but was registered with %d; using %d",
+                replica_id, ev.block_size, r.block_size, ev.block_size,
+            )  # fmt: skip
+            r.block_size = ev.block_size
+        return None
+
+    def on_kv_reset(self, replica_id: str, reason: str) -> None:
+        self.index.clear(replica_id)
+        self.metrics.events_resets.labels(replica_id, reason).inc()
+
+
+def _has_mm(keys: Any) -> bool:
+    """Multimodal blocks carry (identifier, offset) pairs in their extra keys; kvgate cannot predict those."""
+    return isinstance(keys, list | tuple) and any(isinstance(k, list | tuple) for k in keys)
+
+
+def _salt_of(keys: Any, lora_name: str | None) -> str | None:
+    """The cache_salt in a root block's extra keys: the first string after the LoRA name (when one is set)."""
+    if not isinstance(keys, list | tuple):
+        return None
+    strings = [k for k in keys if isinstance(k, str)]
+    if lora_name is not None and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings[0] if strings else None

@@ -1,0 +1,149 @@
+"""Prompt tokenizers: the token ids an engine will see for a request, computed in the gateway.
+
+Kinds:
+- `hf`: a local Hugging Face tokenizer directory, reproducing vLLM's chat path exactly: the messages are normalized
+  as vLLM does (`chat_render`), the chat template is rendered to text (`apply_chat_template(tokenize=False)`) and the
+  text encoded with `add_special_tokens=False` (the template emits BOS itself; that is what vLLM's default
+  `add_special_tokens=False` for chat and transformers' own `apply_chat_template(tokenize=True)` do). Completions
+  text is encoded with `add_special_tokens=True` (vLLM's default, BOS added), unless the request says otherwise.
+- `sim`: the simulated engine's pure functions (`engine_pool.sim.tokenize`), exact for the simulator.
+- `chars`: any other engine. Pseudo tokens: fixed-size character chunks of a canonical rendering, each chunk's
+  id a 32-bit hash. Deterministic, so repeated prefixes still match each other, but block boundaries do not match
+  the engine's: overlaps are estimates (`approximate = True`, labelled in metrics) and KV events cannot be used.
+
+Every tokenizer is a plain synchronous object; `CacheAwareState` runs large prompts in a thread pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import xxhash
+
+from policies.prefix.chat_render import ContentFormat, detect_content_format, normalize_conversation
+
+# apply_chat_template parameters a request's chat_template_kwargs must not override
+_RESERVED_KWARGS = frozenset(
+    {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+     "tokenizer_kwargs", "return_assistant_tokens_mask", "chat_template", "add_generation_prompt"}
+)  # fmt: skip
+
+
+class PromptTokenizer(Protocol):
+    kind: str  # "hf" | "sim" | "chars"
+    approximate: bool  # True when ids are pseudo tokens that do not match the engine's
+
+    def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a chat request, as the engine renders it; ValueError on malformed messages."""
+        ...
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completions prompt."""
+        ...
+
+
+class HfPromptTokenizer:
+    kind = "hf"
+    approximate = False
+
+    def __init__(self, path: str) -> None:
+        """Load a tokenizer from a local directory (blocking: call it off the event loop)."""
+        from transformers import AutoTokenizer  # optional dependency, imported only when used
+
+        self.path = path
+        self._tok: Any = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        template = getattr(self._tok, "chat_template", None)
+        self._template: str | None = template if isinstance(template, str) else None
+        self._format: ContentFormat = detect_content_format(self._template) if self._template else "string"
+
+    @property
+    def content_format(self) -> ContentFormat:
+        return self._format
+
+    def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
+        if kwargs.get("continue_final_message"):
+            add_generation_prompt = False
+        conversation = normalize_conversation(messages, self._format, self._template)
+        text = self._tok.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False)
+        return ids
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+
+class SimPromptTokenizer:
+    kind = "sim"
+    approximate = False
+
+    def __init__(self) -> None:
+        from engine_pool.sim import tokenize as sim_tokenize
+
+        self._sim = sim_tokenize
+
+    def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        ids: list[int] = self._sim.tokenize_chat(messages, add_generation_prompt)
+        return ids
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._sim.tokenize_text(text)
+        return ids
+
+
+class CharsPromptTokenizer:
+    """Pseudo tokens: `chunk_chars`-character chunks of the text (chat: a canonical "role\\ncontent\\n" rendering),
+    each id the 32-bit xxhash of the chunk. About one pseudo token per real token at 4 characters."""
+
+    kind = "chars"
+    approximate = True
+
+    def __init__(self, chunk_chars: int = 4) -> None:
+        if chunk_chars <= 0:
+            raise ValueError(f"chunk_chars must be positive, got {chunk_chars}")
+        self._chunk = chunk_chars
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        digest = xxhash.xxh32_intdigest
+        n = self._chunk
+        return [digest(text[i : i + n].encode()) for i in range(0, len(text), n)]
+
+    def tokenize_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        conversation = normalize_conversation(messages, "string", None)
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in conversation)
+        if add_generation_prompt:
+            text += "<|assistant|>\n"
+        return self.tokenize_text(text)
+
+
+def build_tokenizer(spec: str, *, chunk_chars: int = 4) -> PromptTokenizer:
+    """`spec`: "sim", "chars", or a local HF tokenizer directory. Blocking for HF (run it off the loop)."""
+    if spec == "sim":
+        return SimPromptTokenizer()
+    if spec == "chars":
+        return CharsPromptTokenizer(chunk_chars)
+    return HfPromptTokenizer(spec)

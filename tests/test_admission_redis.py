@@ -1,0 +1,160 @@
+"""Quotas shared through a real Redis (started here on a free port): two gateways enforce one tenant limit; Redis
+stopped mid-test -> the failure policy holds and nothing crashes; Redis back -> shared limits resume."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from engine_pool.sim import SimConfig, SimServer, run_sim_engine
+from gateway.admission.config import hash_key
+from gateway.admission.redis_store import RedisQuotaStore
+from gateway.embedded import RunningGateway, running_gateway
+from gateway.keys import ADMISSION, REGISTRY
+from test_admission_gateway import MODEL, chat, gateway_config, post, wait_ready
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(shutil.which("redis-server") is None,
+                       reason="redis-server not installed (apt-get install redis-server)"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProcess:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = aioredis.Redis.from_url(self.url)
+        try:
+            while True:
+                try:
+                    await client.ping()
+                    return
+                except (OSError, aioredis.ConnectionError):
+                    await asyncio.sleep(0.02)
+        finally:
+            await client.aclose()
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.wait)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProcess]:
+    server = RedisProcess()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            server.proc.terminate()
+            server.proc.wait()
+
+
+def admission(url: str, policy: str) -> dict[str, Any]:
+    return {
+        "auth": True,
+        "tenants": {"acme": {"keys": [hash_key("sk-acme")], "limits": {"max_concurrency": 2}}},
+        "redis": {"url": url, "failure_policy": policy, "reconnect_min_s": 0.05, "reconnect_max_s": 0.2},
+    }
+
+
+@asynccontextmanager
+async def two_gateways(
+    url: str, policy: str
+) -> AsyncIterator[tuple[list[RunningGateway], list[SimServer], aiohttp.ClientSession]]:
+    async with AsyncExitStack() as es:
+        engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, decode_ms=30)))
+        gws = [await es.enter_async_context(running_gateway(gateway_config([engine], admission(url, policy))))
+               for _ in range(2)]
+        session = await es.enter_async_context(aiohttp.ClientSession())
+        for gw in gws:
+            await wait_ready(session, gw.url)
+        yield gws, [engine], session
+
+
+async def hold_two_slots(session: aiohttp.ClientSession, gws: list[RunningGateway]) -> list[asyncio.Task[Any]]:
+    """One slow request through each gateway: together they use the tenant's 2 shared slots."""
+    tasks = [asyncio.create_task(post(session, gw.url, chat(max_tokens=40), key="sk-acme")) for gw in gws]
+    for gw in gws:
+        while gw.app[ADMISSION]._tenant_active.get("acme", 0) == 0:
+            await asyncio.sleep(0.01)
+    return tasks
+
+
+async def test_two_gateways_share_one_limit_survive_redis_loss_and_resume(redis_server: RedisProcess) -> None:
+    await redis_server.start()
+    async with two_gateways(redis_server.url, "open") as (gws, _, session):
+        held = await hold_two_slots(session, gws)
+        for gw in gws:  # each gateway holds only one slot itself, yet both refuse: the limit is shared
+            status, headers, _ = await post(session, gw.url, chat(), key="sk-acme")
+            assert status == 429 and "Retry-After" in headers
+        assert [(await t)[0] for t in held] == [200, 200]
+        assert (await post(session, gws[1].url, chat(), key="sk-acme"))[0] == 200
+
+        await redis_server.stop()  # fail-open: each gateway enforces the limit alone, from memory
+        assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200
+        stores = [gw.app[ADMISSION].store for gw in gws]
+        assert all(isinstance(s, RedisQuotaStore) and not s.up for s in stores[:1])
+        held = await hold_two_slots(session, gws)
+        # both gateways now hold one local slot each and the local limit is 2: one more per gateway still passes
+        assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200
+        assert [(await t)[0] for t in held] == [200, 200]
+        reg = gws[0].app[REGISTRY]
+        assert reg.get_sample_value("kvgate_quota_store_up", {"store": "redis"}) == 0
+        assert reg.get_sample_value("kvgate_quota_store_fallbacks_total", {"policy": "open"})
+
+        await redis_server.start()  # same port: the gateways reconnect by themselves
+        for store in stores:
+            assert isinstance(store, RedisQuotaStore)
+            await post(session, gws[stores.index(store)].url, chat(), key="sk-acme")  # notices the loss
+            while not store.up:
+                await asyncio.sleep(0.02)
+        held = await hold_two_slots(session, gws)
+        for gw in gws:
+            assert (await post(session, gw.url, chat(), key="sk-acme"))[0] == 429  # shared again
+        assert [(await t)[0] for t in held] == [200, 200]
+        assert reg.get_sample_value("kvgate_quota_store_up", {"store": "redis"}) == 1
+
+
+async def test_fail_closed_refuses_with_503_while_redis_is_down(redis_server: RedisProcess) -> None:
+    await redis_server.start()
+    async with two_gateways(redis_server.url, "closed") as (gws, _, session):
+        assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200
+        await redis_server.stop()
+        for _ in range(3):
+            status, headers, raw = await post(session, gws[0].url, chat(), key="sk-acme")
+            assert status == 503 and "Retry-After" in headers and b"quota_store_unavailable" in raw
+        await redis_server.start()
+        store = gws[0].app[ADMISSION].store
+        assert isinstance(store, RedisQuotaStore)
+        while not store.up:
+            await asyncio.sleep(0.02)
+        assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200

@@ -1,0 +1,161 @@
+"""Admission building blocks on literal values: config, auth, fair queue, drain rate, local quota store."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.admission.auth import Authenticator, check_admin
+from gateway.admission.config import AdmissionConfig, LimitsConfig, TenantConfig, hash_key
+from gateway.admission.local import LocalQuotaStore
+from gateway.admission.queue import DrainRate, FairQueue
+from gateway.admission.quota import format_reset, token_cost
+from gateway.errors import Unauthorized
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _config(**kw: object) -> AdmissionConfig:
+    base: dict[str, object] = {
+        "auth": True,
+        "tenants": {
+            "alice": {"keys": [hash_key("sk-alice")], "priority": "interactive"},
+            "bob": {"keys": [hash_key("sk-bob")], "priority": "batch"},
+        },
+    }
+    base.update(kw)
+    return AdmissionConfig.model_validate(base)
+
+
+def test_hash_key_format_and_config_rejects_clear_or_shared_keys() -> None:
+    assert hash_key("x").startswith("sha256:") and len(hash_key("x")) == 7 + 64
+    with pytest.raises(ValidationError, match="sha256"):
+        TenantConfig(keys=["sk-in-clear"])
+    with pytest.raises(ValidationError, match="also belongs"):
+        AdmissionConfig.model_validate({"tenants": {"a": {"keys": [hash_key("k")]}, "b": {"keys": [hash_key("k")]}}})
+    with pytest.raises(ValidationError, match="unknown class"):
+        AdmissionConfig.model_validate({"tenants": {"a": {"priority": "urgent"}}})
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        AdmissionConfig.model_validate({"tenant": {}})
+
+
+def test_auth_maps_keys_to_tenants_and_clamps_priority() -> None:
+    auth = Authenticator(_config())
+    assert auth.identify({"Authorization": "Bearer sk-alice"}).tenant == "alice"
+    bob = auth.identify({"Authorization": "Bearer sk-bob", "x-kvgate-priority": "interactive"})
+    assert (bob.tenant, bob.priority_name) == ("bob", "batch")  # cannot rise above the tenant's ceiling
+    alice_batch = auth.identify({"Authorization": "Bearer sk-alice", "x-kvgate-priority": "batch"})
+    assert alice_batch.priority_name == "batch"  # may lower itself
+    for headers in ({}, {"Authorization": "Bearer sk-nobody"}, {"Authorization": "Basic sk-alice"}):
+        with pytest.raises(Unauthorized):
+            auth.identify(headers)
+    off = Authenticator(AdmissionConfig())
+    assert off.identify({"Authorization": "Bearer whatever"}).tenant == "anonymous"
+
+
+def test_admin_check() -> None:
+    check_admin({"Authorization": "Bearer adm"}, "adm")
+    for key, headers in (("adm", {"Authorization": "Bearer no"}), (None, {"Authorization": "Bearer adm"})):
+        with pytest.raises(Unauthorized):
+            check_admin(headers, key)
+
+
+async def test_fair_queue_interleaves_a_flood_with_a_light_tenant() -> None:
+    q = FairQueue()
+    for _ in range(50):
+        q.push("flood", 1.0, 0)
+    for _ in range(5):
+        q.push("light", 1.0, 0)
+    first_ten = [e.tenant for e in (q.pop() for _ in range(10)) if e is not None]
+    assert Counter(first_ten)["light"] == 5  # light's 5 entries all leave within the first 10 pops
+
+
+async def test_fair_queue_weights_and_priority() -> None:
+    q = FairQueue()
+    for _ in range(30):
+        q.push("heavy", 3.0, 1)
+        q.push("one", 1.0, 1)
+    q.push("vip", 1.0, 0)
+    first = q.pop()
+    assert first is not None and first.tenant == "vip"  # higher class first, whatever its arrival
+    got = [e.tenant for e in (q.pop() for _ in range(20)) if e is not None]
+    assert Counter(got) == Counter({"heavy": 15, "one": 5})  # 3:1 share while both are backlogged
+
+
+async def test_fair_queue_lazy_removal_keeps_counts_and_heap_bounded() -> None:
+    q = FairQueue()
+    entries = [q.push(f"t{i % 3}", 1.0, 0) for i in range(300)]
+    for e in entries[:290]:
+        q.remove(e)
+    assert len(q) == 10 and q.tenant_len("t0") + q.tenant_len("t1") + q.tenant_len("t2") == 10
+    assert len(q._heap) <= 2 * 64 + 20
+    popped = [q.pop() for _ in range(11)]
+    assert popped[-1] is None and all(p is not None and not p.future.done() for p in popped[:10])
+    q.remove(entries[0])  # removing twice is a no-op
+    assert len(q) == 0
+    await asyncio.sleep(0)
+
+
+def test_drain_rate_and_retry_after() -> None:
+    clock = FakeClock(0.0)
+    rate = DrainRate(window=8, horizon_s=10.0, clock=clock)
+    assert rate.retry_after(100) == 1.0  # nothing measured yet
+    for _ in range(8):
+        clock.now += 0.5
+        rate.record()
+    assert rate.rate() == pytest.approx(8 / 3.5)
+    assert rate.retry_after(9) == pytest.approx(10 / (8 / 3.5))
+    assert rate.retry_after(10_000) == 60.0
+    clock.now += 100
+    assert rate.rate() == 0.0
+
+
+def test_format_reset_and_token_cost() -> None:
+    assert [format_reset(s) for s in (0.02, 1.0, 59.6, 360.0, 3723.0)] == ["20ms", "1s", "1m0s", "6m0s", "1h2m3s"]
+    assert token_cost(100, 80, 10, 0.25) == 20 + 20 + 10
+    assert token_cost(10, 50, 0, 0.0) == 0  # cached never exceeds prompt
+
+
+async def test_local_store_limits_and_reconcile() -> None:
+    clock = FakeClock(60.0 * 1000 + 10)  # 10 s into a minute
+    store = LocalQuotaStore(clock=clock)
+    limits = LimitsConfig(max_concurrency=2, requests_per_minute=3, tokens_per_minute=100)
+    a = await store.check("t", limits, 10, "a")
+    b = await store.check("t", limits, 10, "b")
+    assert a.allowed and b.allowed and b.remaining_requests == 1 and b.remaining_tokens == 80
+    c = await store.check("t", limits, 10, "c")
+    assert (c.allowed, c.reason) == (False, "concurrency")
+    assert a.lease is not None and b.lease is not None
+    await store.release(a.lease, 90)  # real cost 90: 80 more charged now
+    d = await store.check("t", limits, 10, "d")
+    assert (d.allowed, d.reason, d.retry_after_s) == (False, "tokens", 50.0)
+    await store.release(b.lease, 0)  # 10 refunded -> 90 used
+    assert (await store.check("t", limits, 5, "e")).allowed  # 95 <= 100, third request of the minute
+    f = await store.check("t", limits, 1, "f")
+    assert (f.reason, f.headers()["x-ratelimit-remaining-requests"]) == ("requests", "0")
+    assert f.headers()["x-ratelimit-reset-requests"] == "50s"
+    clock.now += 60  # next minute: windows restart, the live lease still counts for concurrency
+    g = await store.check("t", limits, 1, "g")
+    assert g.allowed and store.in_flight("t") == 2
+
+
+async def test_local_store_daily_budget_and_tenant_bound() -> None:
+    clock = FakeClock(86_400.0 * 100)
+    store = LocalQuotaStore(max_tenants=2, clock=clock)
+    limits = LimitsConfig(tokens_per_day=50)
+    first = await store.check("t", limits, 40, "1")
+    assert first.allowed and first.lease is not None
+    await store.release(first.lease, 40)
+    assert (await store.check("t", limits, 20, "2")).reason == "daily_tokens"
+    for name in ("u", "v", "w"):
+        await store.check(name, LimitsConfig(), 1, name)
+    assert len(store._tenants) <= 3  # at most max_tenants idle ones plus the one being added

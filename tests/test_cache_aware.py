@@ -1,0 +1,151 @@
+"""cache-aware policy: every branch on literal snapshots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from policies.base import Decision, NoCandidate, ReplicaState, RequestInfo, RoutingView
+from policies.cache_aware import CacheAware
+from policies.registry import build_policy
+
+BS = 16
+
+
+def req(blocks: int = 64, session: str | None = None) -> RequestInfo:
+    return RequestInfo(
+        model="m", prompt_tokens=blocks * BS + 5, block_hashes=tuple(range(blocks)), block_size=BS,
+        session_key=session,
+    )  # fmt: skip
+
+
+def rep(rid: str, load: int = 0, **kw: Any) -> ReplicaState:
+    return ReplicaState(id=rid, model="m", in_flight=load, **kw)
+
+
+def decide(
+    replicas: list[ReplicaState],
+    overlap: dict[str, int] | None = None,
+    *,
+    request: RequestInfo | None = None,
+    session: str | None = None,
+    seq: int = 0,
+    **params: Any,
+) -> Decision:
+    view = RoutingView(request or req(), tuple(replicas), overlap or {}, session, seq)
+    return CacheAware(params).decide(view)
+
+
+def test_registered() -> None:
+    assert isinstance(build_policy("cache-aware"), CacheAware)
+
+
+def test_cold_goes_to_least_loaded() -> None:
+    d = decide([rep("a", 3), rep("b", 1), rep("c", 2)])
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+    assert d.scores["b"] == 1.0 and d.scores["a"] < d.scores["c"] < 1.0
+
+
+def test_cold_ties_rotate_with_seq() -> None:
+    picks = [decide([rep("a"), rep("b"), rep("c")], seq=s).replica for s in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_cold_tie_broken_by_engine_queue_then_rotation() -> None:
+    d = decide([rep("a", 1, waiting=1, running=0), rep("b", 1, waiting=0, running=1)])
+    assert d.replica == "b"
+
+
+def test_hit_goes_to_best_overlap_despite_somewhat_more_load() -> None:
+    d = decide([rep("a", 4), rep("b", 0)], {"a": 64, "b": 0})  # 1024 cached tokens vs 4 x 256
+    assert (d.replica, d.reason) == ("a", "cache-hit")
+
+
+def test_hot_prefix_spreads_when_holder_is_overloaded() -> None:
+    d = decide([rep("a", 5), rep("b", 0)], {"a": 64, "b": 0})  # 5 x 256 > 1024 saved
+    assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
+
+
+def test_spread_prefers_a_partial_holder() -> None:
+    d = decide([rep("a", 10), rep("b", 0), rep("c", 0)], {"a": 64, "b": 0, "c": 32})
+    assert (d.replica, d.reason) == ("c", "spread-hot-prefix")
+
+
+def test_two_holders_share_a_hot_prefix_by_load() -> None:
+    d = decide([rep("a", 3), rep("b", 2)], {"a": 64, "b": 64})
+    assert (d.replica, d.reason) == ("b", "cache-hit")
+
+
+def test_kv_pressure_penalises_a_full_replica() -> None:
+    d = decide([rep("a", 0, kv_usage=1.0), rep("b", 1, kv_usage=0.2)])
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+    # below the threshold KV usage does not matter
+    assert decide([rep("a", 0, kv_usage=0.85), rep("b", 1, kv_usage=0.1)]).replica == "a"
+
+
+def test_engine_queue_counts_as_load() -> None:
+    d = decide([rep("a", 0, running=4, waiting=6), rep("b", 1)], {"a": 64})
+    assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
+
+
+def test_session_sticks_to_bound_replica() -> None:
+    d = decide([rep("a", 2), rep("b", 0)], {"b": 64}, session="a")
+    assert (d.replica, d.reason) == ("a", "session")
+
+
+def test_session_leaves_an_overloaded_replica() -> None:
+    # gap 10 > 8 and 10 > 1.5 x 0: overloaded, falls back to cost
+    d = decide([rep("a", 10), rep("b", 0)], {"a": 64}, session="a")
+    assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
+    # gap 9 > 8 but 30 <= 1.5 x 21: not overloaded by ratio
+    d = decide([rep("a", 30), rep("b", 21)], {}, session="a")
+    assert (d.replica, d.reason) == ("a", "session")
+
+
+def test_session_bound_to_a_gone_or_unroutable_replica() -> None:
+    d = decide([rep("a", 1), rep("b", 0)], {}, session="gone")
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+    d = decide([rep("a", 0, draining=True), rep("b", 3)], {}, session="a")
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+
+
+def test_filters_unready_and_full_replicas() -> None:
+    d = decide([rep("a", 0, ready=False), rep("b", 2, max_concurrency=2), rep("c", 5)], {"a": 64, "b": 64})
+    assert d.replica == "c"
+    with pytest.raises(NoCandidate):
+        decide([rep("a", ready=False)])
+
+
+def test_empty_prompt_is_cold() -> None:
+    d = decide([rep("a", 1), rep("b", 0)], {}, request=RequestInfo(model="m"))
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+
+
+def test_order_of_the_snapshot_does_not_matter() -> None:
+    reps = [rep("a", 1), rep("b", 1), rep("c", 1)]
+    assert decide(reps, seq=4).replica == decide(list(reversed(reps)), seq=4).replica
+
+
+def test_params_change_the_tradeoff() -> None:
+    reps, overlap = [rep("a", 5), rep("b", 0)], {"a": 64}
+    assert decide(reps, overlap, queued_request_cost=100).replica == "a"
+    assert decide(reps, overlap, queued_request_cost=0.0, prefill_token_cost=2).reason == "cache-hit"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"nope": 1},
+        {"prefill_token_cost": 0},
+        {"queued_request_cost": -1},
+        {"kv_usage_threshold": 1.0},
+        {"session_max_gap": 1.5},
+        {"session_max_ratio": 0.5},
+        {"kv_pressure_cost": "high"},
+        {"session_max_gap": True},
+    ],
+)
+def test_bad_params_rejected(params: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="cache-aware"):
+        CacheAware(params)

@@ -1,0 +1,44 @@
+"""Configuration: file + environment + flags, validated whole, errors naming the path of the bad key."""
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, env_overrides, load_config
+
+
+def test_defaults_need_no_file() -> None:
+    cfg = load_config(environ={})
+    assert cfg.server.port == 8000 and cfg.routing.policy == "least-load" and cfg.engines == []
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text("server:\n  port: 9000\n  host: 0.0.0.0\nrouting:\n  policy: round-robin\n")
+    cfg = load_config(path, environ={"KVGATE__SERVER__PORT": "9100"}, overrides={"routing": {"policy": "least-load"}})
+    assert (cfg.server.port, cfg.server.host, cfg.routing.policy) == (9100, "0.0.0.0", "least-load")
+
+
+def test_every_bad_key_is_named_by_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "server:\n  prot: 1\nengines:\n  - url: ftp://x\nrouting:\n  policy: nope\ntimeouts:\n  connect_s: -1\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    text = str(info.value)
+    for path_part in ("server.prot", "engines.0.url", "routing.policy", "timeouts.connect_s"):
+        assert path_part in text
+
+
+def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml", environ={})
+
+
+def test_env_override_parsing() -> None:
+    tree = env_overrides({"KVGATE__RETRY__MAX_ATTEMPTS": "2", "KVGATE__SERVER__ROUTE_HEADERS": "false", "OTHER": "1"})
+    assert tree == {"retry": {"max_attempts": 2}, "server": {"route_headers": False}}

@@ -1,0 +1,100 @@
+"""A real kvgate on loopback in front of simulated engines, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from engine_pool.sim import Faults, SimConfig
+from tests.conftest import gateway_over_sims, wait_for
+
+SIM = SimConfig(model="sim", overhead_ms=1, prefill_us_per_token=1, decode_ms=1, block_size=16)
+MESSAGES = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hello there"}]
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_chat_and_completions_stream_and_not() -> None:
+    async with gateway_over_sims([SIM, SIM]) as (gw, _), client(gw.url) as c:
+        models = await c.models.list()
+        assert [m.id for m in models.data] == ["sim"]
+
+        chat = await c.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=7)  # type: ignore[arg-type]
+        assert chat.choices[0].message.content and chat.usage is not None
+        assert chat.usage.completion_tokens == 7 and chat.usage.prompt_tokens > 0
+
+        comp = await c.completions.create(model="sim", prompt="once upon a time", max_tokens=5)
+        assert comp.choices[0].text and comp.usage is not None and comp.usage.completion_tokens == 5
+
+        chunks = [
+            ch
+            async for ch in await c.chat.completions.create(
+                model="sim",
+                messages=MESSAGES,
+                max_tokens=6,
+                stream=True,  # type: ignore[arg-type]
+                stream_options={"include_usage": True},
+            )
+        ]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+
+        # without include_usage the client sees no usage chunk (kvgate asked the engine for it and dropped it)
+        plain = [ch async for ch in await c.completions.create(model="sim", prompt="abc", max_tokens=4, stream=True)]
+        assert plain and all(ch.usage is None for ch in plain) and all(ch.choices for ch in plain)
+
+
+async def test_request_id_and_route_headers(http: aiohttp.ClientSession) -> None:
+    async with gateway_over_sims([SIM, SIM], routing={"policy": "round-robin"}) as (gw, _):
+        body = {"model": "sim", "prompt": "x", "max_tokens": 2}
+        async with http.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"}) as resp:
+            assert resp.status == 200 and resp.headers["x-request-id"] == "abc-123"
+            first = resp.headers["x-kvgate-replica"]
+            assert resp.headers["x-kvgate-route-reason"] == "round-robin"
+        async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            assert len(resp.headers["x-request-id"]) >= 16 and resp.headers["x-kvgate-replica"] != first
+
+
+async def test_client_disconnect_cancels_the_engine_request(http: aiohttp.ClientSession) -> None:
+    slow = SIM.model_copy(update={"decode_ms": 20})
+    async with gateway_over_sims([slow]) as (gw, sims):
+        engine = sims[0].engine
+        body = {"model": "sim", "prompt": "tell me a long story", "max_tokens": 2000, "stream": True}
+        resp = await http.post(gw.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        await resp.content.readline()  # the stream has started
+        resp.close()  # the client leaves
+        await wait_for(lambda: engine.stats.cancelled == 1, what="engine saw the cancellation")
+        assert engine.running == 0 and engine.stats.generated_tokens < 2000
+
+
+async def test_non_streaming_disconnect_cancels_too(http: aiohttp.ClientSession) -> None:
+    slow = SIM.model_copy(update={"decode_ms": 20})
+    async with gateway_over_sims([slow]) as (gw, sims):
+        engine = sims[0].engine
+        task = asyncio.create_task(
+            http.post(gw.url + "/v1/completions", json={"model": "sim", "prompt": "x", "max_tokens": 2000})
+        )
+        await wait_for(lambda: engine.running == 1, what="request running")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_for(lambda: engine.stats.cancelled == 1, what="engine saw the cancellation")
+
+
+async def test_retry_on_failing_replica_and_breaker(http: aiohttp.ClientSession) -> None:
+    broken = SIM.model_copy(update={"faults": Faults(error_rate=1.0)})
+    async with gateway_over_sims(
+        [broken, SIM], routing={"policy": "round-robin"}, retry={"breaker_failures": 2, "breaker_cooldown_s": 60}
+    ) as (gw, sims):
+        for _ in range(6):
+            async with http.post(gw.url + "/v1/completions", json={"model": "sim", "prompt": "x"}) as resp:
+                assert resp.status == 200
+        assert sims[0].engine.stats.failed == 2  # two failures opened the breaker; no traffic after that
+        metrics = await (await http.get(gw.url + "/metrics")).text()
+        assert 'kvgate_retries_total{model="sim"} 2.0' in metrics

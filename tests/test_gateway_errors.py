@@ -1,0 +1,177 @@
+"""Every bad input and every upstream failure gets its status and OpenAI's error shape; random bodies never 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine_pool.sim import Faults, SimConfig, run_sim_engine
+from gateway.embedded import RunningGateway, running_gateway
+from gateway.keys import REPLICAS
+from tests.conftest import gateway_config, gateway_over_sims, wait_for
+
+SIM = SimConfig(model="sim", instant=True)
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+def assert_error_shape(body: Any) -> None:
+    assert set(body) == {"error"}
+    assert {"message", "type", "param", "code"} <= set(body["error"])
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+BAD_INPUTS: list[tuple[str, str, bytes, int, str | None]] = [
+    ("malformed json", CHAT, b"{not json", 400, None),
+    ("not an object", CHAT, b"[1, 2]", 400, None),
+    ("missing model", CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+    ("model not a string", COMP, json.dumps({"model": 3, "prompt": "x"}).encode(), 400, "model"),
+    ("missing messages", CHAT, json.dumps({"model": "sim"}).encode(), 400, "messages"),
+    ("empty messages", CHAT, json.dumps({"model": "sim", "messages": []}).encode(), 400, "messages"),
+    (
+        "message without role",
+        CHAT,
+        json.dumps({"model": "sim", "messages": [{"content": "x"}]}).encode(),
+        400,
+        "messages[0].role",
+    ),
+    ("missing prompt", COMP, json.dumps({"model": "sim"}).encode(), 400, "prompt"),
+    ("prompt wrong type", COMP, json.dumps({"model": "sim", "prompt": {"a": 1}}).encode(), 400, "prompt"),
+    ("stream not bool", COMP, json.dumps({"model": "sim", "prompt": "x", "stream": "yes"}).encode(), 400, "stream"),
+    (
+        "negative max_tokens",
+        COMP,
+        json.dumps({"model": "sim", "prompt": "x", "max_tokens": -1}).encode(),
+        400,
+        "max_tokens",
+    ),
+    ("unknown model", COMP, json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
+    ("body too large", COMP, json.dumps({"model": "sim", "prompt": "x" * 70_000}).encode(), 413, None),
+    ("engine rejects n=2", COMP, json.dumps({"model": "sim", "prompt": "x", "n": 2}).encode(), 400, None),
+]
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[RunningGateway]:
+    async with gateway_over_sims([SIM], server={"max_body_bytes": 65_536}) as (gw, _):
+        yield gw
+
+
+async def test_bad_inputs_table(gateway: RunningGateway, http: aiohttp.ClientSession) -> None:
+    for name, path, body, status, param in BAD_INPUTS:
+        async with http.post(gateway.url + path, data=body, headers={"Content-Type": "application/json"}) as resp:
+            payload = await resp.json()
+            assert resp.status == status, (name, payload)
+            assert_error_shape(payload)
+            if param is not None:
+                assert payload["error"]["param"] == param, name
+            assert resp.headers.get("x-request-id"), name
+
+
+async def test_wrong_method_and_unknown_path(gateway: RunningGateway, http: aiohttp.ClientSession) -> None:
+    async with http.get(gateway.url + CHAT) as resp:
+        assert resp.status == 405
+        assert_error_shape(await resp.json())
+    async with http.get(gateway.url + "/v1/nothing") as resp:
+        assert resp.status == 404
+        assert_error_shape(await resp.json())
+
+
+async def _post(http: aiohttp.ClientSession, url: str, **extra: Any) -> tuple[int, Any, Any]:
+    async with http.post(url + COMP, json={"model": "sim", "prompt": "x", **extra}) as resp:
+        return resp.status, await resp.json(), resp.headers
+
+
+async def test_no_ready_replica_is_503_with_retry_after(http: aiohttp.ClientSession) -> None:
+    sick = SIM.model_copy(update={"faults": Faults(fail_health=True)})
+    async with run_sim_engine(sick) as engine:
+        cfg = gateway_config([], engines=[{"url": engine.url, "model": "sim"}])
+        async with running_gateway(cfg) as gw:
+            status, body, headers = await _post(http, gw.url)
+            assert status == 503 and int(headers["Retry-After"]) >= 1
+            assert_error_shape(body)
+            async with http.get(gw.url + "/ready") as resp:
+                assert resp.status == 503
+
+
+async def test_upstream_timeout_is_504(http: aiohttp.ClientSession) -> None:
+    stalled = SIM.model_copy(update={"faults": Faults(stall_s=30, stall_rate=1.0)})
+    async with gateway_over_sims([stalled], timeouts={"first_byte_s": 0.3}, retry={"max_attempts": 1}) as (gw, _):
+        status, body, _ = await _post(http, gw.url)
+        assert status == 504 and body["error"]["code"] == "upstream_timeout"
+        status, body, _ = await _post(http, gw.url, stream=True)
+        assert status == 504
+
+
+async def test_upstream_error_is_relayed_with_its_status(http: aiohttp.ClientSession) -> None:
+    failing = SIM.model_copy(update={"faults": Faults(error_rate=1.0)})
+    async with gateway_over_sims([failing], retry={"max_attempts": 1}) as (gw, _):
+        status, body, _ = await _post(http, gw.url)
+        assert status == 500
+        assert_error_shape(body)
+
+
+async def test_replica_killed_mid_run_loses_no_unstarted_request(http: aiohttp.ClientSession) -> None:
+    slow = SimConfig(model="sim", overhead_ms=50, prefill_us_per_token=0, decode_ms=1)
+    async with run_sim_engine(slow) as survivor:
+        doomed_cm = run_sim_engine(slow)
+        doomed = await doomed_cm.__aenter__()
+        cfg = gateway_config(
+            [doomed.url, survivor.url],
+            routing={"policy": "round-robin"},
+            retry={"breaker_failures": 1, "breaker_cooldown_s": 60},
+        )
+        async with running_gateway(cfg) as gw:
+            await wait_for(lambda: all(r.routable(time.monotonic()) for r in gw.app[REPLICAS]))
+            tasks = [asyncio.create_task(_post(http, gw.url, max_tokens=4)) for _ in range(20)]
+            await wait_for(lambda: doomed.engine.running > 0, what="requests on the doomed replica")
+            await doomed_cm.__aexit__(None, None, None)  # the replica dies with requests in flight
+            results = await asyncio.gather(*tasks)
+            assert [status for status, _, _ in results] == [200] * 20
+            assert survivor.engine.stats.completed >= 10
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    body=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+        lambda children: (
+            st.lists(children, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(
+                    [
+                        "model",
+                        "messages",
+                        "prompt",
+                        "stream",
+                        "max_tokens",
+                        "n",
+                        "stream_options",
+                        "role",
+                        "content",
+                        "x",
+                    ]
+                ),
+                children,
+                max_size=5,
+            )
+        ),
+        max_leaves=12,
+    )
+)
+def test_random_json_bodies_never_500(body: Any) -> None:
+    async def run() -> None:
+        async with gateway_over_sims([SIM]) as (gw, _), aiohttp.ClientSession() as http:
+            for path in (CHAT, COMP):
+                async with http.post(gw.url + path, json=body) as resp:
+                    assert resp.status < 500, await resp.text()
+
+    asyncio.run(run())

@@ -1,0 +1,138 @@
+"""Supervisor and pool against real simulated-engine child processes: readiness after warm-up, crash restart with
+backoff, crash loop, hung replica, start-up deadline, stop without orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from engine_pool.pool import EnginePool
+from engine_pool.replica_set import ReplicaSet
+from engine_pool.spec import PoolConfig
+from engine_pool.supervisor import SlotState
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@asynccontextmanager
+async def sim_pool(tmp_path: Path, registry: CollectorRegistry, **model: Any) -> AsyncIterator[EnginePool]:
+    spec = {"name": "m", "kind": "sim", "replicas": 1, "restart": {"backoff_base_s": 0.05, "backoff_max_s": 0.2},
+            "liveness": {"interval_s": 0.1, "timeout_s": 2.0, "failures": 2}, "startup_deadline_s": 60, **model}
+    cfg = PoolConfig.model_validate({"log_dir": str(tmp_path / "logs"), "models": [spec]})
+    async with aiohttp.ClientSession() as session:
+        replicas = ReplicaSet(session, interval_s=0.1)
+        pool = EnginePool(cfg, replicas, session, registry)
+        try:
+            await pool.start()
+            yield pool
+        finally:
+            await pool.stop()
+            await replicas.close()
+
+
+async def test_ready_only_after_warm_up_and_stop_leaves_no_process(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    async with sim_pool(tmp_path, registry, replicas=2) as pool:
+        slots = pool.slots("m")
+        assert [s.id for s in slots] == ["m-0", "m-1"]
+        for s in slots:  # nothing is routable before its warm-up succeeded
+            assert not s.replica.warm
+        await pool.wait_ready(timeout_s=60)
+        pgids = []
+        async with aiohttp.ClientSession() as client:
+            for s in slots:
+                assert s.state is SlotState.READY and s.replica.warm and s.replica.managed
+                assert s.process is not None
+                pgids.append(s.process.pgid)
+                async with client.get(f"{s.replica.url}/sim/stats") as resp:
+                    stats = await resp.json()
+                assert stats["completed"] >= 1  # the warm-up was a real completion
+        log_text = (tmp_path / "logs" / "m-0.log").read_text()
+        assert "kvgate: starting m-0" in log_text
+        assert registry.get_sample_value("kvgate_pool_replica_state", {"replica": "m-0", "model": "m",
+                                                                       "state": "ready"}) == 1
+    assert all(not group_alive(p) for p in pgids)
+    assert all(s.state is SlotState.STOPPED for s in slots)
+
+
+async def test_crash_is_restarted_with_backoff(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    async with sim_pool(tmp_path, registry) as pool:
+        await pool.wait_ready(timeout_s=60)
+        slot = pool.slot("m-0")
+        assert slot.process is not None
+        old_pid, gen = slot.process.pid, slot.gen
+        os.kill(old_pid, signal.SIGKILL)
+        state = await pool.supervisor.wait_for("m-0", {SlotState.READY}, newer_than=gen, timeout_s=60)
+        assert state is SlotState.READY
+        assert slot.process is not None and slot.process.pid != old_pid
+        assert slot.replica.warm and slot.replica.healthy
+        events = [e.split(" ", 1)[1] for e in slot.describe()["events"]]
+        assert any(e.startswith("backoff: restart in") for e in events)
+        assert registry.get_sample_value("kvgate_pool_restarts_total",
+                                         {"replica": "m-0", "model": "m", "reason": "crash"}) == 1
+
+
+async def test_crash_loop_is_reported_not_spinning(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    # --crash-after 0: the engine exits on its first request, i.e. on every warm-up
+    async with sim_pool(tmp_path, registry, extra_args=["--crash-after", "0"],
+                        restart={"backoff_base_s": 0.05, "crash_loop_limit": 3, "crash_loop_window_s": 600}) as pool:
+        state = await pool.supervisor.wait_for("m-0", {SlotState.FAILED}, timeout_s=90)
+        slot = pool.slot("m-0")
+        assert state is SlotState.FAILED
+        assert slot.gen == 3  # exactly crash_loop_limit launches, then it stays failed
+        assert slot.process is None
+        assert slot.last_error is not None and slot.last_error.startswith("crash")
+        assert registry.get_sample_value("kvgate_pool_crash_loops_total", {"replica": "m-0", "model": "m"}) == 1
+        assert not slot.replica.warm
+        with pytest.raises(Exception, match="replicas failed"):
+            await pool.wait_ready(timeout_s=5)
+
+
+async def test_hung_replica_is_taken_out_and_restarted(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    async with sim_pool(tmp_path, registry) as pool:
+        await pool.wait_ready(timeout_s=60)
+        slot = pool.slot("m-0")
+        gen = slot.gen
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{slot.replica.url}/sim/faults", json={"fail_health": True}) as resp:
+                assert resp.status == 200
+        # out of routing as soon as the supervisor sees it, then killed and relaunched (fresh faults)
+        await pool.supervisor.wait_for("m-0", {SlotState.STOPPING, SlotState.BACKOFF}, timeout_s=30)
+        assert not slot.replica.routable(0.0)
+        assert await pool.supervisor.wait_for("m-0", {SlotState.READY}, newer_than=gen, timeout_s=60) \
+            is SlotState.READY
+        assert registry.get_sample_value("kvgate_pool_restarts_total",
+                                         {"replica": "m-0", "model": "m", "reason": "hung"}) == 1
+
+
+async def test_start_up_deadline(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    async with sim_pool(tmp_path, registry, extra_args=["--fail-health"], startup_deadline_s=1.0,
+                        restart={"backoff_base_s": 0.05, "crash_loop_limit": 2}) as pool:
+        assert await pool.supervisor.wait_for("m-0", {SlotState.FAILED}, timeout_s=60) is SlotState.FAILED
+        slot = pool.slot("m-0")
+        assert slot.last_error is not None and "not ready within 1 s" in slot.last_error
+        assert registry.get_sample_value("kvgate_pool_restarts_total",
+                                         {"replica": "m-0", "model": "m", "reason": "startup"}) == 2
+        assert slot.process is None
+        # an admin restart revives a failed replica (it fails again here: the flag is part of its command line)
+        gen = slot.gen
+        assert await pool.restart("m-0") is SlotState.FAILED
+        assert slot.gen == gen + 2

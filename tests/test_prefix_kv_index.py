@@ -1,0 +1,123 @@
+"""KV index: longest-prefix lookup, LRU bound, speculative TTL, event re-hashing."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.prefix.hashing import chain_hashes, context_seed, prompt_block_hashes
+from policies.prefix.kv_index import KvIndex, StoredBlocks
+
+BS = 4
+SEED = context_seed("m")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hashes(tokens: list[int]) -> list[int]:
+    return prompt_block_hashes(tokens, BS, model="m")
+
+
+def test_overlap_counts_leading_blocks_and_stops_at_first_miss() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=100)
+    idx.add_replica("b", capacity_blocks=100)
+    h = hashes(list(range(16)))  # 4 blocks
+    idx.record_routed("a", h[:3])
+    idx.record_routed("b", [h[0], h[2], h[3]])  # hole at block 1
+    assert idx.overlap(h, ["a", "b", "unknown"]) == {"a": 3, "b": 1, "unknown": 0}
+    assert idx.size() == 6 and idx.sizes() == {"a": 3, "b": 3}
+
+
+def test_lru_bound_evicts_oldest() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=3)
+    h1 = hashes(list(range(8)))
+    h2 = hashes(list(range(100, 108)))
+    idx.record_routed("a", h1)
+    idx.record_routed("a", h1[:1])  # refresh block 0
+    idx.record_routed("a", h2)  # LRU order was h1[1], h1[0]; adding 2 evicts h1[1]
+    assert idx.replica_size("a") == 3
+    assert idx.overlap(h1, ["a"]) == {"a": 1}
+    assert idx.overlap(h2, ["a"]) == {"a": 2}
+
+
+def test_speculative_entries_expire_only_on_replicas_with_events() -> None:
+    clock = Clock()
+    idx = KvIndex(speculative_ttl_s=2.0, clock=clock)
+    idx.add_replica("precise", capacity_blocks=10, precise=True)
+    idx.add_replica("approx", capacity_blocks=10, precise=False)
+    h = hashes(list(range(8)))
+    idx.record_routed("precise", h)
+    idx.record_routed("approx", h)
+    clock.now = 1.0
+    assert idx.overlap(h, ["precise", "approx"]) == {"precise": 2, "approx": 2}
+    clock.now = 3.0
+    assert idx.overlap(h, ["precise", "approx"]) == {"precise": 0, "approx": 2}
+
+
+def test_event_confirms_speculative_entry() -> None:
+    clock = Clock()
+    idx = KvIndex(speculative_ttl_s=2.0, clock=clock)
+    idx.add_replica("a", capacity_blocks=10, precise=True)
+    tokens = list(range(8))
+    h = hashes(tokens)
+    idx.record_routed("a", h)
+    assert idx.apply_stored("a", StoredBlocks([101, 102], None, tokens, BS), SEED) == 2
+    idx.record_routed("a", h)  # a later routed insert does not downgrade confirmed entries
+    clock.now = 100.0
+    assert idx.overlap(h, ["a"]) == {"a": 2}
+
+
+def test_stored_events_are_rehashed_and_chained_through_engine_hashes() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=100, precise=True)
+    tokens = list(range(20))  # 5 blocks
+    h = hashes(tokens)
+    # the engine stores blocks 0-1, then 2-4 in a second event whose parent is engine hash 0xB
+    assert idx.apply_stored("a", StoredBlocks([0xA, 0xB], None, tokens[:8], BS), SEED) == 2
+    assert idx.apply_stored("a", StoredBlocks([0xC, 0xD, 0xE], 0xB, tokens[8:20], BS), SEED) == 3
+    assert idx.overlap(h, ["a"]) == {"a": 5}
+    # BlockRemoved carries engine hashes only: the middle block goes, the prefix now stops there
+    assert idx.apply_removed("a", [0xC, 0x999]) == 1
+    assert idx.overlap(h, ["a"]) == {"a": 2}
+
+
+def test_stored_event_with_unknown_parent_is_skipped() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=100, precise=True)
+    assert idx.apply_stored("a", StoredBlocks([1], 0xDEAD, list(range(4)), BS), SEED) == -1
+    assert idx.size() == 0
+
+
+def test_stored_event_partial_trailing_tokens_ignored() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=100, precise=True)
+    tokens = list(range(10))
+    assert idx.apply_stored("a", StoredBlocks([1, 2, 3], None, tokens, BS), SEED) == 2
+    assert chain_hashes(tokens, BS, SEED) == hashes(tokens)
+
+
+def test_clear_and_remove_replica() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=10, precise=True)
+    tokens = list(range(8))
+    idx.apply_stored("a", StoredBlocks([1, 2], None, tokens, BS), SEED)
+    idx.clear("a")
+    assert idx.overlap(hashes(tokens), ["a"]) == {"a": 0}
+    # engine-hash map cleared too: a child of a forgotten parent cannot be placed
+    assert idx.apply_stored("a", StoredBlocks([3], 2, list(range(8, 12)), BS), SEED) == -1
+    idx.remove_replica("a")
+    assert "a" not in idx and idx.sizes() == {}
+    idx.record_routed("a", hashes(tokens))  # unknown replica: ignored
+    assert idx.size() == 0
+
+
+def test_rejects_bad_capacity() -> None:
+    with pytest.raises(ValueError):
+        KvIndex().add_replica("a", capacity_blocks=0)

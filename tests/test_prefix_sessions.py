@@ -1,0 +1,51 @@
+"""Session table: TTL refreshed on use, LRU bound, replica removal."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.prefix.sessions import SessionTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ttl_refreshed_on_use_and_expires() -> None:
+    clock = Clock()
+    t = SessionTable(ttl_s=10, max_entries=10, clock=clock)
+    t.bind("s", "r1")
+    clock.now = 8
+    assert t.get("s") == "r1"  # refreshed: expires at 18
+    clock.now = 17
+    assert t.get("s") == "r1"
+    clock.now = 28
+    assert t.get("s") is None
+    assert len(t) == 0
+
+
+def test_lru_bound_evicts_least_recently_used() -> None:
+    t = SessionTable(ttl_s=100, max_entries=2, clock=Clock())
+    t.bind("a", "r1")
+    t.bind("b", "r1")
+    assert t.get("a") == "r1"  # a is now the most recent
+    t.bind("c", "r2")
+    assert t.get("b") is None
+    assert t.get("a") == "r1" and t.get("c") == "r2"
+
+
+def test_drop_replica_unbinds_its_sessions() -> None:
+    t = SessionTable(ttl_s=100, max_entries=10, clock=Clock())
+    t.bind("a", "r1")
+    t.bind("b", "r2")
+    assert t.drop_replica("r1") == 1
+    assert t.get("a") is None and t.get("b") == "r2"
+
+
+def test_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError):
+        SessionTable(ttl_s=0, max_entries=1)
