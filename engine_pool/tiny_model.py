@@ -154,7 +154,8 @@ def _build_model(work: Path, seed: int, bos_id: int, eos_ids: list[int], pad_id:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16)
+    for param in model.parameters():
+        param.data = param.data.to(torch.bfloat16)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, pad_token_id=pad_id)
     from transformers.utils import logging as hf_logging
 

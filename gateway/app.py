@@ -20,9 +20,10 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway import handlers
 from gateway.admission.setup import admission_ctx
+from gateway.cache_ctx import cache_ctx
 from gateway.config import EngineConfig, GatewayConfig
 from gateway.errors import GatewayError, error_response, http_exception_to_error
-from gateway.keys import CLIENT, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
+from gateway.keys import CACHE, CLIENT, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
 from gateway.router import Router
@@ -88,7 +89,7 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     policy = build_policy(cfg.routing.policy, cfg.routing.params)
-    router = Router(policy, app[REPLICAS], app[METRICS])
+    router = Router(policy, app[REPLICAS], app[METRICS], app.get(CACHE))
     app[ROUTER] = router
     app[PROXY] = UpstreamProxy(
         app[CLIENT], router, app[REPLICAS], app[METRICS],
@@ -102,7 +103,7 @@ def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = Non
     app[CONFIG] = config
     app[REGISTRY] = registry or CollectorRegistry()
     app[METRICS] = GatewayMetrics(app[REGISTRY])
-    app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
+    app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, cache_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
     app.cleanup_ctx.append(admission_ctx)  # after the router: tenants, quotas, the fair queue
     handlers.add_routes(app)
     admin.add_routes(app)  # /admin/*: drain, restart, rolling restart, scale

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine_pool.spec import PoolConfig
 from gateway.admission.config import AdmissionConfig
+from policies.prefix.config import CacheConfig
 from policies.registry import build_policy, policy_names
 
 
@@ -100,6 +101,7 @@ class GatewayConfig(StrictModel):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)  # prefix hashing, KV index, sessions
     engines: list[EngineConfig] = Field(default_factory=list)
     pool: PoolConfig | None = None  # engines kvgate launches and supervises (engine_pool.spec)
 

@@ -12,8 +12,9 @@ from gateway.accesslog import log_access
 from gateway.admission.admin import reload_admission
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, NotFound
-from gateway.keys import ADMISSION, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
+from gateway.keys import ADMISSION, CACHE, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
 from gateway.request_parse import Endpoint, parse_request
+from policies.base import RequestInfo
 
 
 async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -21,6 +22,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
     cfg, metrics = app[CONFIG], app[METRICS]
     ctx = RequestContext(request_id=request[REQUEST_ID], endpoint=endpoint)
     admission = app[ADMISSION]
+    info: RequestInfo | None = None
     try:
         identity = admission.identify(request.headers)  # 401 before anything else when auth is on
         ctx.tenant = identity.tenant
@@ -30,7 +32,7 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         if not app[REPLICAS].for_model(parsed.model):
             raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
         body_changed = admission.apply_cache_salt(identity, parsed.body)
-        session_key = request.headers.get("x-session-id") or _str_or_none(parsed.body.get("user"))
+        session_key = request.headers.get(cfg.cache.session_header)
         info = await app[ROUTER].request_info(
             model=parsed.model, endpoint=endpoint, body=parsed.body, tenant=ctx.tenant, session_key=session_key
         )
@@ -38,6 +40,8 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         async with admission.admission(identity, parsed.model, prompt_estimate, ctx):
             response = await app[PROXY].forward(request, parsed, info, ctx, raw, body_changed=body_changed)
         ctx.status = response.status
+        if info is not None and (cache := app.get(CACHE)) is not None and ctx.status == 200:
+            cache.on_finished(info, ctx.replica, ctx.cached_tokens)
         return response
     except GatewayError as err:
         ctx.status, ctx.error = err.status, err.code
@@ -53,10 +57,6 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         _observe(request, ctx)
         admission.metrics.requests.labels(ctx.tenant, str(ctx.status)).inc()
         log_access(ctx, cfg.server.access_log)
-
-
-def _str_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
 
 
 def _observe(request: web.Request, ctx: RequestContext) -> None:

@@ -13,6 +13,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.router import Router
+from policies.prefix.state import CacheAwareState
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
@@ -23,6 +24,7 @@ ROUTER = web.AppKey("router", Router)
 PROXY = web.AppKey("proxy", UpstreamProxy)
 ADMISSION = web.AppKey("admission", AdmissionController)
 CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
+CACHE = web.AppKey("cache", CacheAwareState)  # absent unless the routing policy uses prefix overlap
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config
 
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -69,7 +69,7 @@ def build_factory(args: argparse.Namespace, maker: TextMaker) -> WorkloadFactory
             max_input_tokens=args.max_input_len, max_output_tokens=args.max_output_len,
         )  # fmt: skip
 
-    factory(args.seed)  # validates the parameters now rather than mid-run
+    next(factory(args.seed), None)  # generators are lazy: validate the parameters now, not mid-run
     return factory
 
 

@@ -12,7 +12,7 @@ sessions, ordered by session start (a heap keyed (session order, turn)), so a cl
 instead of starting every session first. A failed turn still continues its session, with an empty answer.
 A session's tenant (API key) is drawn once, by weight, from a seeded RNG.
 
-Stopping: after `max_requests` sends, at `duration_s` (no new sends; in-flight requests finish, pending think
+Stopping: after `max_requests` sends (default MAX_REQUESTS, which bounds the results kept), at `duration_s` (no new sends; in-flight requests finish, pending think
 timers are cancelled), or when the workload is exhausted. With a duration the workload factory is called again
 with seed + epoch when it runs out, session ids prefixed `e<epoch>-`. Memory: one result per request sent, plus
 history of the sessions in progress.
@@ -36,6 +36,7 @@ import aiohttp
 from loadgen.client import Message, RequestResult, RequestSpec, Target, send_request
 
 WorkloadFactory = Callable[[int], Iterator[RequestSpec]]
+MAX_REQUESTS = 1_000_000  # per setting when no cap is given: bounds the kept results
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,6 +324,8 @@ async def run_setting(
     progress: Progress | None = None,
 ) -> SettingResult:
     """Runs the workload under `arrival` until done (module header); returns every request's result."""
+    if max_requests is None:
+        max_requests = MAX_REQUESTS
     if arrival.mode == "closed" and arrival.concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if arrival.mode == "poisson" and arrival.rate <= 0:

@@ -93,6 +93,7 @@ def _load_key(r: ReplicaState) -> tuple[int, int, int]:
 
 class CacheAware:
     name = "cache-aware"
+    uses_prefix_cache = True  # the gateway keeps a CacheAwareState (tokenizer, KV index, sessions) for it
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self.params = CacheAwareParams.parse(params or {})

@@ -21,13 +21,15 @@ MODEL = "sim-model"
 
 
 def gateway_config(engines: Sequence[SimServer], admission: dict[str, Any]) -> GatewayConfig:
-    return GatewayConfig.model_validate({
-        "server": {"port": 0, "access_log": "off", "shutdown_grace_s": 1},
-        "health": {"interval_s": 0.2, "metrics_interval_s": 0.1},
-        "engines": [{"url": e.url, "model": MODEL} for e in engines],
-        "admin": {"key": "admin-key"},
-        "admission": admission,
-    })
+    return GatewayConfig.model_validate(
+        {
+            "server": {"port": 0, "access_log": "off", "shutdown_grace_s": 1},
+            "health": {"interval_s": 0.2, "metrics_interval_s": 0.1},
+            "engines": [{"url": e.url, "model": MODEL} for e in engines],
+            "admin": {"key": "admin-key"},
+            "admission": admission,
+        }
+    )
 
 
 @asynccontextmanager
@@ -35,8 +37,9 @@ async def stack(
     admission: dict[str, Any], engines: int = 1, **sim: Any
 ) -> AsyncIterator[tuple[RunningGateway, list[SimServer], aiohttp.ClientSession]]:
     async with AsyncExitStack() as es:
-        servers = [await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, seed=i, **sim)))
-                   for i in range(engines)]
+        servers = [
+            await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, seed=i, **sim))) for i in range(engines)
+        ]
         gw = await es.enter_async_context(running_gateway(gateway_config(servers, admission)))
         session = await es.enter_async_context(aiohttp.ClientSession())
         await wait_ready(session, gw.url)
@@ -52,8 +55,13 @@ async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
 
 
 def chat(max_tokens: int = 4, stream: bool = False, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens,
-            "stream": stream, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        **extra,
+    }
 
 
 async def post(
@@ -76,8 +84,9 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
     async with stack({"auth": True, "tenants": TENANTS}, decode_ms=40) as (gw, _, session):
         status, _, raw = await post(session, gw.url, chat())
         err = json.loads(raw)["error"]
-        assert status == 401 and err["type"] == "authentication_error" and set(err) == {"message", "type", "param",
-                                                                                         "code"}
+        assert (
+            status == 401 and err["type"] == "authentication_error" and set(err) == {"message", "type", "param", "code"}
+        )
         assert (await post(session, gw.url, chat(), key="sk-wrong"))[0] == 401
         assert (await post(session, gw.url, chat(), key="sk-alice", **{"x-kvgate-tenant": "bob"}))[0] == 200
 
@@ -97,8 +106,9 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
         assert (await slow)[0] == 200
         assert (await post(session, gw.url, chat(), key="sk-alice"))[0] == 200  # slot released
         reg = gw.app[REGISTRY]
-        assert reg.get_sample_value("kvgate_admission_rejections_total",
-                                    {"tenant": "alice", "reason": "concurrency"}) == 1
+        assert (
+            reg.get_sample_value("kvgate_admission_rejections_total", {"tenant": "alice", "reason": "concurrency"}) == 1
+        )
         assert reg.get_sample_value("kvgate_tenant_tokens_total", {"tenant": "alice", "kind": "completion"})
 
 
@@ -124,11 +134,11 @@ async def test_reload_keeps_in_flight_requests() -> None:
         new = {"admission": {"auth": True, "tenants": {"carol": {"keys": [hash_key("sk-carol")]}}}}
         async with session.post(f"{gw.url}/admin/reload", json=new, headers={"Authorization": "Bearer no"}) as r:
             assert r.status == 401
-        async with session.post(f"{gw.url}/admin/reload", json={"auth": "maybe"},
-                                headers={"Authorization": "Bearer admin-key"}) as r:
+        async with session.post(
+            f"{gw.url}/admin/reload", json={"auth": "maybe"}, headers={"Authorization": "Bearer admin-key"}
+        ) as r:
             assert r.status == 400
-        async with session.post(f"{gw.url}/admin/reload", json=new,
-                                headers={"Authorization": "Bearer admin-key"}) as r:
+        async with session.post(f"{gw.url}/admin/reload", json=new, headers={"Authorization": "Bearer admin-key"}) as r:
             assert r.status == 200 and (await r.json())["tenants"] == ["carol"]
         assert (await post(session, gw.url, chat(), key="sk-carol"))[0] == 200
         assert (await post(session, gw.url, chat(), key="sk-alice"))[0] == 401
@@ -152,7 +162,9 @@ async def test_overload_3x_fails_fast_and_never_overfills() -> None:
     with Retry-After; the gateway queue never exceeds its bound; the engines never queue (TTFT stays at capacity)."""
     admission = {"replica_max_concurrency": 4, "queue": {"max_queued": 6, "max_wait_s": 30}}
     async with stack(admission, engines=2, max_num_seqs=4, decode_ms=5, prefill_us_per_token=200) as (
-        gw, servers, session
+        gw,
+        servers,
+        session,
     ):
         adm = gw.app[ADMISSION]
         peak = {"queued": 0, "engine_waiting": 0, "active": 0}
@@ -183,14 +195,19 @@ async def test_overload_3x_fails_fast_and_never_overfills() -> None:
         assert peak["queued"] <= 6 and peak["active"] <= 8 and peak["engine_waiting"] == 0
         assert adm.queued() == 0 and adm._active.get(MODEL, 0) == 0  # nothing left behind
         reg = gw.app[REGISTRY]
-        assert reg.get_sample_value("kvgate_admission_rejections_total",
-                                    {"tenant": "anonymous", "reason": "queue_full"})
+        assert reg.get_sample_value(
+            "kvgate_admission_rejections_total", {"tenant": "anonymous", "reason": "queue_full"}
+        )
 
 
 async def test_fairness_light_tenant_is_not_starved() -> None:
     tenants = {"flood": {"keys": [hash_key("sk-flood")]}, "light": {"keys": [hash_key("sk-light")]}}
-    admission = {"auth": True, "tenants": tenants, "replica_max_concurrency": 2,
-                 "queue": {"max_queued": 64, "max_queued_per_tenant": 24, "max_wait_s": 60}}
+    admission = {
+        "auth": True,
+        "tenants": tenants,
+        "replica_max_concurrency": 2,
+        "queue": {"max_queued": 64, "max_queued_per_tenant": 24, "max_wait_s": 60},
+    }
     async with stack(admission, max_num_seqs=2, decode_ms=4) as (gw, _, session):
         flood_status: list[int] = []
         light_status: list[int] = []

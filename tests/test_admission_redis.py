@@ -20,12 +20,13 @@ from gateway.admission.config import hash_key
 from gateway.admission.redis_store import RedisQuotaStore
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import ADMISSION, REGISTRY
-from test_admission_gateway import MODEL, chat, gateway_config, post, wait_ready
+from tests.test_admission_gateway import MODEL, chat, gateway_config, post, wait_ready
 
 pytestmark = [
     pytest.mark.redis,
-    pytest.mark.skipif(shutil.which("redis-server") is None,
-                       reason="redis-server not installed (apt-get install redis-server)"),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None, reason="redis-server not installed (apt-get install redis-server)"
+    ),
 ]
 
 
@@ -47,7 +48,8 @@ class RedisProcess:
     async def start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         client = aioredis.Redis.from_url(self.url)
         try:
@@ -92,8 +94,10 @@ async def two_gateways(
 ) -> AsyncIterator[tuple[list[RunningGateway], list[SimServer], aiohttp.ClientSession]]:
     async with AsyncExitStack() as es:
         engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, decode_ms=30)))
-        gws = [await es.enter_async_context(running_gateway(gateway_config([engine], admission(url, policy))))
-               for _ in range(2)]
+        gws = [
+            await es.enter_async_context(running_gateway(gateway_config([engine], admission(url, policy))))
+            for _ in range(2)
+        ]
         session = await es.enter_async_context(aiohttp.ClientSession())
         for gw in gws:
             await wait_ready(session, gw.url)

@@ -231,8 +231,36 @@ async def test_info_endpoints_and_errors() -> None:
             assert r.status == 400 and (await r.json())["error"]["type"] == "BadRequestError"
         async with http.get(f"{sim.url}/no/such/path") as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == 404
+        async with http.post(f"{sim.url}/reset_prefix_cache") as r:
+            assert r.status == 200
         async with http.get(f"{sim.url}/sim/stats") as r:
-            assert (await r.json())["rejected"] == len(bad) + 1
+            stats = await r.json()
+        assert stats["rejected"] == len(bad) + 1
+        for key in (
+            "started",
+            "completed",
+            "cancelled",
+            "failed",
+            "running",
+            "waiting",
+            "generated_tokens",
+            "cached_tokens_total",
+            "prompt_tokens_total",
+        ):
+            assert stats[key] == 0, key
+
+
+async def test_full_waiting_queue_answers_503() -> None:
+    cfg = SimConfig(decode_ms=10, max_num_seqs=1, max_waiting=0)
+    async with run_sim_engine(cfg) as sim, aiohttp.ClientSession() as http:
+        body = {"messages": CHAT, "max_tokens": 3000, "stream": True}
+        holder = await http.post(f"{sim.url}/v1/chat/completions", json=body)
+        await holder.content.readline()
+        async with http.post(f"{sim.url}/v1/chat/completions", json={"messages": CHAT}) as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] == 503
+        holder.close()
+        await sim.engine.wait_until(lambda e: e.running == 0)
+        assert sim.engine.stats.failed == 1 and sim.engine.stats.cancelled == 1
 
 
 async def test_completions_json_and_sse_through_aiohttp() -> None:
@@ -242,8 +270,12 @@ async def test_completions_json_and_sse_through_aiohttp() -> None:
             out = await r.json()
         assert r.headers["X-Request-Id"] == "r7" and out["id"].startswith("cmpl-")
         assert out["object"] == "text_completion" and out["choices"][0]["finish_reason"] == "length"
-        assert out["usage"] == {"prompt_tokens": 50, "completion_tokens": 10, "total_tokens": 60,
-                                "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        assert out["usage"] == {
+            "prompt_tokens": 50,
+            "completion_tokens": 10,
+            "total_tokens": 60,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         capped = {"prompt": list(range(1, 61)), "max_tokens": 100, "stream": True}
         async with http.post(f"{sim.url}/v1/completions", json=capped) as r:
             assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -270,9 +302,12 @@ async def test_openai_client_chat_stream_usage_and_cached_tokens() -> None:
             assert second.usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
             assert first.choices[0].message.content == second.choices[0].message.content
             stream = await client.chat.completions.create(
-                model="sim", messages=OAI_CHAT, max_tokens=5, stream=True,
+                model="sim",
+                messages=OAI_CHAT,
+                max_tokens=5,
+                stream=True,
                 stream_options={"include_usage": True},
-            )  # fmt: skip
+            )
             chunks = [c async for c in stream]
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert text == "".join(second.choices[0].message.content.split()[:5]).replace("w", " w")  # type: ignore[union-attr]
@@ -285,11 +320,21 @@ async def test_openai_client_chat_stream_usage_and_cached_tokens() -> None:
             await client.close()
         async with aiohttp.ClientSession() as http, http.get(f"{sim.url}/metrics") as r:
             families = {f.name: f for f in text_string_to_metric_families(await r.text())}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:cache_config_info",
-                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:request_success",
-                 "vllm:prompt_tokens", "vllm:generation_tokens"):  # fmt: skip
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:cache_config_info",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_success",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+    ):
         assert name in families, name
 
     def value(family: str, sample: str) -> float:
@@ -366,7 +411,11 @@ async def test_faults_error_health_stall_and_crash() -> None:
         async with http.get(f"{sim.url}/sim/stats") as r:
             stats = await r.json()
         assert {k: stats[k] for k in ("started", "completed", "failed", "cancelled")} == {
-            "started": 4, "completed": 1, "failed": 2, "cancelled": 1}  # fmt: skip
+            "started": 4,
+            "completed": 1,
+            "failed": 2,
+            "cancelled": 1,
+        }
     with pytest.raises(asyncio.CancelledError):
         await stalled
 
@@ -386,12 +435,22 @@ def test_kv_event_codec_round_trip_and_legacy_forms() -> None:
     assert decode_kv_event_batch(payload) == batch
     raw = msgpack.unpackb(payload)
     assert raw[0] == 12.5 and raw[2] == 0 and raw[1][2] == {"type": "AllBlocksCleared"}
-    assert list(raw[1][0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                               "medium", "lora_name", "group_idx"]  # fmt: skip
+    assert list(raw[1][0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "group_idx",
+    ]
     legacy = msgpack.packb([1.0, [["BlockStored", [b"\x01" * 32], None, [9], 1, None], ["BlockRemoved", [3]]]])
     decoded = decode_kv_event_batch(legacy)
-    assert decoded.events[0] == BlockStored((int.from_bytes(b"\x01" * 8, "big"),), None, (9,), 1, None, None,
-                                            group_idx=None)  # fmt: skip
+    assert decoded.events[0] == BlockStored(
+        (int.from_bytes(b"\x01" * 8, "big"),), None, (9,), 1, None, None, group_idx=None
+    )
     assert decoded.events[1] == BlockRemoved((3,), medium=None, group_idx=None)
     assert decoded.data_parallel_rank is None
     for bad in (b"\xc1", msgpack.packb({"a": 1}), msgpack.packb([1.0, [{"type": "BlockStored"}]])):
@@ -436,7 +495,7 @@ def test_kv_event_encoding_matches_vllm_msgspec() -> None:
                 VBlockRemoved([2**63 + 5], "GPU", 0),
             ],
             0,
-        )  # fmt: skip
+        )
     )
     ours = KVEventBatch(1.25, (BlockStored((2**63 + 5,), 17, (1, 2), 2), BlockRemoved((2**63 + 5,))), 0)
     assert encode_kv_event_batch(ours) == vllm_bytes
@@ -475,9 +534,16 @@ async def test_kv_events_published_over_zmq() -> None:
 # --- CLI subprocess -----------------------------------------------------------------------------------------------
 async def _start_cli(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, int]]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "sim-engine", "--port", "0", *args,
-        cwd=REPO, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "sim-engine",
+        "--port",
+        "0",
+        *args,
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+    )
     assert proc.stdout is not None
     ports: dict[str, int] = {}
     while "LISTENING" not in ports:

@@ -122,11 +122,20 @@ def _hashes(value: Any, int_hashes: bool) -> tuple[BlockHash, ...]:
 
 # Field order of the older array_like (tagged) event encoding, after the tag.
 _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                    "lora_name", "extra_keys", "group_idx"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    ),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
-}  # fmt: skip
+}
 
 
 def _decode_event(raw: Any, int_hashes: bool) -> KVEvent | None:
@@ -220,13 +229,16 @@ class KVEventPublisher:
         """Bind the socket and start the sender; returns the bound port."""
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.XPUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        if self.port:
-            sock.bind(f"tcp://{self.host}:{self.port}")
-        else:
-            sock.bind(f"tcp://{self.host}:*")
-        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.bind(f"tcp://{self.host}:{self.port or '*'}")
+            endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            self._ctx.term()
+            self._ctx = None
+            raise
         assert isinstance(endpoint, bytes)
         self.bound_port = int(endpoint.decode().rsplit(":", 1)[1])
         self._sock = sock

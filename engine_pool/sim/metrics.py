@@ -9,12 +9,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # vllm/v1/metrics/buckets.py defaults
+# fmt: off
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+                               7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+                               7.5, 10.0, 20.0, 40.0, 80.0)
+# fmt: on
 
 _LABELS = ["model_name", "engine"]
 
@@ -57,21 +59,25 @@ class SimMetrics:
         )
         self.success_length = success.labels(*values, "length")
         self.ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
             TIME_TO_FIRST_TOKEN_BUCKETS,
-        ).labels(*values)  # fmt: skip
+        ).labels(*values)
         self.itl = histogram(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
             INTER_TOKEN_LATENCY_BUCKETS,
-        ).labels(*values)  # fmt: skip
+        ).labels(*values)
         self.e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
-        ).labels(*values)  # fmt: skip
+        ).labels(*values)
         self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
-        ).labels(*values)  # fmt: skip
+        ).labels(*values)
         info = {
             "block_size": str(block_size),
             "num_gpu_blocks": str(num_blocks),

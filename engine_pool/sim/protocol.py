@@ -172,6 +172,12 @@ class ResponseWriter:
         self.created = int(time.time())
         self.object = "chat.completion" if req.kind == "chat" else "text_completion"
         self.chunk_object = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+        # fast path for the common stream event (not last, no usage): a prebuilt JSON prefix and suffix
+        head = dumps({"id": self.id, "object": self.chunk_object, "created": self.created, "model": req.model})
+        opener = '"delta":{"content":' if req.kind == "chat" else '"text":'
+        closer = "}" if req.kind == "chat" else ""
+        self._tok_pre = f'data: {head[:-1]},"choices":[{{"index":0,{opener}'
+        self._tok_post = f'{closer},"logprobs":null,"finish_reason":null}}]}}\n\n'
 
     def full(self, text: str, use: dict[str, Any]) -> dict[str, Any]:
         choice: dict[str, Any]
@@ -183,18 +189,37 @@ class ResponseWriter:
                 "tool_calls": [],
                 "reasoning": None,
             }
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length",
-                      "stop_reason": None}  # fmt: skip
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length", "stop_reason": None}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                      "prompt_logprobs": None}  # fmt: skip
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.req.model,
-                "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": use,
-                "prompt_logprobs": None, "kv_transfer_params": None}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": use,
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+        }
 
     def _event(self, choices: list[dict[str, Any]], use: dict[str, Any] | None) -> str:
-        chunk: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
-                                 "model": self.req.model, "choices": choices}  # fmt: skip
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+        }
         if use is not None:
             chunk["usage"] = use
         return f"data: {dumps(chunk)}\n\n"
@@ -208,10 +233,11 @@ class ResponseWriter:
         return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], use)
 
     def token_event(self, text: str, last: bool, use: dict[str, Any] | None) -> str:
+        if not last and not self.req.continuous_usage:
+            return self._tok_pre + json.dumps(text) + self._tok_post
         finish = "length" if last else None
         if self.req.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                                      "finish_reason": finish}  # fmt: skip
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if last:

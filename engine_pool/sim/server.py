@@ -180,8 +180,16 @@ async def detokenize_handler(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     cfg = request.app[ENGINE_KEY].config
-    card = {"id": cfg.model, "object": "model", "created": 0, "owned_by": "vllm", "root": cfg.model,
-            "parent": None, "max_model_len": cfg.max_model_len, "permission": []}  # fmt: skip
+    card = {
+        "id": cfg.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "vllm",
+        "root": cfg.model,
+        "parent": None,
+        "max_model_len": cfg.max_model_len,
+        "permission": [],
+    }
     return _json({"object": "list", "data": [card]})
 
 

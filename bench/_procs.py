@@ -1,0 +1,84 @@
+"""Helpers for benchmarks: start kvgate / simulated engines as child processes and read their CPU time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def wait_http(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout_s} s")
+        time.sleep(0.1)
+
+
+@contextmanager
+def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        wait_http(ready_url)
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def sim_engines(n: int, *extra: str, model: str = "sim") -> Iterator[list[str]]:
+    ports = [free_port() for _ in range(n)]
+    with _stack([(["sim-engine", "--port", str(p), "--model", model, *extra], f"http://127.0.0.1:{p}/health")
+                 for p in ports]):
+        yield [f"http://127.0.0.1:{p}" for p in ports]
+
+
+@contextmanager
+def _stack(specs: list[tuple[list[str], str]]) -> Iterator[None]:
+    if not specs:
+        yield
+        return
+    (args, url), rest = specs[0], specs[1:]
+    with child(args, url), _stack(rest):
+        yield
+
+
+@contextmanager
+def kvgate(engines: list[str], *extra: str) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    args = ["serve", "--port", str(port), *[a for e in engines for a in ("--engine", e)], *extra]
+    with child(args, f"http://127.0.0.1:{port}/health") as proc:
+        wait_http(f"http://127.0.0.1:{port}/ready")
+        yield f"http://127.0.0.1:{port}", proc.pid

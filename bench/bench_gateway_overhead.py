@@ -1,0 +1,127 @@
+"""What kvgate itself costs: added latency and CPU per request, against instant simulated engines.
+
+Side by side in one run, on the same engines:
+- added latency at concurrency 1: requests alternate between "direct to an engine" and "through kvgate", so both
+  see the same machine state; reported as p50/p99 of each and their difference;
+- gateway CPU per request at high concurrency: kvgate's own process CPU seconds (from /proc) over N requests,
+  streaming and not.
+kvgate runs as its own process (`kvgate serve`, uvloop), the engines as `kvgate sim-engine --instant`, and this
+script is the client. Rerun: `python bench/bench_gateway_overhead.py [--requests N] [--out docs/...md]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import cpu_seconds, kvgate, sim_engines  # noqa: E402
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+
+
+async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
+    body = {"model": "sim", "prompt": "hello world " * 8, "max_tokens": 16, "stream": stream}
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+    return time.perf_counter() - t0
+
+
+async def latency(direct: str, gateway: str, n: int, stream: bool) -> dict[str, float]:
+    d: list[float] = []
+    g: list[float] = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(50):  # warm both paths' connections
+            await one(s, direct, stream)
+            await one(s, gateway, stream)
+        for _ in range(n):
+            d.append(await one(s, direct, stream))
+            g.append(await one(s, gateway, stream))
+    ms = 1000.0
+    return {
+        "direct_p50_ms": pct(d, 50) * ms, "direct_p99_ms": pct(d, 99) * ms,
+        "kvgate_p50_ms": pct(g, 50) * ms, "kvgate_p99_ms": pct(g, 99) * ms,
+        "added_p50_ms": (pct(g, 50) - pct(d, 50)) * ms, "added_p99_ms": (pct(g, 99) - pct(d, 99)) * ms,
+        "added_median_of_pairs_ms": statistics.median(x - y for x, y in zip(g, d, strict=True)) * ms,
+    }
+
+
+async def cpu_per_request(gateway: str, pid: int, n: int, concurrency: int, stream: bool) -> dict[str, float]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        await asyncio.gather(*(one(s, gateway, stream) for _ in range(200)))
+        queue = iter(range(n))
+
+        async def worker() -> None:
+            for _ in queue:
+                await one(s, gateway, stream)
+
+        c0, t0 = cpu_seconds(pid), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        c1, t1 = cpu_seconds(pid), time.perf_counter()
+    return {"gateway_cpu_ms_per_request": (c1 - c0) / n * 1000, "requests_per_s": n / (t1 - t0)}
+
+
+async def measure(args: argparse.Namespace) -> dict[str, object]:
+    results: dict[str, object] = {}
+    with sim_engines(2, "--instant") as engines:
+        for log_mode in ("off", "plain"):
+            with kvgate(engines, "--policy", "least-load", "--access-log", log_mode, "--log-level", "WARNING"
+                        if log_mode == "off" else "INFO") as (gw, pid):
+                for stream in (False, True):
+                    key = f"access_log={log_mode} stream={stream}"
+                    lat = await latency(engines[0], gw, args.latency_requests, stream)
+                    cpu = await cpu_per_request(gw, pid, args.requests, args.concurrency, stream)
+                    results[key] = {**lat, **cpu}
+                    print(key, json.dumps({k: round(v, 4) for k, v in {**lat, **cpu}.items()}), flush=True)
+    return results
+
+
+def markdown(results: dict[str, object], args: argparse.Namespace) -> str:
+    lines = [
+        "| mode | direct p50 ms | kvgate p50 ms | added p50 ms | added p99 ms | gateway CPU ms/req | req/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, r in results.items():
+        assert isinstance(r, dict)
+        lines.append(
+            f"| {key} | {r['direct_p50_ms']:.3f} | {r['kvgate_p50_ms']:.3f} | {r['added_p50_ms']:.3f} | "
+            f"{r['added_p99_ms']:.3f} | {r['gateway_cpu_ms_per_request']:.3f} | {r['requests_per_s']:.0f} |"
+        )
+    lines.append(
+        f"\n{platform.machine()}, {platform.python_version()}; latency: {args.latency_requests} alternating pairs at "
+        f"concurrency 1; CPU: {args.requests} requests at concurrency {args.concurrency}; engines: 2 x "
+        "`kvgate sim-engine --instant`; kvgate as its own process (uvloop), this client in a third."
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--latency-requests", type=int, default=1000)
+    p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--out", type=Path, help="write the markdown table here")
+    args = p.parse_args()
+    results = asyncio.run(measure(args))
+    table = markdown(results, args)
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
