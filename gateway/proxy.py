@@ -136,8 +136,7 @@ class UpstreamProxy:
         url = replica.url + _PATHS[parsed.endpoint]
         headers = {"Content-Type": "application/json", "x-request-id": ctx.request_id}
         client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
-        replica.begin()
-        self.metrics.in_flight.labels(replica.id).set(replica.in_flight)
+        replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
             try:
                 async with asyncio.timeout(min(timeouts.first_byte_s, deadline - time.monotonic())):
@@ -164,7 +163,6 @@ class UpstreamProxy:
                 upstream.release()
         finally:
             replica.end()
-            self.metrics.in_flight.labels(replica.id).set(replica.in_flight)
 
     async def _upstream_error(self, upstream: aiohttp.ClientResponse) -> UpstreamError:
         try:

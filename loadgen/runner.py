@@ -12,10 +12,10 @@ sessions, ordered by session start (a heap keyed (session order, turn)), so a cl
 instead of starting every session first. A failed turn still continues its session, with an empty answer.
 A session's tenant (API key) is drawn once, by weight, from a seeded RNG.
 
-Stopping: after `max_requests` sends (default MAX_REQUESTS, which bounds the results kept), at `duration_s` (no new sends; in-flight requests finish, pending think
-timers are cancelled), or when the workload is exhausted. With a duration the workload factory is called again
-with seed + epoch when it runs out, session ids prefixed `e<epoch>-`. Memory: one result per request sent, plus
-history of the sessions in progress.
+Stopping: after `max_requests` sends (default MAX_REQUESTS, which bounds the results kept), at `duration_s`
+(no new sends; in-flight requests finish, pending think timers are cancelled), or when the workload is exhausted.
+With a duration the workload factory is called again with seed + epoch when it runs out, session ids prefixed
+`e<epoch>-`. Memory: one result per request sent, plus the history of the sessions in progress.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from gateway.admission.config import hash_key
 from gateway.config import GatewayConfig
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import ADMISSION, REGISTRY
+from tests.conftest import wait_for
 
 MODEL = "sim-model"
 
@@ -96,8 +97,7 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
 
         slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=40), key="sk-alice"))
         adm = gw.app[ADMISSION]
-        while adm._tenant_active.get("alice", 0) == 0:
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: adm._tenant_active.get("alice", 0) > 0, 30.0, 'adm._tenant_active.get("alice", 0) == 0')
         status, headers, raw = await post(session, gw.url, chat(), key="sk-alice")
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert json.loads(raw)["error"]["code"] == "rate_limit_exceeded"
@@ -129,8 +129,7 @@ async def test_cache_salt_isolation() -> None:
 async def test_reload_keeps_in_flight_requests() -> None:
     async with stack({"auth": True, "tenants": TENANTS}, decode_ms=30) as (gw, _, session):
         slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=30), key="sk-alice"))
-        while gw.app[ADMISSION]._tenant_active.get("alice", 0) == 0:
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: gw.app[ADMISSION]._tenant_active.get("alice", 0) > 0, 30.0, "request admitted")
         new = {"admission": {"auth": True, "tenants": {"carol": {"keys": [hash_key("sk-carol")]}}}}
         async with session.post(f"{gw.url}/admin/reload", json=new, headers={"Authorization": "Bearer no"}) as r:
             assert r.status == 401
@@ -149,8 +148,7 @@ async def test_queue_timeout_is_503_with_retry_after() -> None:
     admission = {"replica_max_concurrency": 1, "queue": {"max_wait_s": 0.2}}
     async with stack(admission, decode_ms=50) as (gw, _, session):
         slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=40)))
-        while gw.app[ADMISSION]._tenant_active.get("anonymous", 0) == 0:
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: gw.app[ADMISSION]._tenant_active.get("anonymous", 0) > 0, 30.0, "request admitted")
         status, headers, raw = await post(session, gw.url, chat())
         assert status == 503 and int(headers["Retry-After"]) >= 1
         assert json.loads(raw)["error"]["code"] == "queue_timeout"
@@ -217,8 +215,7 @@ async def test_fairness_light_tenant_is_not_starved() -> None:
                 flood_status.append((await post(session, gw.url, chat(max_tokens=6), key="sk-flood"))[0])
 
         async def light() -> None:
-            while gw.app[ADMISSION].queued_for("flood") < 10:
-                await asyncio.sleep(0.005)
+            await wait_for(lambda: gw.app[ADMISSION].queued_for("flood") >= 10, 30.0, "flood queued")
             for _ in range(6):
                 light_status.append((await post(session, gw.url, chat(max_tokens=6), key="sk-light"))[0])
 

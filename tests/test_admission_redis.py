@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
-import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -20,6 +19,7 @@ from gateway.admission.config import hash_key
 from gateway.admission.redis_store import RedisQuotaStore
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import ADMISSION, REGISTRY
+from tests.conftest import wait_for
 from tests.test_admission_gateway import MODEL, chat, gateway_config, post, wait_ready
 
 pytestmark = [
@@ -39,17 +39,25 @@ def free_port() -> int:
 class RedisProcess:
     def __init__(self) -> None:
         self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: asyncio.subprocess.Process | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     async def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        self.proc = await asyncio.create_subprocess_exec(
+            "redis-server",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
         )
         client = aioredis.Redis.from_url(self.url)
         try:
@@ -65,19 +73,17 @@ class RedisProcess:
     async def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
-            await asyncio.to_thread(self.proc.wait)
+            await self.proc.wait()
             self.proc = None
 
 
 @pytest.fixture
-def redis_server() -> Iterator[RedisProcess]:
+async def redis_server() -> AsyncIterator[RedisProcess]:
     server = RedisProcess()
     try:
         yield server
     finally:
-        if server.proc is not None:
-            server.proc.terminate()
-            server.proc.wait()
+        await server.stop()
 
 
 def admission(url: str, policy: str) -> dict[str, Any]:
@@ -107,9 +113,8 @@ async def two_gateways(
 async def hold_two_slots(session: aiohttp.ClientSession, gws: list[RunningGateway]) -> list[asyncio.Task[Any]]:
     """One slow request through each gateway: together they use the tenant's 2 shared slots."""
     tasks = [asyncio.create_task(post(session, gw.url, chat(max_tokens=40), key="sk-acme")) for gw in gws]
-    for gw in gws:
-        while gw.app[ADMISSION]._tenant_active.get("acme", 0) == 0:
-            await asyncio.sleep(0.01)
+    controllers = [gw.app[ADMISSION] for gw in gws]
+    await wait_for(lambda: all(c._tenant_active.get("acme", 0) for c in controllers), 30.0, "both slots taken")
     return tasks
 
 
@@ -136,11 +141,10 @@ async def test_two_gateways_share_one_limit_survive_redis_loss_and_resume(redis_
         assert reg.get_sample_value("kvgate_quota_store_fallbacks_total", {"policy": "open"})
 
         await redis_server.start()  # same port: the gateways reconnect by themselves
-        for store in stores:
-            assert isinstance(store, RedisQuotaStore)
-            await post(session, gws[stores.index(store)].url, chat(), key="sk-acme")  # notices the loss
-            while not store.up:
-                await asyncio.sleep(0.02)
+        for gw in gws:
+            await post(session, gw.url, chat(), key="sk-acme")  # a check notices the loss if it has not yet
+        redis_stores = [s for s in stores if isinstance(s, RedisQuotaStore)]
+        await wait_for(lambda: all(s.up for s in redis_stores), 30.0, "redis stores up again")
         held = await hold_two_slots(session, gws)
         for gw in gws:
             assert (await post(session, gw.url, chat(), key="sk-acme"))[0] == 429  # shared again
@@ -159,6 +163,5 @@ async def test_fail_closed_refuses_with_503_while_redis_is_down(redis_server: Re
         await redis_server.start()
         store = gws[0].app[ADMISSION].store
         assert isinstance(store, RedisQuotaStore)
-        while not store.up:
-            await asyncio.sleep(0.02)
+        await wait_for(lambda: store.up, 30.0, "redis store up again")
         assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200

@@ -20,7 +20,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pool.sim import Faults, SimConfig, run_sim_engine
-from engine_pool.sim.cache import CacheFullError, PrefixCache, blocks_for, chain_block_hashes
+from engine_pool.sim.cache import Allocation, CacheFullError, PrefixCache, blocks_for, chain_block_hashes
 from engine_pool.sim.engine import SimEngine
 from engine_pool.sim.kv_events import (
     AllBlocksCleared,
@@ -78,7 +78,7 @@ def _cache(num_blocks: int, block_size: int = 4) -> PrefixCache:
     return PrefixCache(num_blocks, block_size, "m", record_events=True)
 
 
-def _admit(cache: PrefixCache, tokens: Sequence[int], max_tokens: int = 1):  # type: ignore[no-untyped-def]
+def _admit(cache: PrefixCache, tokens: Sequence[int], max_tokens: int = 1) -> Allocation:
     return cache.admit(tokens, cache.block_hashes(tokens), len(tokens) + max_tokens)
 
 
