@@ -11,6 +11,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from policies.base import ReplicaState
 
@@ -44,6 +45,11 @@ class Replica:
     ) -> None:
         self.id = replica_id
         self.url = url.rstrip("/")
+        parts = urlsplit(self.url)
+        self.use_tls = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.use_tls else 80)
+        self.base_path = parts.path  # engines served under a path prefix
         self.model = model
         self.metrics_url = metrics_url or f"{self.url}/metrics"
         self.kv_events_endpoint = kv_events_endpoint

@@ -23,10 +23,11 @@ from gateway.admission.setup import admission_ctx
 from gateway.cache_ctx import cache_ctx
 from gateway.config import EngineConfig, GatewayConfig
 from gateway.errors import GatewayError, error_response, http_exception_to_error
-from gateway.keys import CACHE, CLIENT, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
+from gateway.keys import CACHE, CLIENT, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER, UPSTREAM
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
 from gateway.router import Router
+from gateway.upstream import UpstreamClient
 from policies.registry import build_policy
 
 log = logging.getLogger("kvgate.gateway")
@@ -38,9 +39,14 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def attached_replica(engine: EngineConfig) -> Replica:
     host = engine.url.split("://", 1)[1]
     return Replica(
-        engine.name or host, engine.url, engine.model, metrics_url=engine.metrics_url,
-        kv_events_endpoint=engine.kv_events_endpoint, tokenizer=engine.tokenizer,
-        max_concurrency=engine.max_concurrency, managed=False,
+        engine.name or host,
+        engine.url,
+        engine.model,
+        metrics_url=engine.metrics_url,
+        kv_events_endpoint=engine.kv_events_endpoint,
+        tokenizer=engine.tokenizer,
+        max_concurrency=engine.max_concurrency,
+        managed=False,
     )
 
 
@@ -66,15 +72,22 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    upstream = UpstreamClient()
+    app[UPSTREAM] = upstream
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        app[CLIENT] = session
-        yield
+        app[CLIENT] = session  # probes, scrapes, warm-ups; requests go through the lean UpstreamClient
+        try:
+            yield
+        finally:
+            upstream.close()
 
 
 async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     replicas = ReplicaSet(
-        app[CLIENT], interval_s=cfg.health.interval_s, timeout_s=cfg.health.timeout_s,
+        app[CLIENT],
+        interval_s=cfg.health.interval_s,
+        timeout_s=cfg.health.timeout_s,
         metrics_interval_s=cfg.health.metrics_interval_s,
     )
     app[REPLICAS] = replicas
@@ -92,7 +105,10 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     router = Router(policy, app[REPLICAS], app[METRICS], app.get(CACHE))
     app[ROUTER] = router
     app[PROXY] = UpstreamProxy(
-        app[CLIENT], router, app[REPLICAS], app[METRICS],
+        app[UPSTREAM],
+        router,
+        app[REPLICAS],
+        app[METRICS],
         ProxySettings(cfg.timeouts, cfg.retry, cfg.server.route_headers),
     )
     yield

@@ -13,12 +13,14 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.router import Router
+from gateway.upstream import UpstreamClient
 from policies.prefix.state import CacheAwareState
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 CLIENT = web.AppKey("client", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", UpstreamClient)  # the proxy's keep-alive pools
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", Router)
 PROXY = web.AppKey("proxy", UpstreamProxy)

@@ -9,7 +9,7 @@ Algorithm per request:
 4. Streaming: SSE events are relayed one by one as they arrive (no buffering beyond one partial event); the client's
    response is only started when the first event arrives, so an engine that dies before its first event is still
    retried. The gateway always asks the engine for the usage chunk and drops it again when the client did not ask.
-5. The client leaving cancels the handler (aiohttp handler_cancellation), which closes the upstream connection, and
+5. The client leaving cancels the handler (aiohttp handler_cancellation), which aborts the upstream connection, and
    vLLM aborts a request whose connection closed: the engine stops generating at once.
 Cost per streamed event: one bytes.find for the event boundary plus a substring check for usage.
 """
@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from engine_pool.replica import Replica
@@ -33,6 +32,7 @@ from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, Upstrea
 from gateway.metrics import GatewayMetrics
 from gateway.request_parse import ParsedRequest
 from gateway.router import Router
+from gateway.upstream import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from policies.base import Decision, RequestInfo
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -56,13 +56,13 @@ class ProxySettings:
 class UpstreamProxy:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         router: Router,
         replicas: ReplicaSet,
         metrics: GatewayMetrics,
         settings: ProxySettings,
     ) -> None:
-        self.session = session
+        self.client = client
         self.router = router
         self.replicas = replicas
         self.metrics = metrics
@@ -85,9 +85,8 @@ class UpstreamProxy:
         body_changed: bool = False,
     ) -> web.StreamResponse:
         timeouts = self.settings.timeouts
-        data = (
-            self._upstream_body(parsed) if (body_changed or (parsed.stream and not parsed.include_usage)) else raw_body
-        )
+        rewrite = body_changed or (parsed.stream and not parsed.include_usage)
+        data = self._upstream_body(parsed) if rewrite else raw_body
         tried: list[str] = []
         last_error: GatewayError | None = None
         deadline = time.monotonic() + timeouts.total_s
@@ -122,6 +121,38 @@ class UpstreamProxy:
             headers["x-kvgate-route-reason"] = decision.reason
         return headers
 
+    async def _send(
+        self, replica: Replica, path: str, data: bytes, ctx: RequestContext, deadline: float
+    ) -> UpstreamResponse:
+        """POST and wait for the response headers; a kept-alive connection that turns out stale is replaced once."""
+        timeouts = self.settings.timeouts
+        pool = self.client.pool(replica.host, replica.port, replica.use_tls)
+        headers = {"Content-Type": "application/json", "x-request-id": ctx.request_id}
+        for fresh_retry in (False, True):
+            upstream = None
+            try:
+                async with asyncio.timeout(min(timeouts.first_byte_s, deadline - time.monotonic())):
+                    upstream = await pool.request(
+                        "POST", replica.base_path + path, data, headers, connect_timeout_s=timeouts.connect_s
+                    )
+                    await upstream.headers_ready
+                return upstream
+            except TimeoutError:
+                if upstream is not None:
+                    upstream.close()
+                raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
+            except UpstreamConnectionError as exc:
+                if upstream is not None:
+                    upstream.close()
+                    if upstream.reused and not fresh_retry:
+                        continue
+                raise _Retryable("connect", UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}")) from None
+            except BaseException:  # cancelled (the client left) while the engine works: abort the engine request
+                if upstream is not None:
+                    upstream.close()
+                raise
+        raise AssertionError("unreachable")
+
     async def _attempt(
         self,
         request: web.Request,
@@ -132,19 +163,9 @@ class UpstreamProxy:
         data: bytes,
         deadline: float,
     ) -> web.StreamResponse:
-        timeouts = self.settings.timeouts
-        url = replica.url + _PATHS[parsed.endpoint]
-        headers = {"Content-Type": "application/json", "x-request-id": ctx.request_id}
-        client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s)
         replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            try:
-                async with asyncio.timeout(min(timeouts.first_byte_s, deadline - time.monotonic())):
-                    upstream = await self.session.post(url, data=data, headers=headers, timeout=client_timeout)
-            except TimeoutError:
-                raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
-            except aiohttp.ClientError as exc:
-                raise _Retryable("connect", UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}")) from None
+            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline)
             try:
                 if upstream.status >= 500:
                     raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
@@ -164,11 +185,11 @@ class UpstreamProxy:
         finally:
             replica.end()
 
-    async def _upstream_error(self, upstream: aiohttp.ClientResponse) -> UpstreamError:
+    async def _upstream_error(self, upstream: UpstreamResponse) -> UpstreamError:
         try:
             raw = await asyncio.wait_for(upstream.read(), 5.0)
             body: Any = json.loads(raw)
-        except (ValueError, TimeoutError, aiohttp.ClientError):
+        except (ValueError, TimeoutError, ConnectionError):
             body = None
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             msg = str(body["error"].get("message", "upstream error"))
@@ -187,7 +208,7 @@ class UpstreamProxy:
 
     async def _relay_whole(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         replica: Replica,
         decision: Decision,
         ctx: RequestContext,
@@ -198,13 +219,10 @@ class UpstreamProxy:
                 raw = await upstream.read()
         except TimeoutError:
             raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} timed out")) from None
-        except aiohttp.ClientError as exc:
+        except ConnectionError as exc:
             raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
         replica.record_success()
-        try:
-            ctx.set_usage(json.loads(raw).get("usage"))
-        except (ValueError, AttributeError):
-            pass
+        ctx.set_usage(_usage_of(raw))
         ctx.ttft_s = time.monotonic() - ctx.started
         return web.Response(
             body=raw,
@@ -217,7 +235,7 @@ class UpstreamProxy:
         self,
         request: web.Request,
         parsed: ParsedRequest,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         replica: Replica,
         decision: Decision,
         ctx: RequestContext,
@@ -231,7 +249,7 @@ class UpstreamProxy:
         itl = self.metrics.itl.labels(parsed.model)
         try:
             async with asyncio.timeout(min(first_byte_s, deadline - time.monotonic())) as window:
-                async for chunk in upstream.content.iter_any():
+                async for chunk in upstream.iter_chunks():
                     buf += chunk
                     out = []
                     while (end := buf.find(b"\n\n")) >= 0:
@@ -263,7 +281,7 @@ class UpstreamProxy:
             if response is None:
                 raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
             ctx.error = "total_timeout"
-        except aiohttp.ClientError as exc:  # the engine failed mid-stream
+        except UpstreamConnectionError as exc:  # the engine failed mid-stream
             if response is None:
                 raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
             ctx.error = f"upstream_reset: {exc}"
@@ -286,3 +304,21 @@ class UpstreamProxy:
         if strip_usage and not payload.get("choices"):
             return b""
         return event
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _usage_of(raw: bytes) -> object:
+    """The `usage` object of a completion response, parsing only that object rather than the whole body."""
+    idx = raw.rfind(b'"usage"')
+    if idx < 0:
+        return None
+    start = raw.find(b"{", idx)
+    if start < 0:
+        return None
+    try:
+        usage, _ = _DECODER.raw_decode(raw[start:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return usage

@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import uvloop
 
 from engine_pool.sim import SimConfig, SimServer, run_sim_engine
 from gateway.config import GatewayConfig, load_config
@@ -46,6 +47,11 @@ async def gateway_over_sims(
         replicas = gw.app[REPLICAS]
         await wait_for(lambda: all(r.routable(time.monotonic()) for r in replicas), what="replicas ready")
         yield gw, servers
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Tests run on uvloop, as `kvgate serve` does (its transports differ from asyncio's)."""
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture

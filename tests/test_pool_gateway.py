@@ -22,35 +22,45 @@ from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import POOL, REGISTRY
 
 KEY = "s3cret-admin"
+Gw = tuple[RunningGateway, EnginePool, aiohttp.ClientSession, openai.AsyncOpenAI]
 
 
 def config(tmp_path: Path, **model: Any) -> GatewayConfig:
-    spec = {"name": "m", "kind": "sim", "replicas": 2, "drain_grace_s": 60,
-            "restart": {"backoff_base_s": 0.05}, "liveness": {"interval_s": 0.2}, **model}
-    return GatewayConfig.model_validate({
-        "server": {"port": 0, "access_log": "off"}, "admin": {"key": KEY},
-        "health": {"interval_s": 0.2, "metrics_interval_s": 0.2},
-        "pool": {"log_dir": str(tmp_path / "logs"), "models": [spec]},
-    })
+    spec = {
+        "name": "m",
+        "kind": "sim",
+        "replicas": 2,
+        "drain_grace_s": 60,
+        "restart": {"backoff_base_s": 0.05},
+        "liveness": {"interval_s": 0.2},
+        **model,
+    }
+    return GatewayConfig.model_validate(
+        {
+            "server": {"port": 0, "access_log": "off"},
+            "admin": {"key": KEY},
+            "health": {"interval_s": 0.2, "metrics_interval_s": 0.2},
+            "pool": {"log_dir": str(tmp_path / "logs"), "models": [spec]},
+        }
+    )
 
 
 @asynccontextmanager
-async def gateway(cfg: GatewayConfig) -> AsyncIterator[tuple[RunningGateway, EnginePool, aiohttp.ClientSession]]:
-    async with running_gateway(cfg) as gw, aiohttp.ClientSession(
-        base_url=gw.url, headers={"Authorization": f"Bearer {KEY}"}) as admin:
+async def gateway(cfg: GatewayConfig) -> AsyncIterator[Gw]:
+    async with (
+        running_gateway(cfg) as gw,
+        aiohttp.ClientSession(base_url=gw.url, headers={"Authorization": f"Bearer {KEY}"}) as admin,
+        openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0) as oai,
+    ):
         pool = gw.app[POOL]
         await pool.wait_ready(timeout_s=60)
-        yield gw, pool, admin
+        yield gw, pool, admin, oai
     for slot in pool.slots():
         assert slot.process is None
 
 
-def client(gw: RunningGateway) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
-
-
 async def test_admin_auth_and_errors(tmp_path: Path) -> None:
-    async with gateway(config(tmp_path, replicas=1)) as (gw, _pool, admin):
+    async with gateway(config(tmp_path, replicas=1)) as (gw, _pool, admin, _oai):
         async with aiohttp.ClientSession() as anon:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 async with anon.get(gw.url + "/admin/replicas", headers=headers) as resp:
@@ -82,12 +92,12 @@ async def test_admin_disabled_without_key(tmp_path: Path) -> None:
 
 
 async def test_drain_lets_in_flight_streams_finish(tmp_path: Path) -> None:
-    async with gateway(config(tmp_path, extra_args=["--decode-ms", "40"])) as (gw, pool, admin):
-        oai = client(gw)
+    async with gateway(config(tmp_path, extra_args=["--decode-ms", "40"])) as (_gw, pool, admin, oai):
         streams = []
         for _ in range(4):
             raw = await oai.completions.with_raw_response.create(
-                model="m", prompt="drain me", max_tokens=40, stream=True)
+                model="m", prompt="drain me", max_tokens=40, stream=True
+            )
             streams.append((raw.headers["x-kvgate-replica"], raw.parse()))
         target = streams[0][0]
 
@@ -106,13 +116,12 @@ async def test_drain_lets_in_flight_streams_finish(tmp_path: Path) -> None:
         assert pool.slot(target).state is SlotState.STOPPED
         # new requests go to the other replica
         for _ in range(3):
-            raw = await oai.completions.with_raw_response.create(model="m", prompt="after", max_tokens=2)
-            assert raw.headers["x-kvgate-replica"] != target
+            again = await oai.completions.with_raw_response.create(model="m", prompt="after", max_tokens=2)
+            assert again.headers["x-kvgate-replica"] != target
 
 
 async def test_rolling_restart_under_load_zero_failures(tmp_path: Path) -> None:
-    async with gateway(config(tmp_path, extra_args=["--decode-ms", "5"])) as (gw, pool, admin):
-        oai = client(gw)
+    async with gateway(config(tmp_path, extra_args=["--decode-ms", "5"])) as (_gw, pool, admin, oai):
         gens = {s.id: s.gen for s in pool.slots()}
         min_ready = [len(pool.slots())]
         stop = asyncio.Event()
@@ -127,8 +136,9 @@ async def test_rolling_restart_under_load_zero_failures(tmp_path: Path) -> None:
             ok = failed = 0
             while not stop.is_set():
                 try:
-                    r = await oai.completions.create(model="m", prompt=f"load {worker}", max_tokens=8,
-                                                     stream=bool(worker % 2))
+                    r = await oai.completions.create(
+                        model="m", prompt=f"load {worker}", max_tokens=8, stream=bool(worker % 2)
+                    )
                     if worker % 2:
                         async for _ in r:  # type: ignore[union-attr]
                             pass
@@ -152,7 +162,7 @@ async def test_rolling_restart_under_load_zero_failures(tmp_path: Path) -> None:
 
 
 async def test_scale_up_and_down(tmp_path: Path) -> None:
-    async with gateway(config(tmp_path, replicas=1)) as (gw, pool, admin):
+    async with gateway(config(tmp_path, replicas=1)) as (_gw, pool, admin, _oai):
         async with admin.post("/admin/models/m/scale", json={"replicas": 3}) as resp:
             assert resp.status == 200 and (await resp.json())["result"] == ["m-0", "m-1", "m-2"]
         assert all(s.state is SlotState.READY for s in pool.slots())
@@ -171,19 +181,27 @@ async def test_scale_up_and_down(tmp_path: Path) -> None:
 
 
 async def test_degradation_rule_restarts_failing_replica(tmp_path: Path) -> None:
-    rule = {"window_s": 0.5, "check_interval_s": 0.1, "error_rate_max": 0.5, "min_requests": 3, "cooldown_s": 600}
-    async with gateway(config(tmp_path, degradation=rule)) as (gw, pool, _admin):
+    rule = {"window_s": 1.0, "check_interval_s": 0.1, "error_rate_max": 0.5, "min_requests": 3, "cooldown_s": 600}
+    cfg = config(tmp_path, degradation=rule)
+    cfg.retry.breaker_failures = 1000  # keep sending attempts to the failing replica: the rule, not the breaker, acts
+    async with gateway(cfg) as (gw, pool, _admin, oai):
         bad = pool.slot("m-0")
         gen = bad.gen
-        async with aiohttp.ClientSession() as s, s.post(f"{bad.replica.url}/sim/faults",
-                                                        json={"error_rate": 1.0}) as resp:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(f"{bad.replica.url}/sim/faults", json={"error_rate": 1.0}) as resp,
+        ):
             assert resp.status == 200
-        oai = client(gw)
         restarted = asyncio.create_task(
-            pool.supervisor.wait_for("m-0", {SlotState.READY}, newer_than=gen, timeout_s=60))
+            pool.supervisor.wait_for("m-0", {SlotState.READY}, newer_than=gen, timeout_s=60)
+        )
         while not restarted.done():  # every request still succeeds: a failed attempt is retried on m-1
             await oai.completions.create(model="m", prompt="x", max_tokens=2)
         assert restarted.result() is SlotState.READY
         registry: CollectorRegistry = gw.app[REGISTRY]
-        assert registry.get_sample_value("kvgate_pool_restarts_total",
-                                         {"replica": "m-0", "model": "m", "reason": "degraded"}) == 1
+        assert (
+            registry.get_sample_value(
+                "kvgate_pool_restarts_total", {"replica": "m-0", "model": "m", "reason": "degraded"}
+            )
+            == 1
+        )

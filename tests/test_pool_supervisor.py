@@ -30,8 +30,15 @@ def group_alive(pgid: int) -> bool:
 
 @asynccontextmanager
 async def sim_pool(tmp_path: Path, registry: CollectorRegistry, **model: Any) -> AsyncIterator[EnginePool]:
-    spec = {"name": "m", "kind": "sim", "replicas": 1, "restart": {"backoff_base_s": 0.05, "backoff_max_s": 0.2},
-            "liveness": {"interval_s": 0.1, "timeout_s": 2.0, "failures": 2}, "startup_deadline_s": 60, **model}
+    spec = {
+        "name": "m",
+        "kind": "sim",
+        "replicas": 1,
+        "restart": {"backoff_base_s": 0.05, "backoff_max_s": 0.2},
+        "liveness": {"interval_s": 0.1, "timeout_s": 2.0, "failures": 2},
+        "startup_deadline_s": 60,
+        **model,
+    }
     cfg = PoolConfig.model_validate({"log_dir": str(tmp_path / "logs"), "models": [spec]})
     async with aiohttp.ClientSession() as session:
         replicas = ReplicaSet(session, interval_s=0.1)
@@ -63,8 +70,10 @@ async def test_ready_only_after_warm_up_and_stop_leaves_no_process(tmp_path: Pat
                 assert stats["completed"] >= 1  # the warm-up was a real completion
         log_text = (tmp_path / "logs" / "m-0.log").read_text()
         assert "kvgate: starting m-0" in log_text
-        assert registry.get_sample_value("kvgate_pool_replica_state", {"replica": "m-0", "model": "m",
-                                                                       "state": "ready"}) == 1
+        assert (
+            registry.get_sample_value("kvgate_pool_replica_state", {"replica": "m-0", "model": "m", "state": "ready"})
+            == 1
+        )
     assert all(not group_alive(p) for p in pgids)
     assert all(s.state is SlotState.STOPPED for s in slots)
 
@@ -83,15 +92,21 @@ async def test_crash_is_restarted_with_backoff(tmp_path: Path) -> None:
         assert slot.replica.warm and slot.replica.healthy
         events = [e.split(" ", 1)[1] for e in slot.describe()["events"]]
         assert any(e.startswith("backoff: restart in") for e in events)
-        assert registry.get_sample_value("kvgate_pool_restarts_total",
-                                         {"replica": "m-0", "model": "m", "reason": "crash"}) == 1
+        assert (
+            registry.get_sample_value("kvgate_pool_restarts_total", {"replica": "m-0", "model": "m", "reason": "crash"})
+            == 1
+        )
 
 
 async def test_crash_loop_is_reported_not_spinning(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     # --crash-after 0: the engine exits on its first request, i.e. on every warm-up
-    async with sim_pool(tmp_path, registry, extra_args=["--crash-after", "0"],
-                        restart={"backoff_base_s": 0.05, "crash_loop_limit": 3, "crash_loop_window_s": 600}) as pool:
+    async with sim_pool(
+        tmp_path,
+        registry,
+        extra_args=["--crash-after", "0"],
+        restart={"backoff_base_s": 0.05, "crash_loop_limit": 3, "crash_loop_window_s": 600},
+    ) as pool:
         state = await pool.supervisor.wait_for("m-0", {SlotState.FAILED}, timeout_s=90)
         slot = pool.slot("m-0")
         assert state is SlotState.FAILED
@@ -116,21 +131,31 @@ async def test_hung_replica_is_taken_out_and_restarted(tmp_path: Path) -> None:
         # out of routing as soon as the supervisor sees it, then killed and relaunched (fresh faults)
         await pool.supervisor.wait_for("m-0", {SlotState.STOPPING, SlotState.BACKOFF}, timeout_s=30)
         assert not slot.replica.routable(0.0)
-        assert await pool.supervisor.wait_for("m-0", {SlotState.READY}, newer_than=gen, timeout_s=60) \
-            is SlotState.READY
-        assert registry.get_sample_value("kvgate_pool_restarts_total",
-                                         {"replica": "m-0", "model": "m", "reason": "hung"}) == 1
+        assert await pool.supervisor.wait_for("m-0", {SlotState.READY}, newer_than=gen, timeout_s=60) is SlotState.READY
+        assert (
+            registry.get_sample_value("kvgate_pool_restarts_total", {"replica": "m-0", "model": "m", "reason": "hung"})
+            == 1
+        )
 
 
 async def test_start_up_deadline(tmp_path: Path) -> None:
     registry = CollectorRegistry()
-    async with sim_pool(tmp_path, registry, extra_args=["--fail-health"], startup_deadline_s=1.0,
-                        restart={"backoff_base_s": 0.05, "crash_loop_limit": 2}) as pool:
+    async with sim_pool(
+        tmp_path,
+        registry,
+        extra_args=["--fail-health"],
+        startup_deadline_s=1.0,
+        restart={"backoff_base_s": 0.05, "crash_loop_limit": 2},
+    ) as pool:
         assert await pool.supervisor.wait_for("m-0", {SlotState.FAILED}, timeout_s=60) is SlotState.FAILED
         slot = pool.slot("m-0")
         assert slot.last_error is not None and "not ready within 1 s" in slot.last_error
-        assert registry.get_sample_value("kvgate_pool_restarts_total",
-                                         {"replica": "m-0", "model": "m", "reason": "startup"}) == 2
+        assert (
+            registry.get_sample_value(
+                "kvgate_pool_restarts_total", {"replica": "m-0", "model": "m", "reason": "startup"}
+            )
+            == 2
+        )
         assert slot.process is None
         # an admin restart revives a failed replica (it fails again here: the flag is part of its command line)
         gen = slot.gen

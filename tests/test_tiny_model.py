@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +14,7 @@ from engine_pool.tiny_model import BOS, EOT, MODEL_FILES, STAMP_FILE, build_tiny
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-MESSAGES = [
+MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Tell me about the river near the station."},
 ]
@@ -116,8 +117,10 @@ def test_chat_template(model_dir: Path) -> None:
     for special in ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"):
         assert tok.convert_tokens_to_ids(special) in ids
     # OpenAI content parts render like the joined string
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    joined = [{"role": "user", "content": "a\nb"}]
+    parts: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    joined: list[dict[str, Any]] = [{"role": "user", "content": "a\nb"}]
     assert tok.apply_chat_template(parts, tokenize=False) == tok.apply_chat_template(joined, tokenize=False)
 
 

@@ -1,0 +1,121 @@
+"""Processes of the routing benchmark: simulated engines and kvgate gateways as child processes, started in
+parallel (every child is launched first, then waited for), each in its own session so a SIGTERM to its group
+stops it and nothing else. Ports are picked free (`bench._procs.free_port`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, Any
+
+import yaml
+
+from bench._procs import free_port, wait_http
+
+
+@dataclass(frozen=True, slots=True)
+class SimCosts:
+    block_size: int = 16
+    max_num_seqs: int = 16
+    overhead_ms: float = 2.0
+    prefill_us_per_token: float = 200.0
+    decode_ms: float = 10.0
+    decode_ms_per_seq: float = 0.5
+
+    def flags(self, num_blocks: int) -> list[str]:
+        return [
+            "--block-size", str(self.block_size), "--num-blocks", str(num_blocks),
+            "--max-num-seqs", str(self.max_num_seqs), "--overhead-ms", str(self.overhead_ms),
+            "--prefill-us-per-token", str(self.prefill_us_per_token), "--decode-ms", str(self.decode_ms),
+            "--decode-ms-per-seq", str(self.decode_ms_per_seq), "--max-model-len", "16384",
+        ]  # fmt: skip
+
+
+def _spawn(args: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+    """`args` = [python module, its arguments...]."""
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=log, start_new_session=True)
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@contextmanager
+def children(specs: Sequence[tuple[list[str], list[str]]]) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start every (args, ready_urls) child at once, wait until all ready URLs answer 200, stop them all on exit."""
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[bytes]] = []
+    try:
+        for args, _ in specs:
+            logs.append(tempfile.TemporaryFile())
+            procs.append(_spawn(args, logs[-1]))
+        for (args, urls), log in zip(specs, logs, strict=True):
+            for url in urls:
+                try:
+                    wait_http(url, timeout_s=60)
+                except TimeoutError as exc:
+                    log.seek(0)
+                    tail = log.read()[-2000:].decode(errors="replace")
+                    raise TimeoutError(f"{exc}; kvgate {' '.join(args)} said:\n{tail}") from None
+        yield procs
+    finally:
+        _stop(procs)
+        for log in logs:
+            log.close()
+
+
+@contextmanager
+def sim_pool(n: int, costs: SimCosts, num_blocks: int, model: str = "sim") -> Iterator[list[str]]:
+    ports = [free_port() for _ in range(n)]
+    specs = [
+        (["gateway.cli", "sim-engine", "--port", str(p), "--model", model, *costs.flags(num_blocks)], [f"http://127.0.0.1:{p}/health"])
+        for p in ports
+    ]
+    with children(specs):
+        yield [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def gateway_yaml(engines: Sequence[str], policy: str, params: dict[str, Any], port: int) -> dict[str, Any]:
+    return {
+        "server": {"port": port, "access_log": "off"},
+        "health": {"interval_s": 0.5, "timeout_s": 2.0, "metrics_interval_s": 0.25},
+        "routing": {"policy": policy, "params": params},
+        "cache": {"tokenizers": {"sim": "sim"}},
+        "engines": [{"url": u} for u in engines],
+    }
+
+
+@contextmanager
+def gateways(
+    engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any]]], loop: str = "asyncio"
+) -> Iterator[list[str]]:
+    """One kvgate per (policy, params), all in front of the same engines; yields their base URLs. `loop`: the
+    gateway's event loop (`bench.routing_gateway`)."""
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+        specs: list[tuple[list[str], list[str]]] = []
+        urls: list[str] = []
+        for i, (policy, params) in enumerate(policies):
+            port = free_port()
+            path = os.path.join(tmp, f"gw{i}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(gateway_yaml(engines, policy, params, port), f)
+            url = f"http://127.0.0.1:{port}"
+            serve = ["bench.routing_gateway", "--loop", loop, "--", "--config", path, "--log-level", "WARNING"]
+            specs.append((serve, [f"{url}/health", f"{url}/ready"]))
+            urls.append(url)
+        with children(specs):
+            yield urls

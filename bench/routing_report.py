@@ -1,0 +1,152 @@
+"""Markdown table, target checks and the docs update of the routing benchmark (`bench.bench_routing`).
+
+Targets (issue 4), checked per workload from the rows of one run:
+- hit: cache-aware engine hit rate >= 95% of the best possible (`best_hit_rate`), each arrival process;
+- hot-prefix: cache-aware output throughput >= round-robin's (closed loop);
+- zero-reuse: cache-aware throughput >= 95% of round-robin's and TTFT p50 <= 105% of it (noise allowance);
+- Poisson: cache-aware TTFT p99 <= round-robin's, and its p50 within 10% of the lowest p50 of the three policies.
+`update_docs` replaces the text between the results markers of the docs file, keeping the hand-written notes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+BEGIN = "<!-- routing-results:begin -->"
+END = "<!-- routing-results:end -->"
+
+
+class _Row(Protocol):
+    workload: str
+    arrival: str
+    policy: str
+    requests: int
+    failed: int
+    hit_rate: float
+    best_hit_rate: float
+    best_unbounded: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    out_tok_s: float
+    req_s: float
+    share: list[float]
+    reasons: dict[str, int]
+
+
+class _Workload(Protocol):
+    name: str
+    about: str
+    num_blocks: int
+    concurrency: int
+    rate: float
+
+
+class _Costs(Protocol):
+    block_size: int
+    max_num_seqs: int
+    overhead_ms: float
+    prefill_us_per_token: float
+    decode_ms: float
+    decode_ms_per_seq: float
+
+
+def _share(share: Sequence[float]) -> str:
+    return " / ".join(f"{100 * s:.0f}" for s in share)
+
+
+def _reasons(reasons: Mapping[str, int]) -> str:
+    total = sum(reasons.values()) or 1
+    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top)
+
+
+def render_markdown(
+    rows: Sequence[_Row],
+    ws: Sequence[_Workload],
+    costs: _Costs,
+    replicas: int,
+    command: str,
+    machine: str,
+    elapsed_s: float,
+    ca_params: Mapping[str, Any],
+) -> str:
+    lines = [
+        f"Command: `{command}`  ",
+        f"Machine: {machine}; wall time {elapsed_s:.0f} s.  ",
+        f"Engines: {replicas} simulated replicas (separate processes), block {costs.block_size} tokens, "
+        f"max_num_seqs {costs.max_num_seqs}, prefill {costs.prefill_us_per_token:g} us/token + "
+        f"{costs.overhead_ms:g} ms, decode {costs.decode_ms:g} ms + {costs.decode_ms_per_seq:g} ms x running.  ",
+        f"cache-aware params: `{dict(ca_params) or 'defaults'}`",
+        "",
+        "| workload | arrival | policy | reqs | hit | best | TTFT p50 ms | TTFT p99 ms | out tok/s | req/s "
+        "| share % per replica | route reasons |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        fail = f" ({r.failed} failed)" if r.failed else ""
+        reasons = _reasons(r.reasons) if r.policy == "cache-aware" else ""
+        lines.append(
+            f"| {r.workload} | {r.arrival} | {r.policy} | {r.requests}{fail} | {100 * r.hit_rate:.1f}% "
+            f"| {100 * r.best_hit_rate:.1f}% | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.out_tok_s:.0f} "
+            f"| {r.req_s:.1f} | {_share(r.share)} | {reasons} |"
+        )
+    lines += ["", "Workloads:", ""]
+    for w in ws:
+        lines.append(
+            f"- **{w.name}**: {w.about}; KV {w.num_blocks} blocks/replica; closed loop {w.concurrency} in flight, "
+            f"Poisson {w.rate:g} new sessions/s."
+        )
+    return "\n".join(lines)
+
+
+def _get(rows: Sequence[_Row], workload: str, arrival: str, policy: str) -> _Row | None:
+    return next((r for r in rows if (r.workload, r.arrival, r.policy) == (workload, arrival, policy)), None)
+
+
+def target_checks(rows: Sequence[_Row]) -> list[str]:
+    out = ["Target checks:", ""]
+
+    def mark(ok: bool, text: str) -> None:
+        out.append(f"- {'MET' if ok else 'NOT MET'}: {text}")
+
+    for wl in dict.fromkeys(r.workload for r in rows):
+        for arrival in ("closed", "poisson"):
+            ca = _get(rows, wl, arrival, "cache-aware")
+            rr = _get(rows, wl, arrival, "round-robin")
+            if ca is None:
+                continue
+            if wl != "zero-reuse" and ca.best_hit_rate > 0:
+                ratio = ca.hit_rate / ca.best_hit_rate
+                mark(ratio >= 0.95, f"{wl}/{arrival} hit {100 * ca.hit_rate:.1f}% = {100 * ratio:.0f}% of best "
+                     f"{100 * ca.best_hit_rate:.1f}% (>= 95%)")  # fmt: skip
+            if rr is None:
+                continue
+            if wl == "hot-prefix" and arrival == "closed":
+                mark(ca.out_tok_s >= rr.out_tok_s, f"hot-prefix throughput {ca.out_tok_s:.0f} vs round-robin "
+                     f"{rr.out_tok_s:.0f} tok/s (>=)")  # fmt: skip
+            if wl == "zero-reuse":
+                ok = ca.out_tok_s >= 0.95 * rr.out_tok_s and ca.ttft_p50_ms <= 1.05 * rr.ttft_p50_ms
+                mark(ok, f"zero-reuse/{arrival} {ca.out_tok_s:.0f} vs {rr.out_tok_s:.0f} tok/s, TTFT p50 "
+                     f"{ca.ttft_p50_ms:.0f} vs {rr.ttft_p50_ms:.0f} ms (no worse than round-robin, 5% noise)")  # fmt: skip
+            if arrival == "poisson":
+                p50s = [r.ttft_p50_ms for r in rows if (r.workload, r.arrival) == (wl, arrival)]
+                mark(ca.ttft_p99_ms <= rr.ttft_p99_ms and ca.ttft_p50_ms <= 1.1 * min(p50s),
+                     f"{wl}/poisson TTFT p99 {ca.ttft_p99_ms:.0f} vs round-robin {rr.ttft_p99_ms:.0f} ms; p50 "
+                     f"{ca.ttft_p50_ms:.0f} vs best {min(p50s):.0f} ms")  # fmt: skip
+    return out
+
+
+def update_docs(path: Path, block: str) -> None:
+    """Replace the results block of `path` (between BEGIN and END), or create the file with it."""
+    body = f"{BEGIN}\n{block}\n{END}"
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + body + tail
+    else:
+        text = f"# Routing benchmark\n\n{body}\n" if not text else f"{text.rstrip()}\n\n{body}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

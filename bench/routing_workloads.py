@@ -1,0 +1,142 @@
+"""Workloads of the routing benchmark and the best-possible hit rate of a run.
+
+Each `Workload` wraps a seeded generator from `loadgen.workloads` (text from `CharTextMaker`: exactly 4 bytes per
+simulated-engine token) with the engine KV capacity it is sized for and its two arrival processes (closed loop at
+`concurrency`, Poisson at `rate` new sessions/s). `scale` multiplies the request counts (`--quick` uses ~0.3).
+
+Best possible hit rate (`best_hit_rate`): the run's prompts are rebuilt exactly as the runner sent them (session
+history = earlier turns' messages + the answers received, which the simulator makes deterministic), rendered and
+tokenized with the simulator's own template and tokenizer, cut into full blocks and chain-hashed. In send order,
+each request then hits the longest leading run of its blocks already present in ONE LRU cache whose capacity is the
+whole pool's KV blocks (replicas x num_blocks), capped like the engine at (prompt_len - 1) // block_size blocks,
+and inserts all its full prompt blocks. That is the cache a perfect router would get if the pool's memory were one
+replica: every shared block-aligned prefix with an earlier request counts, as long as the pool could still hold it.
+It ignores blocks pinned by running requests and generated tokens, so it is optimistic (an upper reference, not a
+proof: LRU is not Belady-optimal). `unbounded` drops the capacity (every earlier prefix counts).
+Cost: O(prompt tokens) per request to hash, O(blocks) per request for the LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from engine_pool.sim.cache import chain_block_hashes
+from engine_pool.sim.tokenize import tokenize_chat
+from loadgen.client import RequestResult, RequestSpec
+from loadgen.text import CharTextMaker
+from loadgen.workloads import agent_sessions, multi_round_chat, random_requests, shared_prefix
+
+Factory = Callable[[int], Iterator[RequestSpec]]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    about: str
+    factory: Factory  # seed -> specs
+    num_blocks: int  # KV capacity per replica, in blocks
+    concurrency: int  # closed loop
+    rate: float  # Poisson, new sessions per second
+
+
+def _n(base: int, scale: float, low: int = 2) -> int:
+    return max(low, round(base * scale))
+
+
+def workloads(scale: float) -> list[Workload]:
+    maker = CharTextMaker()
+    groups = _n(64, scale, 16)
+    per_group = 6
+    hot_n = _n(360, scale, 90)
+    chat_users = _n(40, scale, 12)
+    agents = _n(40, scale, 12)
+    big_groups = _n(128, scale, 36)
+    rnd_n = _n(320, scale, 90)
+
+    def gsp(seed: int) -> Iterator[RequestSpec]:
+        return shared_prefix(
+            maker, seed=seed, groups=groups, prompts_per_group=per_group,
+            system_tokens=1536, question_tokens=64, output_tokens=16,
+        )  # fmt: skip
+
+    def hot(seed: int) -> Iterator[RequestSpec]:
+        # zipf s=2 over 6 prefixes: the first carries ~67% of the traffic, the second ~17%
+        return shared_prefix(
+            maker, seed=seed, groups=6, prompts_per_group=hot_n // 6, system_tokens=1536,
+            question_tokens=64, output_tokens=16, popularity="zipf", zipf_s=2.0,
+        )  # fmt: skip
+
+    def chat(seed: int) -> Iterator[RequestSpec]:
+        return multi_round_chat(
+            maker, seed=seed, users=chat_users, rounds=6, system_tokens=768, question_tokens=96, answer_tokens=16
+        )
+
+    def agent(seed: int) -> Iterator[RequestSpec]:
+        return agent_sessions(
+            maker, seed=seed, sessions=agents, turns=6, system_tokens=1536, task_tokens=64,
+            tool_result_tokens=160, output_tokens=16, pause_s=0.3,
+        )  # fmt: skip
+
+    def big(seed: int) -> Iterator[RequestSpec]:
+        return shared_prefix(
+            maker, seed=seed, groups=big_groups, prompts_per_group=3, system_tokens=1536,
+            question_tokens=64, output_tokens=16,
+        )  # fmt: skip
+
+    def rnd(seed: int) -> Iterator[RequestSpec]:
+        return random_requests(maker, seed=seed, num_requests=rnd_n, input_tokens=(512, 2048), output_tokens=(8, 24))
+
+    system_blocks = 1536 // 16 + 1
+    return [
+        Workload("shared-prefix", f"{groups} groups x {per_group}, system 1536 tok, question 64, output 16",
+                 gsp, num_blocks=max(1024, groups * system_blocks // 3), concurrency=32, rate=45.0),
+        Workload("multi-round-chat", f"{chat_users} users x 6 rounds, system 768, question 96, answer 16",
+                 chat, num_blocks=2048, concurrency=32, rate=5.0),
+        Workload("hot-prefix", f"6 prefixes, zipf s=2 (~67% on one), {hot_n // 6 * 6} requests, system 1536",
+                 hot, num_blocks=2048, concurrency=48, rate=50.0),
+        Workload("agent-sessions", f"{agents} sessions x 6 turns, shared system 1536, tool results 160, pause 0.3 s",
+                 agent, num_blocks=2048, concurrency=32, rate=5.0),
+        Workload("beyond-capacity", f"{big_groups} groups x 3, system 1536: working set ~{big_groups * system_blocks}"
+                 " blocks > pool", big, num_blocks=max(512, big_groups * system_blocks // 6), concurrency=32,
+                 rate=40.0),
+        Workload("zero-reuse", f"{rnd_n} unique prompts 512-2048 tok, output 8-24", rnd,
+                 num_blocks=2048, concurrency=32, rate=32.0),
+    ]  # fmt: skip
+
+
+def rebuild_prompts(factory: Factory, seed: int, results: Sequence[RequestResult]) -> list[list[int]]:
+    """Token ids of every result's prompt, in send order (results sorted by start_s)."""
+    specs = {(s.session_id, s.turn): s for s in factory(seed)}
+    answers = {(r.session_id, r.turn): r.text for r in results}
+    out: list[list[int]] = []
+    for r in sorted(results, key=lambda r: r.start_s):
+        msgs: list[dict[str, str]] = []
+        for t in range(r.turn):
+            prev = specs[(r.session_id, t)]
+            msgs += [{"role": role, "content": c} for role, c in prev.messages]
+            msgs.append({"role": "assistant", "content": answers.get((r.session_id, t), "")})
+        msgs += [{"role": role, "content": c} for role, c in specs[(r.session_id, r.turn)].messages]
+        out.append(tokenize_chat(msgs))
+    return out
+
+
+def best_hit_rate(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int | None, model: str) -> float:
+    """Hit tokens / prompt tokens of one ideal LRU prefix cache (module header); None capacity = unbounded."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for tokens in prompts:
+        hashes = chain_block_hashes(tokens, block_size, model)
+        cap = max(len(tokens) - 1, 0) // block_size
+        n = 0
+        while n < min(cap, len(hashes)) and hashes[n] in lru:
+            n += 1
+        hits += n * block_size
+        total += len(tokens)
+        for h in hashes:
+            lru[h] = None
+            lru.move_to_end(h)
+        while capacity_blocks is not None and len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return hits / total if total else 0.0

@@ -1,0 +1,245 @@
+"""A lean HTTP/1.1 client for the proxy's hot path: keep-alive connection pools on raw asyncio protocols, responses
+parsed by httptools (llhttp, the parser Node.js uses).
+
+Why not aiohttp's client: on these machines it costs several times what the whole rest of a proxied request does
+(the gateway overhead benchmark in docs/ shows both). This client does only what relaying to vLLM needs: POST/GET
+with a body, status + headers, the body read whole or streamed chunk by chunk (chunked transfer decoding by the
+parser), keep-alive reuse, and abort (closing the socket, which is how vLLM learns that a client left).
+
+Pool: per (host, port), a LIFO stack of idle connections bounded by `max_idle`; a connection goes back only when its
+response was read to the end and both sides allow keep-alive. Costs per request: one transport.write, one parser
+feed per received segment; no per-request allocations beyond the response object and its header dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import cast
+
+import httptools
+
+
+class UpstreamConnectionError(ConnectionError):
+    """Could not connect, or the connection broke before the response was complete."""
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.reused = False
+
+    # --- asyncio.Protocol ------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamConnectionError(f"bad response from upstream: {exc}"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.response is not None and not self.response.complete:
+            self._fail(UpstreamConnectionError(f"upstream closed the connection: {exc or 'EOF'}"))
+
+    # --- httptools callbacks ------------------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        resp = self.response
+        if resp is not None:
+            resp.status = self.parser.get_status_code()
+            resp.keep_alive = self.parser.should_keep_alive()
+            if not resp.headers_ready.done():
+                resp.headers_ready.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response.chunks.append(body)
+            self.response.wake()
+
+    def on_message_complete(self) -> None:
+        resp = self.response
+        if resp is not None:
+            resp.complete = True
+            resp.wake()
+
+    # --- helpers ----------------------------------------------------------------------------------------------------
+    def _fail(self, exc: Exception) -> None:
+        resp = self.response
+        if resp is None:
+            return
+        resp.error = exc
+        if not resp.headers_ready.done():
+            resp.headers_ready.set_exception(exc)
+        resp.wake()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class UpstreamResponse:
+    def __init__(self, conn: _Conn, *, reused: bool = False) -> None:
+        self._conn = conn
+        self.reused = reused  # sent on a kept-alive connection (a failure before any byte may be a stale socket)
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.keep_alive = False
+        self.complete = False
+        self.error: Exception | None = None
+        self.chunks: collections.deque[bytes] = collections.deque()
+        loop = asyncio.get_running_loop()
+        self.headers_ready: asyncio.Future[None] = loop.create_future()
+        self._waiter: asyncio.Future[None] | None = None
+        self._done = False
+
+    def wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (chunked encoding already removed)."""
+        while True:
+            while self.chunks:
+                yield self.chunks.popleft()
+            if self.complete:
+                return
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.iter_chunks()]
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Abort: the connection is closed (the engine sees the client leave) and never reused."""
+        if not self._done:
+            self._done = True
+            self._conn.abort()
+
+    def release(self) -> None:
+        """Return the connection to its pool when the response was read whole; abort it otherwise."""
+        if self._done:
+            return
+        self._done = True
+        conn = self._conn
+        conn.response = None
+        if self.complete and self.keep_alive and not conn.closed and self.error is None:
+            conn.pool.put(conn)
+        else:
+            conn.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one host:port."""
+
+    def __init__(
+        self, host: str, port: int, *, use_tls: bool = False, max_idle: int = 256, idle_timeout_s: float = 4.0
+    ) -> None:
+        self.host, self.port = host, port
+        self.ssl: ssl.SSLContext | None = ssl.create_default_context() if use_tls else None
+        self.max_idle = max_idle
+        self.idle_timeout_s = idle_timeout_s  # below uvicorn's 5 s keep-alive, so vLLM never closes one under us
+        self._idle: list[_Conn] = []
+        self._host_header = f"{host}:{port}".encode()
+
+    def put(self, conn: _Conn) -> None:
+        if len(self._idle) < self.max_idle:
+            conn.parser = httptools.HttpResponseParser(conn)
+            conn.idle_since = time.monotonic()
+            conn.reused = True
+            self._idle.append(conn)
+        else:
+            conn.abort()
+
+    async def _connect(self, connect_timeout_s: float) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl)
+        except TimeoutError:
+            raise UpstreamConnectionError(f"connect to {self.host}:{self.port} timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectionError(f"connect to {self.host}:{self.port} failed: {exc}") from None
+        return conn
+
+    async def request(
+        self, method: str, path: str, body: bytes, headers: Mapping[str, str], *, connect_timeout_s: float
+    ) -> UpstreamResponse:
+        """Send the request; the returned response's headers may not have arrived yet (`await resp.headers_ready`)."""
+        conn = None
+        if self._idle:
+            oldest_ok = time.monotonic() - self.idle_timeout_s
+            while self._idle:
+                candidate = self._idle.pop()
+                if not candidate.closed and candidate.idle_since >= oldest_ok:
+                    conn = candidate
+                    break
+                candidate.abort()
+        if conn is None:
+            conn = await self._connect(connect_timeout_s)
+        resp = UpstreamResponse(conn, reused=conn.reused)
+        conn.response = resp
+        head = [
+            f"{method} {path} HTTP/1.1\r\n".encode(),
+            b"Host: ",
+            self._host_header,
+            b"\r\nContent-Length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+        ]
+        for name, value in headers.items():
+            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+        head.append(b"\r\n")
+        assert conn.transport is not None
+        conn.transport.write(b"".join(head) + body)
+        return resp
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.abort()
+        self._idle.clear()
+
+
+class UpstreamClient:
+    """One pool per upstream host:port; `close()` drops every idle connection."""
+
+    def __init__(self, *, max_idle_per_host: int = 256) -> None:
+        self.max_idle_per_host = max_idle_per_host
+        self._pools: dict[tuple[str, int], UpstreamPool] = {}
+
+    def pool(self, host: str, port: int, use_tls: bool = False) -> UpstreamPool:
+        key = (host, port)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = UpstreamPool(host, port, use_tls=use_tls, max_idle=self.max_idle_per_host)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

