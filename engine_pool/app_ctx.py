@@ -33,8 +33,8 @@ def replica_answers(metrics: GatewayMetrics) -> ErrorSource:
         return total
 
     def source(replica_id: str) -> tuple[float, float]:
-        failed = count(metrics.upstream_errors, replica_id, False)
-        return count(metrics.requests, replica_id, True) + failed, failed
+        failed = count(metrics.upstream_errors.metric, replica_id, False)
+        return count(metrics.requests.metric, replica_id, True) + failed, failed
 
     return source
 
