@@ -26,43 +26,52 @@ class StrictModel(BaseModel):
 
 
 class ServerConfig(StrictModel):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
-    access_log: Literal["plain", "json", "off"] = "plain"
-    route_headers: bool = True  # x-kvgate-replica / x-kvgate-route-reason on responses
-    shutdown_grace_s: float = Field(30.0, ge=0)
+    host: str = Field("127.0.0.1", description="listen address")
+    port: int = Field(8000, ge=0, le=65535, description="listen port; 0 picks a free one")
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    access_log: Literal["plain", "json", "off"] = Field(
+        "plain", description="one line per request on the kvgate.access logger"
+    )
+    route_headers: bool = Field(True, description="add x-kvgate-replica / x-kvgate-route-reason to responses")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
 
 
 class TimeoutConfig(StrictModel):
-    connect_s: float = Field(5.0, gt=0)
-    first_byte_s: float = Field(120.0, gt=0)  # until the engine's response headers arrive
-    total_s: float = Field(1800.0, gt=0)
+    connect_s: float = Field(5.0, gt=0, description="TCP connect to an engine")
+    first_byte_s: float = Field(
+        120.0,
+        gt=0,
+        description="until the engine answers (non-stream: headers; stream: first event); then retried elsewhere",
+    )
+    total_s: float = Field(1800.0, gt=0, description="whole request")
 
 
 class RetryConfig(StrictModel):
-    max_attempts: int = Field(3, ge=1, le=10)  # attempts on distinct replicas before the first byte
-    breaker_failures: int = Field(3, ge=1)  # consecutive failures that open a replica's breaker
-    breaker_cooldown_s: float = Field(5.0, gt=0)  # open time before a probe may close it again
+    max_attempts: int = Field(
+        3, ge=1, le=10, description="attempts on distinct replicas while nothing reached the client"
+    )
+    breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a replica's circuit breaker")
+    breaker_cooldown_s: float = Field(5.0, gt=0, description="open time before trial traffic may close the breaker")
 
 
 class HealthConfig(StrictModel):
-    interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(2.0, gt=0)
-    metrics_interval_s: float = Field(1.0, gt=0)
-    metrics_stale_s: float = Field(10.0, gt=0)
+    interval_s: float = Field(2.0, gt=0, description="health probe period per replica (GET /health)")
+    timeout_s: float = Field(2.0, gt=0, description="probe and scrape deadline")
+    metrics_interval_s: float = Field(
+        1.0, gt=0, description="engine /metrics scrape period (running, waiting, KV usage)"
+    )
 
 
 class EngineConfig(StrictModel):
     """An engine kvgate did not start (attached): probed and routed to, never restarted."""
 
-    url: str
-    model: str | None = None  # discovered from /v1/models when omitted
-    name: str | None = None  # replica id; defaults to host:port
-    metrics_url: str | None = None  # defaults to URL/metrics
-    kv_events_endpoint: str | None = None  # e.g. tcp://127.0.0.1:5557
-    tokenizer: str | None = None  # HF dir, "sim" or "chars"
-    max_concurrency: int | None = Field(None, ge=1)
+    url: str = Field(description="base URL of an engine speaking vLLM's OpenAI API")
+    model: str | None = Field(None, description="served model name; discovered from /v1/models when omitted")
+    name: str | None = Field(None, description="replica id; defaults to host:port")
+    metrics_url: str | None = Field(None, description="Prometheus endpoint; defaults to URL/metrics")
+    kv_events_endpoint: str | None = Field(None, description="vLLM KV-events ZMQ endpoint, e.g. tcp://10.0.0.5:5557")
+    tokenizer: str | None = Field(None, description='for prefix hashing: a local HF dir, "sim" or "chars"')
+    max_concurrency: int | None = Field(None, ge=1, description="gateway-side concurrency gate for this replica")
 
     @field_validator("url")
     @classmethod
@@ -73,8 +82,10 @@ class EngineConfig(StrictModel):
 
 
 class RoutingConfig(StrictModel):
-    policy: str = "least-load"
-    params: dict[str, Any] = Field(default_factory=dict)
+    policy: str = Field("least-load", description="routing policy: cache-aware, least-load, round-robin")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="policy parameters (validated by the policy at load time)"
+    )
 
     @field_validator("policy")
     @classmethod
@@ -90,7 +101,7 @@ class RoutingConfig(StrictModel):
 
 
 class AdminConfig(StrictModel):
-    key: str | None = None  # bearer key for /admin/*; admin endpoints are off when unset
+    key: str | None = Field(None, description="bearer key for /admin/*; admin endpoints are off when unset")
 
 
 class GatewayConfig(StrictModel):

@@ -1,0 +1,98 @@
+"""Writes docs/config-reference.md from the pydantic models, so the reference can never drift from the code.
+
+Run: python scripts/config_reference.py  (tests check the committed file is current).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from gateway.config import GatewayConfig
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
+
+
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    out: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        out += _models_in(arg)
+    return out
+
+
+def _type_name(annotation: object) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    text = re.sub(r"\b[a-z_]+(?:\.[a-z_]+)*\.([A-Z]\w*)", r"\1", str(annotation).replace("typing.", ""))
+    return text.replace("NoneType", "None")
+
+
+def _default(field: FieldInfo) -> str:
+    if field.default is not PydanticUndefined:
+        value = field.default
+        if isinstance(value, BaseModel):
+            return "(section)"
+        return f"`{value!r}`"
+    if field.default_factory is not None:
+        try:
+            value = field.default_factory()  # type: ignore[call-arg]
+        except TypeError:
+            return "(computed)"
+        return "(section)" if isinstance(value, BaseModel) else f"`{value!r}`"
+    return "**required**"
+
+
+def rows(model: type[BaseModel], prefix: str) -> list[str]:
+    out: list[str] = []
+    nested: list[tuple[str, type[BaseModel]]] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        desc = (field.description or "").replace("|", "\\|")
+        kind = _type_name(field.annotation).replace("|", "\\|")
+        default = _default(field).replace("|", "\\|")
+        out.append(f"| `{path}` | {kind} | {default} | {desc} |")
+        origin = typing.get_origin(field.annotation)
+        for sub in _models_in(field.annotation):
+            is_list = origin in (list, typing.List) or (  # noqa: UP006
+                origin in (typing.Union, types.UnionType) and "list[" in str(field.annotation)
+            )
+            is_dict = "dict[" in str(field.annotation)
+            suffix = "[]." if is_list else ".<name>." if is_dict else "."
+            nested.append((path + suffix, sub))
+    for path, sub in nested:
+        out += rows(sub, path)
+    return out
+
+
+def render() -> str:
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the pydantic models by `python scripts/config_reference.py`; every key is checked at start-up",
+        "(unknown keys are errors naming their path). Environment overrides: `KVGATE__SECTION__KEY=value`.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+        *rows(GatewayConfig, ""),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    OUT.write_text(render())
+    print(f"wrote {OUT}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
