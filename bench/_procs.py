@@ -43,8 +43,13 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
 
 @contextmanager
 def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     try:
         wait_http(ready_url)
         yield proc
@@ -60,8 +65,9 @@ def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) ->
 @contextmanager
 def sim_engines(n: int, *extra: str, model: str = "sim") -> Iterator[list[str]]:
     ports = [free_port() for _ in range(n)]
-    with _stack([(["sim-engine", "--port", str(p), "--model", model, *extra], f"http://127.0.0.1:{p}/health")
-                 for p in ports]):
+    with _stack(
+        [(["sim-engine", "--port", str(p), "--model", model, *extra], f"http://127.0.0.1:{p}/health") for p in ports]
+    ):
         yield [f"http://127.0.0.1:{p}" for p in ports]
 
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, kvgate, sim_engines  # noqa: E402
+from _procs import cpu_seconds, kvgate, sim_engines
 
 
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
 async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
@@ -53,9 +53,12 @@ async def latency(direct: str, gateway: str, n: int, stream: bool) -> dict[str, 
             g.append(await one(s, gateway, stream))
     ms = 1000.0
     return {
-        "direct_p50_ms": pct(d, 50) * ms, "direct_p99_ms": pct(d, 99) * ms,
-        "kvgate_p50_ms": pct(g, 50) * ms, "kvgate_p99_ms": pct(g, 99) * ms,
-        "added_p50_ms": (pct(g, 50) - pct(d, 50)) * ms, "added_p99_ms": (pct(g, 99) - pct(d, 99)) * ms,
+        "direct_p50_ms": pct(d, 50) * ms,
+        "direct_p99_ms": pct(d, 99) * ms,
+        "kvgate_p50_ms": pct(g, 50) * ms,
+        "kvgate_p99_ms": pct(g, 99) * ms,
+        "added_p50_ms": (pct(g, 50) - pct(d, 50)) * ms,
+        "added_p99_ms": (pct(g, 99) - pct(d, 99)) * ms,
         "added_median_of_pairs_ms": statistics.median(x - y for x, y in zip(g, d, strict=True)) * ms,
     }
 
@@ -79,8 +82,15 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     results: dict[str, object] = {}
     with sim_engines(2, "--instant") as engines:
         for log_mode in ("off", "plain"):
-            with kvgate(engines, "--policy", "least-load", "--access-log", log_mode, "--log-level", "WARNING"
-                        if log_mode == "off" else "INFO") as (gw, pid):
+            with kvgate(
+                engines,
+                "--policy",
+                "least-load",
+                "--access-log",
+                log_mode,
+                "--log-level",
+                "WARNING" if log_mode == "off" else "INFO",
+            ) as (gw, pid):
                 for stream in (False, True):
                     key = f"access_log={log_mode} stream={stream}"
                     lat = await latency(engines[0], gw, args.latency_requests, stream)

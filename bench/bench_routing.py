@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 import time
@@ -80,7 +81,9 @@ async def _reasons(http: aiohttp.ClientSession, gw: str) -> dict[str, int]:
     return out
 
 
-async def measure(gw: str, sims: Sequence[str], w: Workload, arrival: Arrival, seed: int) -> tuple[Any, Any, dict[str, int]]:
+async def measure(
+    gw: str, sims: Sequence[str], w: Workload, arrival: Arrival, seed: int
+) -> tuple[Any, Any, dict[str, int]]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
         await _reset(http, sims)
@@ -116,7 +119,7 @@ def run_workload(
         ports = [s.rsplit(":", 1)[1] for s in sims]
         for arrival_name in args.arrivals:
             arrival = arrivals[arrival_name]
-            specs = [(p, ca_params if p == "cache-aware" else {}) for p in args.policies]
+            specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
             with gateways(sims, specs, args.gateway_loop) as gws:
                 for policy, gw in zip(args.policies, gws, strict=True):
                     t0 = time.monotonic()
@@ -138,7 +141,8 @@ def run_workload(
                     errors = s.errors and f" {s.errors}"
                     print(
                         f"  {w.name:<17} {arrival_name:<8} {policy:<12} hit {row.hit_rate:6.1%} "
-                        f"(best {row.best_hit_rate:6.1%}) ttft p50 {row.ttft_p50_ms:7.1f} p99 {row.ttft_p99_ms:7.1f} ms "
+                        f"(best {row.best_hit_rate:6.1%}) ttft p50 {row.ttft_p50_ms:7.1f} "
+                        f"p99 {row.ttft_p99_ms:7.1f} ms "
                         f"{row.out_tok_s:7.1f} tok/s {row.req_s:6.1f} req/s fail {row.failed}{errors or ''} "
                         f"[{time.monotonic() - t0:.1f} s]",
                         flush=True,
@@ -157,11 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arrivals", default="closed,poisson")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--ca-params", default="{}", help="JSON routing.params for cache-aware (tuning experiments)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an extra cache-aware run labelled NAME with these params (before/after tuning)",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON here")
     p.add_argument("--docs", default=None, help="markdown file to update (default docs/routing.md on a full run)")
     p.add_argument("--no-docs", action="store_true")
-    p.add_argument("--gateway-loop", choices=["asyncio", "uvloop"], default="asyncio",
-                   help="kvgate's event loop (asyncio: see bench/routing_gateway.py)")
+    p.add_argument(
+        "--gateway-loop",
+        choices=["asyncio", "uvloop"],
+        default="asyncio",
+        help="kvgate's event loop (asyncio: see bench/routing_gateway.py)",
+    )
     return p
 
 
@@ -171,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     args.arrivals = [a for a in args.arrivals.split(",") if a]
     args.policies = [p for p in args.policies.split(",") if p]
     ca_params: dict[str, Any] = json.loads(args.ca_params)
+    args.variants = {}
+    for v in args.variant:
+        name, _, params = v.partition("=")
+        args.variants[name] = ("cache-aware", json.loads(params or "{}"))
+        args.policies.append(name)
     chosen = set(filter(None, args.workloads.split(",")))
     ws = [w for w in workloads(scale) if not chosen or w.name in chosen]
     costs = SimCosts()
@@ -182,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     argv_used = sys.argv[1:] if argv is None else argv
     command = " ".join(["python -m bench.bench_routing", *argv_used])
-    machine = f"{platform.machine()}, {_cpus()} CPUs, Python {platform.python_version()}, {platform.system()}"
+    load = os.getloadavg()
+    machine = (
+        f"{platform.machine()}, {_cpus()} CPUs shared with other jobs (load average at the end "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}), Python {platform.python_version()}, {platform.system()}"
+    )
     md = render_markdown(rows, ws, costs, args.replicas, command, machine, elapsed, ca_params)
     print()
     print(md)
@@ -197,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cpus() -> int:
-    import os
-
     return len(os.sched_getaffinity(0))
 
 

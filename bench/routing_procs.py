@@ -82,7 +82,10 @@ def children(specs: Sequence[tuple[list[str], list[str]]]) -> Iterator[list[subp
 def sim_pool(n: int, costs: SimCosts, num_blocks: int, model: str = "sim") -> Iterator[list[str]]:
     ports = [free_port() for _ in range(n)]
     specs = [
-        (["gateway.cli", "sim-engine", "--port", str(p), "--model", model, *costs.flags(num_blocks)], [f"http://127.0.0.1:{p}/health"])
+        (
+            ["gateway.cli", "sim-engine", "--port", str(p), "--model", model, *costs.flags(num_blocks)],
+            [f"http://127.0.0.1:{p}/health"],
+        )
         for p in ports
     ]
     with children(specs):

@@ -12,44 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.bench_routing import Row as _Row
+    from bench.routing_procs import SimCosts as _Costs
+    from bench.routing_workloads import Workload as _Workload
 
 BEGIN = "<!-- routing-results:begin -->"
 END = "<!-- routing-results:end -->"
-
-
-class _Row(Protocol):
-    workload: str
-    arrival: str
-    policy: str
-    requests: int
-    failed: int
-    hit_rate: float
-    best_hit_rate: float
-    best_unbounded: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    out_tok_s: float
-    req_s: float
-    share: list[float]
-    reasons: dict[str, int]
-
-
-class _Workload(Protocol):
-    name: str
-    about: str
-    num_blocks: int
-    concurrency: int
-    rate: float
-
-
-class _Costs(Protocol):
-    block_size: int
-    max_num_seqs: int
-    overhead_ms: float
-    prefill_us_per_token: float
-    decode_ms: float
-    decode_ms_per_seq: float
 
 
 def _share(share: Sequence[float]) -> str:
@@ -86,7 +57,7 @@ def render_markdown(
     ]
     for r in rows:
         fail = f" ({r.failed} failed)" if r.failed else ""
-        reasons = _reasons(r.reasons) if r.policy == "cache-aware" else ""
+        reasons = _reasons(r.reasons) if r.policy not in ("round-robin", "least-load") else ""
         lines.append(
             f"| {r.workload} | {r.arrival} | {r.policy} | {r.requests}{fail} | {100 * r.hit_rate:.1f}% "
             f"| {100 * r.best_hit_rate:.1f}% | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.out_tok_s:.0f} "
@@ -129,7 +100,8 @@ def target_checks(rows: Sequence[_Row]) -> list[str]:
             if wl == "zero-reuse":
                 ok = ca.out_tok_s >= 0.95 * rr.out_tok_s and ca.ttft_p50_ms <= 1.05 * rr.ttft_p50_ms
                 mark(ok, f"zero-reuse/{arrival} {ca.out_tok_s:.0f} vs {rr.out_tok_s:.0f} tok/s, TTFT p50 "
-                     f"{ca.ttft_p50_ms:.0f} vs {rr.ttft_p50_ms:.0f} ms (no worse than round-robin, 5% noise)")  # fmt: skip
+                     f"{ca.ttft_p50_ms:.0f} vs {rr.ttft_p50_ms:.0f} ms (no worse than round-robin, 5% "
+                     "noise)")  # fmt: skip
             if arrival == "poisson":
                 p50s = [r.ttft_p50_ms for r in rows if (r.workload, r.arrival) == (wl, arrival)]
                 mark(ca.ttft_p99_ms <= rr.ttft_p99_ms and ca.ttft_p50_ms <= 1.1 * min(p50s),

@@ -136,6 +136,7 @@ def _build_tokenizer(work: Path, max_len: int) -> None:
 def _build_model(work: Path, seed: int, bos_id: int, eos_ids: list[int], pad_id: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
@@ -157,8 +158,6 @@ def _build_model(work: Path, seed: int, bos_id: int, eos_ids: list[int], pad_id:
     for param in model.parameters():
         param.data = param.data.to(torch.bfloat16)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, pad_token_id=pad_id)
-    from transformers.utils import logging as hf_logging
-
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

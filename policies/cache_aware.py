@@ -8,9 +8,12 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
 3. Cost, in prompt-token equivalents, per candidate r (lower is better):
        cost(r) = prefill_token_cost  * uncached_tokens(r)
                + queued_request_cost * load(r)
+               + waiting_request_cost * waiting(r)
                + kv_pressure_cost    * max(0, kv_usage(r) - kv_usage_threshold) / (1 - kv_usage_threshold)
    where uncached_tokens = prompt_tokens - overlap(r) x block_size (overlap = leading prompt blocks believed
    cached there, `view.overlap`) and load = max(gateway in-flight, engine running + waiting).
+   waiting = the engine-reported queue (vllm:num_requests_waiting): a request there waits for a free batch slot,
+   i.e. roughly a whole request's service time, so it costs far more than one that is merely running.
    A cached prefix is worth `prefill_token_cost x cached tokens`; one queued request costs `queued_request_cost`.
    So a hot prefix keeps going to the replica that holds it until that replica's queue is longer than the others'
    by (cached tokens x prefill_token_cost / queued_request_cost); then the next request goes elsewhere, that
@@ -29,10 +32,18 @@ Scores in the decision: per candidate `(1 + min_cost) / (1 + cost)`, in (0, 1], 
 Parameters (all optional; an unknown name or a bad value raises ValueError):
   prefill_token_cost   float > 0   default 1.0
   queued_request_cost  float >= 0  default 256.0   (token equivalents per outstanding request)
+  waiting_request_cost float >= 0  default 1024.0  (extra per request the engine reports waiting for a slot)
   kv_usage_threshold   0 <= x < 1  default 0.9     (KV usage above which a replica is penalised)
   kv_pressure_cost     float >= 0  default 2048.0  (penalty at 100% KV usage)
-  session_max_gap      int >= 0    default 8
+  session_max_gap      int >= 0    default 4
   session_max_ratio    float >= 1  default 1.5
+
+Tuning history (bench/bench_routing.py, docs/routing.md):
+- v1 (this): `waiting_request_cost` added (was implicitly 0): a holder whose engine queues stops attracting its
+  hot prefix before the queue grows, aimed at the Poisson p99 (failure mode 2); `session_max_gap` 8 -> 4: with
+  max_num_seqs ~16 a gap of 8 is half a batch; the prefix overlap already keeps a session's history where it is,
+  so the session rule only has to hold while loads are close. Measured effect: docs/routing.md (within noise on
+  the shared 2-core machine; see there).
 
 Complexity: O(n log n) for n candidates (the id sort that makes results independent of snapshot order); the
 overlap itself is computed by the gateway's index in O(prompt blocks) per replica.
@@ -52,9 +63,10 @@ from policies.filters import routable
 class CacheAwareParams:
     prefill_token_cost: float = 1.0
     queued_request_cost: float = 256.0
+    waiting_request_cost: float = 1024.0
     kv_usage_threshold: float = 0.9
     kv_pressure_cost: float = 2048.0
-    session_max_gap: int = 8
+    session_max_gap: int = 4
     session_max_ratio: float = 1.5
 
     @classmethod
@@ -76,6 +88,7 @@ class CacheAwareParams:
         checks = (
             (p.prefill_token_cost > 0, "prefill_token_cost must be > 0"),
             (p.queued_request_cost >= 0, "queued_request_cost must be >= 0"),
+            (p.waiting_request_cost >= 0, "waiting_request_cost must be >= 0"),
             (0 <= p.kv_usage_threshold < 1, "kv_usage_threshold must be in [0, 1)"),
             (p.kv_pressure_cost >= 0, "kv_pressure_cost must be >= 0"),
             (p.session_max_gap >= 0, "session_max_gap must be >= 0"),
@@ -106,6 +119,7 @@ class CacheAware:
         return (
             p.prefill_token_cost * (req.prompt_tokens - cached)
             + p.queued_request_cost * r.load
+            + p.waiting_request_cost * r.waiting
             + p.kv_pressure_cost * min(pressure, 1.0)
         )
 

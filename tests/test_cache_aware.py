@@ -95,12 +95,30 @@ def test_session_sticks_to_bound_replica() -> None:
 
 
 def test_session_leaves_an_overloaded_replica() -> None:
-    # gap 10 > 8 and 10 > 1.5 x 0: overloaded, falls back to cost
+    # gap 10 > 4 and 10 > 1.5 x 0: overloaded, falls back to cost
     d = decide([rep("a", 10), rep("b", 0)], {"a": 64}, session="a")
     assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
-    # gap 9 > 8 but 30 <= 1.5 x 21: not overloaded by ratio
+    # gap 9 > 4 but 30 <= 1.5 x 21: not overloaded by ratio
     d = decide([rep("a", 30), rep("b", 21)], {}, session="a")
     assert (d.replica, d.reason) == ("a", "session")
+
+
+def test_session_gap_boundary() -> None:
+    # gap 4 is tolerated, gap 5 (> session_max_gap 4, and 5 > 1.5 x 0) is not
+    assert decide([rep("a", 4), rep("b", 0)], {}, session="a").reason == "session"
+    d = decide([rep("a", 5), rep("b", 0)], {}, session="a")
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+
+
+def test_engine_waiting_queue_costs_more_than_running() -> None:
+    # same load (4), same overlap; a's engine has 2 waiting for a slot: the holder with a free slot wins
+    d = decide([rep("a", 0, running=2, waiting=2), rep("b", 4)], {"a": 64, "b": 64})
+    assert (d.replica, d.reason) == ("b", "cache-hit")
+    # a queue on the only holder spreads the hot prefix (2 x 1024 > 1024 cached tokens)
+    d = decide([rep("a", 2, waiting=2), rep("b", 2)], {"a": 64})
+    assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
+    # without the waiting term the holder keeps it
+    assert decide([rep("a", 2, waiting=2), rep("b", 2)], {"a": 64}, waiting_request_cost=0).replica == "a"
 
 
 def test_session_bound_to_a_gone_or_unroutable_replica() -> None:
@@ -139,6 +157,7 @@ def test_params_change_the_tradeoff() -> None:
         {"nope": 1},
         {"prefill_token_cost": 0},
         {"queued_request_cost": -1},
+        {"waiting_request_cost": -1},
         {"kv_usage_threshold": 1.0},
         {"session_max_gap": 1.5},
         {"session_max_ratio": 0.5},

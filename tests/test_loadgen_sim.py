@@ -200,9 +200,9 @@ async def test_connection_error_is_classified() -> None:
 async def test_sweep_finds_known_knee_and_writes_gate(tmp_path: Path) -> None:
     # 4 sequence slots, costly prefill and decode: up to 4 requests run at once; from 8 on half of them queue for a
     # whole request time, so TTFT p50 jumps while throughput stays at the 4-slot ceiling.
-    # Sleeps dominate the CPU work (10 ms per token), so the shape holds on a busy machine; 12 requests take three
+    # Sleeps dominate the CPU work (30 ms per token), so the shape holds on a busy machine; 12 requests take three
     # waves of 4 at both concurrency 4 and 8, so their throughputs match.
-    cfg = SimConfig(max_num_seqs=4, block_size=16, overhead_ms=1.0, prefill_us_per_token=25.0, decode_ms=10.0,
+    cfg = SimConfig(max_num_seqs=4, block_size=16, overhead_ms=1.0, prefill_us_per_token=25.0, decode_ms=30.0,
                     decode_ms_per_seq=0.0)  # fmt: skip
     config = tmp_path / "kvgate.yaml"
     config.write_text("# my gateway\nserver:\n  port: 9000  # keep\nadmission:\n  replica_max_concurrency: 100\n")

@@ -71,7 +71,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
                     "max_model_len": 2048,
                     "dtype": "bfloat16",
                     "kv_events": True,
-                    "startup_deadline_s": 240,
+                    "startup_deadline_s": 420,
                     "drain_grace_s": 60,
                     "liveness": {"interval_s": 1, "timeout_s": 5, "failures": 5},
                     "restart": {"backoff_base_s": 0.5},
@@ -154,10 +154,10 @@ async def wait_all_ready(session: aiohttp.ClientSession, gw: Gateway, deadline_s
     raise AssertionError(f"replicas not ready: {await replicas(session, gw)}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 async def test_nothing_routed_before_warm_up(gateway: Gateway) -> None:
     saw_503 = saw_200 = 0
-    end = time.monotonic() + 240
+    end = time.monotonic() + 420
     async with aiohttp.ClientSession() as session, oai(gateway) as client:
         while time.monotonic() < end:
             try:
@@ -180,20 +180,20 @@ async def test_nothing_routed_before_warm_up(gateway: Gateway) -> None:
             if all(r["state"] == "ready" for r in state.values()):
                 break
         assert saw_503 > 0 and saw_200 > 0
-        final = await wait_all_ready(session, gateway, 240)
+        final = await wait_all_ready(session, gateway, 420)
         assert all(r["kv_events_endpoint"].startswith("tcp://127.0.0.1:") for r in final.values())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 async def test_kill_9_one_replica_under_load(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as session, oai(gateway) as client:
-        before = await wait_all_ready(session, gateway, 240)
+        before = await wait_all_ready(session, gateway, 420)
         victim = before[f"{MODEL}-0"]
         stop = asyncio.Event()
         load = asyncio.create_task(steady_load(client, stop))
         await asyncio.sleep(2)
         os.kill(victim["pid"], signal.SIGKILL)
-        end = time.monotonic() + 240
+        end = time.monotonic() + 420
         while time.monotonic() < end:
             now = (await replicas(session, gateway))[victim["id"]]
             if now["state"] == "ready" and now["pid"] not in (None, victim["pid"]):
@@ -208,16 +208,16 @@ async def test_kill_9_one_replica_under_load(gateway: Gateway) -> None:
         assert not psutil.pid_exists(victim["pid"]) or psutil.Process(victim["pid"]).status() == "zombie"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 async def test_rolling_restart_under_steady_load(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as session, oai(gateway) as client:
-        before = await wait_all_ready(session, gateway, 240)
+        before = await wait_all_ready(session, gateway, 420)
         stop = asyncio.Event()
         load = asyncio.create_task(steady_load(client, stop))
         async with session.post(
             f"{gateway.url}/admin/models/{MODEL}/rolling-restart",
             headers={"Authorization": f"Bearer {KEY}"},
-            timeout=aiohttp.ClientTimeout(total=280),
+            timeout=aiohttp.ClientTimeout(total=880),
         ) as resp:
             assert resp.status == 200, await resp.text()
         stop.set()
@@ -232,7 +232,7 @@ async def test_rolling_restart_under_steady_load(gateway: Gateway) -> None:
 @pytest.mark.timeout(200)
 async def test_sigterm_lets_streams_finish_and_leaves_no_engine(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as session, oai(gateway) as client:
-        await wait_all_ready(session, gateway, 240)
+        await wait_all_ready(session, gateway, 420)
         pids = [r["pid"] for r in (await replicas(session, gateway)).values()]
         assert engine_processes(gateway.model_dir)
         streams = [
