@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import importlib.util
+import itertools
 import random
 import signal
 import subprocess
@@ -194,7 +195,7 @@ async def subscribed(endpoints: dict[str, str]) -> AsyncIterator[dict[str, Event
         sock.connect(endpoint)
         try:
             while True:
-                topic, seq, payload = await sock.recv_multipart()
+                _topic, seq, payload = await sock.recv_multipart()
                 logs[rid].batches.append((int.from_bytes(seq, "big"), decode_kv_event_batch(payload)[1]))
         finally:
             sock.close(linger=0)
@@ -217,11 +218,10 @@ def chain_from_root(stored: list[BlockStoredEvent]) -> list[BlockStoredEvent]:
 
 
 def stored_blocks(log: EventLog, start: int) -> int:
-    return (
-        sum(len(e.block_hashes) for e in chain_from_root(log.stored(start)))
-        if any(e.parent_block_hash is None for e in log.stored(start))
-        else 0
-    )
+    """Blocks stored from the first new root on (0 before one arrived)."""
+    stored = log.stored(start)
+    roots = [i for i, e in enumerate(stored) if e.parent_block_hash is None]
+    return sum(len(e.block_hashes) for e in stored[roots[0] :]) if roots else 0
 
 
 async def wait_until(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
@@ -280,7 +280,7 @@ async def test_predicted_chain_equals_chain_from_kv_events(gateway: Gateway) -> 
                 await wait_until(lambda log=log, n=n_full, s=starts[rid]: stored_blocks(log, s) >= n, "events")
                 # one chain: a new root (the prompt is new to the engine), each event continuing the previous one
                 events = chain_from_root(log.stored(starts[rid]))
-                for prev, ev in zip(events, events[1:], strict=False):
+                for prev, ev in itertools.pairwise(events):
                     assert ev.parent_block_hash == prev.block_hashes[-1]
                 assert all(e.block_size == BLOCK and len(e.token_ids) == BLOCK * len(e.block_hashes) for e in events)
                 event_ids = [t for e in events for t in e.token_ids]
