@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from engine_pool.pool import EnginePool
-from engine_pool.supervisor import PoolError, UnknownReplica
+from engine_pool.slots import PoolError, UnknownReplica
 from gateway.errors import BadRequest, GatewayError, NotFound, Unauthorized
 from gateway.keys import CONFIG, POOL, REPLICAS
 

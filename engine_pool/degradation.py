@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from engine_pool.slots import PoolError, Slot, SlotState
 from engine_pool.spec import DegradationRule
-from engine_pool.supervisor import PoolError, Slot, SlotState
 
 if TYPE_CHECKING:
     from engine_pool.pool import EnginePool

@@ -28,8 +28,9 @@ from engine_pool.degradation import DegradationWatcher, ErrorSource
 from engine_pool.launcher import free_port
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
+from engine_pool.slots import PoolError, PoolMetrics, Slot, SlotState, UnknownReplica
 from engine_pool.spec import ModelPoolConfig, PoolConfig
-from engine_pool.supervisor import PoolError, PoolMetrics, Slot, SlotState, Supervisor, UnknownReplica
+from engine_pool.supervisor import Supervisor
 from engine_pool.vllm_command import Device, EngineLaunchSpec, detect_device, vllm_argv, vllm_env
 
 log = logging.getLogger("kvgate.pool")

@@ -13,13 +13,19 @@ CACHE_AWARE = {"routing": {"policy": "cache-aware"}, "cache": {"tokenizers": {"s
 
 
 async def chat(http: aiohttp.ClientSession, url: str, system: str, user: str, **headers: str) -> tuple[str, str, int]:
-    body = {"model": "sim", "max_tokens": 2,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    body = {
+        "model": "sim",
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
     async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
         data = await resp.json()
         assert resp.status == 200, data
-        return (resp.headers["x-kvgate-replica"], resp.headers["x-kvgate-route-reason"],
-                data["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return (
+            resp.headers["x-kvgate-replica"],
+            resp.headers["x-kvgate-route-reason"],
+            data["usage"]["prompt_tokens_details"]["cached_tokens"],
+        )
 
 
 async def test_shared_prefixes_route_to_their_holder(http: aiohttp.ClientSession) -> None:
@@ -46,6 +52,7 @@ async def test_session_header_keeps_a_conversation_in_place(http: aiohttp.Client
     async with gateway_over_sims([SIM, SIM], **CACHE_AWARE) as (gw, _):
         first, _, _ = await chat(http, gw.url, "short", "turn 0", **{"x-session-id": "agent-7"})
         for turn in range(1, 4):
-            replica, reason, _ = await chat(http, gw.url, "totally different " * turn, f"turn {turn}",
-                                            **{"x-session-id": "agent-7"})
+            replica, reason, _ = await chat(
+                http, gw.url, "totally different " * turn, f"turn {turn}", **{"x-session-id": "agent-7"}
+            )
             assert replica == first and reason == "session"

@@ -16,7 +16,7 @@ import openai
 from prometheus_client import CollectorRegistry
 
 from engine_pool.pool import EnginePool
-from engine_pool.supervisor import SlotState
+from engine_pool.slots import SlotState
 from gateway.config import GatewayConfig
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import POOL, REGISTRY

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
+from engine_pool.slots import SlotState
 from engine_pool.spec import PoolConfig
-from engine_pool.supervisor import SlotState
 
 
 def group_alive(pgid: int) -> bool:
