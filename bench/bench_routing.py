@@ -120,7 +120,7 @@ def run_workload(
         for arrival_name in args.arrivals:
             arrival = arrivals[arrival_name]
             specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
-            with gateways(sims, specs, args.gateway_loop) as gws:
+            with gateways(sims, specs) as gws:
                 for policy, gw in zip(args.policies, gws, strict=True):
                     t0 = time.monotonic()
                     res, cache, reasons = _run(measure(gw, sims, w, arrival, args.seed))
@@ -171,12 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON here")
     p.add_argument("--docs", default=None, help="markdown file to update (default docs/routing.md on a full run)")
     p.add_argument("--no-docs", action="store_true")
-    p.add_argument(
-        "--gateway-loop",
-        choices=["asyncio", "uvloop"],
-        default="asyncio",
-        help="kvgate's event loop (asyncio: see bench/routing_gateway.py)",
-    )
     return p
 
 

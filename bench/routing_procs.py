@@ -103,11 +103,8 @@ def gateway_yaml(engines: Sequence[str], policy: str, params: dict[str, Any], po
 
 
 @contextmanager
-def gateways(
-    engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any]]], loop: str = "asyncio"
-) -> Iterator[list[str]]:
-    """One kvgate per (policy, params), all in front of the same engines; yields their base URLs. `loop`: the
-    gateway's event loop (`bench.routing_gateway`)."""
+def gateways(engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any]]]) -> Iterator[list[str]]:
+    """One `kvgate serve` (uvloop) per (policy, params), all in front of the same engines; yields their base URLs."""
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         specs: list[tuple[list[str], list[str]]] = []
         urls: list[str] = []
@@ -117,7 +114,7 @@ def gateways(
             with open(path, "w") as f:
                 yaml.safe_dump(gateway_yaml(engines, policy, params, port), f)
             url = f"http://127.0.0.1:{port}"
-            serve = ["bench.routing_gateway", "--loop", loop, "--", "--config", path, "--log-level", "WARNING"]
+            serve = ["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"]
             specs.append((serve, [f"{url}/health", f"{url}/ready"]))
             urls.append(url)
         with children(specs):
