@@ -7,7 +7,6 @@ proxy. Nothing is module-global: a test can run several gateways in one process.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -23,7 +22,8 @@ from gateway.admission.setup import admission_ctx
 from gateway.cache_ctx import cache_ctx
 from gateway.config import EngineConfig, GatewayConfig
 from gateway.errors import GatewayError, error_response, http_exception_to_error
-from gateway.keys import CACHE, CLIENT, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER, UPSTREAM
+from gateway.ids import IdSource
+from gateway.keys import CACHE, CLIENT, CONFIG, IDS, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER, UPSTREAM
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
 from gateway.router import Router
@@ -52,7 +52,7 @@ def attached_replica(engine: EngineConfig) -> Replica:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = request.headers.get("x-request-id") or request.app[IDS].next()
     request[REQUEST_ID] = request_id
     try:
         response = await handler(request)
@@ -117,6 +117,7 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
 def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
+    app[IDS] = IdSource()
     app[REGISTRY] = registry or CollectorRegistry()
     app[METRICS] = GatewayMetrics(app[REGISTRY])
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, cache_ctx, _pool_ctx, _router_ctx])  # pool: launched engines

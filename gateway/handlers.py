@@ -67,8 +67,11 @@ def _observe(request: web.Request, ctx: RequestContext) -> None:
             m.ttft.labels(ctx.model).observe(ctx.ttft_s)
         if ctx.duration_s is not None:
             m.e2e.labels(ctx.model).observe(ctx.duration_s)
-        for kind, value in (("prompt", ctx.prompt_tokens), ("cached", ctx.cached_tokens),
-                            ("completion", ctx.completion_tokens)):
+        for kind, value in (
+            ("prompt", ctx.prompt_tokens),
+            ("cached", ctx.cached_tokens),
+            ("completion", ctx.completion_tokens),
+        ):
             if value:
                 m.tokens.labels(ctx.model, kind).inc(value)
 
@@ -104,8 +107,12 @@ def readiness(request: web.Request) -> dict[str, Any]:
         ok = replica.routable(now)
         entry["ready"] += int(ok)
         entry["replicas"][replica.id] = {
-            "ready": ok, "healthy": replica.healthy, "warm": replica.warm, "draining": replica.draining,
-            "breaker_open": replica.breaker_open(now), "in_flight": replica.in_flight,
+            "ready": ok,
+            "healthy": replica.healthy,
+            "warm": replica.warm,
+            "draining": replica.draining,
+            "breaker_open": replica.breaker_open(now),
+            "in_flight": replica.in_flight,
         }
     ready = bool(models) and all(m["ready"] > 0 for m in models.values())
     return {"ready": ready, "models": models}

@@ -10,6 +10,7 @@ from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.controller import AdmissionController
 from gateway.config import GatewayConfig
+from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.router import Router
@@ -29,4 +30,5 @@ CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (
 CACHE = web.AppKey("cache", CacheAwareState)  # absent unless the routing policy uses prefix overlap
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config
 
+IDS = web.AppKey("ids", IdSource)  # request ids
 REQUEST_ID = web.RequestKey("request_id", str)

