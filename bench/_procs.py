@@ -63,22 +63,30 @@ def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) ->
 
 
 @contextmanager
-def sim_engines(n: int, *extra: str, model: str = "sim") -> Iterator[list[str]]:
+def sim_engine_processes(n: int, *extra: str, model: str = "sim") -> Iterator[list[tuple[str, int]]]:
+    """n simulated engines as child processes: [(base URL, pid)]."""
     ports = [free_port() for _ in range(n)]
-    with _stack(
-        [(["sim-engine", "--port", str(p), "--model", model, *extra], f"http://127.0.0.1:{p}/health") for p in ports]
-    ):
-        yield [f"http://127.0.0.1:{p}" for p in ports]
+    specs = [
+        (["sim-engine", "--port", str(p), "--model", model, *extra], f"http://127.0.0.1:{p}/health") for p in ports
+    ]
+    with _stack(specs) as pids:
+        yield [(f"http://127.0.0.1:{p}", pid) for p, pid in zip(ports, pids, strict=True)]
 
 
 @contextmanager
-def _stack(specs: list[tuple[list[str], str]]) -> Iterator[None]:
+def sim_engines(n: int, *extra: str, model: str = "sim") -> Iterator[list[str]]:
+    with sim_engine_processes(n, *extra, model=model) as engines:
+        yield [url for url, _ in engines]
+
+
+@contextmanager
+def _stack(specs: list[tuple[list[str], str]]) -> Iterator[list[int]]:
     if not specs:
-        yield
+        yield []
         return
     (args, url), rest = specs[0], specs[1:]
-    with child(args, url), _stack(rest):
-        yield
+    with child(args, url) as proc, _stack(rest) as pids:
+        yield [proc.pid, *pids]
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, kvgate, sim_engines
+from _procs import cpu_seconds, kvgate, sim_engine_processes
 
 
 def pct(values: list[float], p: float) -> float:
@@ -63,24 +63,30 @@ async def latency(direct: str, gateway: str, n: int, stream: bool) -> dict[str, 
     }
 
 
-async def cpu_per_request(gateway: str, pid: int, n: int, concurrency: int, stream: bool) -> dict[str, float]:
+async def cpu_per_request(url: str, pid: int, n: int, concurrency: int, stream: bool) -> dict[str, float]:
+    """CPU milliseconds the process `pid` spends per request sent to `url`, at the given concurrency."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        await asyncio.gather(*(one(s, gateway, stream) for _ in range(200)))
+        await asyncio.gather(*(one(s, url, stream) for _ in range(200)))
         queue = iter(range(n))
 
         async def worker() -> None:
             for _ in queue:
-                await one(s, gateway, stream)
+                await one(s, url, stream)
 
         c0, t0 = cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         c1, t1 = cpu_seconds(pid), time.perf_counter()
-    return {"gateway_cpu_ms_per_request": (c1 - c0) / n * 1000, "requests_per_s": n / (t1 - t0)}
+    return {"cpu_ms_per_request": (c1 - c0) / n * 1000, "requests_per_s": n / (t1 - t0)}
 
 
 async def measure(args: argparse.Namespace) -> dict[str, object]:
     results: dict[str, object] = {}
-    with sim_engines(2, "--instant") as engines:
+    with sim_engine_processes(2, "--instant") as procs:
+        engines = [url for url, _ in procs]
+        for stream in (False, True):  # reference: what one plain aiohttp server (the engine itself) costs
+            ref = await cpu_per_request(procs[0][0], procs[0][1], args.requests, args.concurrency, stream)
+            results[f"engine alone, stream={stream}"] = {"engine_cpu_ms_per_request": ref["cpu_ms_per_request"]}
+            print(f"engine alone stream={stream}", json.dumps(ref), flush=True)
         for log_mode in ("off", "plain"):
             with kvgate(
                 engines,
@@ -95,6 +101,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
                     key = f"access_log={log_mode} stream={stream}"
                     lat = await latency(engines[0], gw, args.latency_requests, stream)
                     cpu = await cpu_per_request(gw, pid, args.requests, args.concurrency, stream)
+                    cpu["gateway_cpu_ms_per_request"] = cpu.pop("cpu_ms_per_request")
                     results[key] = {**lat, **cpu}
                     print(key, json.dumps({k: round(v, 4) for k, v in {**lat, **cpu}.items()}), flush=True)
     return results
@@ -107,6 +114,9 @@ def markdown(results: dict[str, object], args: argparse.Namespace) -> str:
     ]
     for key, r in results.items():
         assert isinstance(r, dict)
+        if "engine_cpu_ms_per_request" in r:
+            lines.append(f"| {key} (reference) | | | | | {r['engine_cpu_ms_per_request']:.3f} | |")
+            continue
         lines.append(
             f"| {key} | {r['direct_p50_ms']:.3f} | {r['kvgate_p50_ms']:.3f} | {r['added_p50_ms']:.3f} | "
             f"{r['added_p99_ms']:.3f} | {r['gateway_cpu_ms_per_request']:.3f} | {r['requests_per_s']:.0f} |"
