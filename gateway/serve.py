@@ -11,13 +11,14 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from typing import Any
 
 from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.keys import ADMISSION, CONFIG_PATH
+from gateway.keys import ADMISSION, CONFIG_PATH, REPLICAS
 from policies.registry import policy_names
 
 log = logging.getLogger("kvgate")
@@ -80,6 +81,7 @@ async def serve(
     )
     if ready is not None and not ready.done():
         ready.set_result(port)
+    announcer = asyncio.create_task(_announce_ready(app, f"http://{config.server.host}:{port}"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -89,9 +91,35 @@ async def serve(
         await stop.wait()
         log.info("shutting down: draining in-flight requests (up to %.0f s)", config.server.shutdown_grace_s)
     finally:
+        announcer.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+
+
+async def _announce_ready(app: web.Application, base_url: str) -> None:
+    """Log once when every model has a ready replica (engines may take minutes to load): where to send requests."""
+    replicas = app[REPLICAS]
+    while True:
+        changed = replicas.changed
+        now = time.monotonic()
+        models = replicas.models()
+        if models and all(any(r.routable(now) for r in rs) for rs in models.values()):
+            names = ", ".join(
+                f"{m} ({sum(r.routable(now) for r in rs)}/{len(rs)} replicas ready)" for m, rs in sorted(models.items())
+            )
+            first = sorted(models)[0]
+            log.info(
+                "ready: %s. OpenAI base URL %s/v1, e.g. curl %s/v1/chat/completions -H 'Content-Type: "
+                'application/json\' -d \'{"model": "%s", "messages": [{"role": "user", '
+                '"content": "Hello"}]}\'',
+                names,
+                base_url,
+                base_url,
+                first,
+            )
+            return
+        await changed.wait()
 
 
 def setup_logging(level: str) -> None:
