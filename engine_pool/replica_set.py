@@ -2,9 +2,9 @@
 
 Each replica gets one asyncio task that alternates a health probe (`GET /health`, every `interval_s`, deadline
 `timeout_s`) with a metrics scrape (`GET metrics_url`, every `metrics_interval_s`). A failed probe marks the replica
-unhealthy at once (out of routing); a passing one marks it healthy. Listeners hear when a replica comes up (healthy,
-with its first metrics), goes down, or is removed. Attached engines without a configured model name get it from
-`/v1/models`.
+unhealthy at once (out of routing); a passing one marks it healthy. Listeners hear when a replica comes up (healthy),
+again when its KV layout (block size, capacity in blocks) first becomes known or changes, when it goes down, and when
+it is removed. Attached engines without a configured model name get it from `/v1/models`.
 """
 
 from __future__ import annotations
@@ -149,7 +149,12 @@ class ReplicaSet:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return False
+        before = replica.metrics
         replica.metrics = parse_engine_metrics(text)
+        layout = (replica.metrics.block_size, replica.metrics.num_blocks)
+        if replica.healthy and layout != (before.block_size, before.num_blocks):
+            for listener in self._listeners:  # the KV layout became known (or changed): listeners re-register it
+                listener.replica_up(replica)
         return True
 
     async def _probe_loop(self, replica: Replica) -> None:

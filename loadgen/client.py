@@ -37,6 +37,7 @@ class RequestSpec:
     arrival_s: float | None = None  # offset from the start of the run (trace replay); None = arrival process
     think_s: float = 0.0  # pause after the previous turn's answer before this turn is sent
     headers: tuple[tuple[str, str], ...] = ()
+    send_user: bool = False  # send OpenAI's `user` field = user_id (chat apps do; kvgate keys sessions on it)
     est_prompt_tokens: int = 0  # workload's own estimate of the new text, for reporting
     group: int | None = None  # shared-prefix group
     final: bool = True  # last turn of its session
@@ -212,6 +213,8 @@ async def send_request(
     hdrs = dict(spec.headers)
     hdrs.update(headers or {})
     body = build_body(target, messages, spec.max_tokens)
+    if spec.send_user:
+        body["user"] = spec.user_id
     timeout = aiohttp.ClientTimeout(total=target.timeout_s)
     t0 = time.perf_counter()
     try:

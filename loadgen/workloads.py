@@ -4,7 +4,8 @@
   `groups * prompts_per_group` requests whose group is round-robin (uniform) or drawn with probability
   proportional to 1 / rank^s (zipf), then shuffled. Single-turn.
 - `multi_round_chat`: `users` sessions of `rounds` turns; one shared system prompt, a new question per turn; the
-  runner appends each answer to the session history, so the context grows by question + answer every turn.
+  runner appends each answer to the session history, so the context grows by question + answer every turn; each
+  request carries OpenAI's `user` field, as chat apps send it.
   `think_s` pauses between a turn's answer and the next question.
 - `agent_sessions`: long sessions: a shared tool-description system prompt, a task, then `turns - 1` tool results
   of `tool_result_tokens` each (sent as user messages, so every chat template accepts them), `pause_s` between
@@ -94,6 +95,7 @@ def multi_round_chat(
             yield RequestSpec(
                 session_id=f"chat{u}",
                 user_id=f"user{u}",
+                send_user=True,
                 turn=r,
                 messages=msgs,
                 max_tokens=answer_tokens,

@@ -1,0 +1,43 @@
+"""The replica set against a real simulated engine: probes, model discovery, and listeners hearing the KV layout."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from engine_pool.replica import Replica
+from engine_pool.replica_set import ReplicaSet
+from engine_pool.sim import SimConfig, run_sim_engine
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int | None, int | None]] = []
+
+    def _add(self, kind: str, r: Replica) -> None:
+        self.events.append((kind, r.id, r.metrics.block_size, r.metrics.num_blocks))
+
+    def replica_up(self, replica: Replica) -> None:
+        self._add("up", replica)
+
+    def replica_down(self, replica: Replica) -> None:
+        self._add("down", replica)
+
+    def replica_removed(self, replica: Replica) -> None:
+        self._add("removed", replica)
+
+
+async def test_probe_discovers_model_and_listeners_hear_the_kv_layout() -> None:
+    async with (
+        run_sim_engine(SimConfig(model="m", block_size=32, num_blocks=100)) as engine,
+        aiohttp.ClientSession() as session,
+    ):
+        replicas = ReplicaSet(session, interval_s=60, metrics_interval_s=60)
+        rec = Recorder()
+        replicas.add_listener(rec)
+        replica = Replica("r", engine.url, None, managed=True)
+        assert await replicas.probe_health(replica) and replica.model == "m" and replica.max_model_len
+        replicas.set_health(replica, True)  # e.g. the supervisor after warm-up, before any metrics scrape
+        assert await replicas.scrape_metrics(replica)
+        assert await replicas.scrape_metrics(replica)  # unchanged layout: no second announcement
+        replicas.set_health(replica, False)
+        assert rec.events == [("up", "r", None, None), ("up", "r", 32, 100), ("down", "r", 32, 100)]
