@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 OUT=${OUT:-docs/loadgen}
 PORT=${PORT:-18000}
-CONC=${CONC:-1,2,4,8,16}
+CONC=${CONC:-1,2,4,8,16,32,64}
 mkdir -p "$OUT" .kvgate
 
 run_policy() {
@@ -23,7 +23,7 @@ run_policy() {
   done
   curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null
   local tok=.kvgate/tiny-model
-  kvgate loadgen sweep --url "http://127.0.0.1:$PORT" --workload shared-prefix --groups 8 --prompts-per-group 6 \
+  kvgate loadgen sweep --url "http://127.0.0.1:$PORT" --workload shared-prefix --groups 12 --prompts-per-group 6 \
     --system-len 768 --question-len 32 --output-len 64 --concurrencies "$CONC" \
     --tokenizer "$tok" --metrics-url "http://127.0.0.1:$PORT/metrics" --label "$policy" --out "$OUT/$policy" \
     --seed 7
