@@ -6,11 +6,11 @@ gateway knows of their caches, and the request): `Policy.decide(view) -> Decisio
 literal values.
 
 Stages (llm-d's scheduler shape): Filter -> Score -> Pick.
-- A `Filter` removes candidates (not ready, saturated, ...); it never reorders.
-- A `Scorer` returns a score in [0, 1] per candidate (1 = best); the framework clamps and multiplies by the
-  weight from config.
-- A `Picker` chooses one candidate from the weighted totals (argmax with a deterministic tie-break, ...).
-`policies.pipeline.ScoredPolicy` composes them; simple policies may implement `Policy` directly.
+- A `Filter` removes candidates (not ready, saturated, ...); it never reorders (`policies.filters.routable`).
+- A `Scorer` returns a score in [0, 1] per candidate (1 = best), to be weighted by config.
+- A `Picker` chooses one candidate (argmax with a deterministic tie-break, ...).
+The shipped policies implement `Policy` directly on these steps: round-robin and least-load filter then pick;
+cache-aware filters, scores by a cost model (normalised into `Decision.scores`) and picks the cheapest.
 """
 
 from __future__ import annotations

@@ -53,3 +53,12 @@ def test_registry_rejects_unknown_names_and_params() -> None:
         build_policy("fastest")
     with pytest.raises(ValueError, match="no parameters"):
         build_policy("round-robin", {"x": 1})
+
+
+@pytest.mark.parametrize("name", ["round-robin", "least-load", "cache-aware"])
+def test_saturated_replicas_are_avoided_while_another_is_not(name: str) -> None:
+    policy = build_policy(name)
+    hot = r("a", waiting=3, kv_usage=0.99)
+    assert {policy.decide(view(hot, r("b", in_flight=9), seq=s)).replica for s in range(4)} == {"b"}
+    both = (hot, r("b", waiting=1, kv_usage=0.97))
+    assert policy.decide(view(*both)).replica in {"a", "b"}  # all saturated: still routed (admission queues first)
