@@ -40,8 +40,6 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         async with admission.admission(identity, parsed.model, prompt_estimate, ctx):
             response = await app[PROXY].forward(request, parsed, info, ctx, raw, body_changed=body_changed)
         ctx.status = response.status
-        if info is not None and (cache := app.get(CACHE)) is not None and ctx.status == 200:
-            cache.on_finished(info, ctx.replica, ctx.cached_tokens)
         return response
     except GatewayError as err:
         ctx.status, ctx.error = err.status, err.code
@@ -49,10 +47,15 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
             err.headers.setdefault(name, value)
         raise
     except BaseException:
-        ctx.status, ctx.client_disconnected = 499, True
-        metrics.cancelled.labels(ctx.model).inc()
+        if ctx.delivered:  # the client had every event and left before the chunked terminator: a success
+            ctx.status = 200
+        else:
+            ctx.status, ctx.client_disconnected = 499, True
+            metrics.cancelled.labels(ctx.model).inc()
         raise
     finally:
+        if ctx.status == 200 and info is not None and (cache := app.get(CACHE)) is not None:
+            cache.on_finished(info, ctx.replica, ctx.cached_tokens)
         ctx.duration_s = time.monotonic() - ctx.started
         _observe(request, ctx)
         admission.metrics.requests.labels(ctx.tenant, str(ctx.status)).inc()

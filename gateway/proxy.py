@@ -224,6 +224,7 @@ class UpstreamProxy:
         replica.record_success()
         ctx.set_usage(_usage_of(raw))
         ctx.ttft_s = time.monotonic() - ctx.started
+        ctx.delivered = True
         return web.Response(
             body=raw,
             status=upstream.status,
@@ -277,6 +278,8 @@ class UpstreamProxy:
                         itl.observe(now - last_write)
                     last_write = now
                     await response.write(b"".join(out))
+                    if out[-1].startswith(_DONE):
+                        ctx.delivered = True  # the client has everything; it may close before the terminator
         except TimeoutError:
             if response is None:
                 raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
@@ -288,6 +291,7 @@ class UpstreamProxy:
             self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
         if response is None:
             raise _Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
+        ctx.delivered = ctx.delivered or ctx.error is None
         await response.write_eof()
         return response
 
