@@ -28,9 +28,9 @@ async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamRes
         ctx.tenant = identity.tenant
         raw = await request.read()
         parsed = parse_request(endpoint, raw)
-        ctx.model, ctx.stream = parsed.model, parsed.stream
-        if not app[REPLICAS].for_model(parsed.model):
+        if not app[REPLICAS].for_model(parsed.model):  # metrics label only known models: bounded cardinality
             raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
+        ctx.model, ctx.stream = parsed.model, parsed.stream
         body_changed = admission.apply_cache_salt(identity, parsed.body)
         session_key = request.headers.get(cfg.cache.session_header)
         info = await app[ROUTER].request_info(

@@ -175,3 +175,12 @@ def test_random_json_bodies_never_500(body: Any) -> None:
                     assert resp.status < 500, await resp.text()
 
     asyncio.run(run())
+
+
+async def test_unknown_models_do_not_grow_metric_labels(gateway: RunningGateway, http: aiohttp.ClientSession) -> None:
+    for i in range(5):
+        async with http.post(gateway.url + COMP, json={"model": f"nope-{i}", "prompt": "x"}) as resp:
+            assert resp.status == 404
+    metrics = await (await http.get(gateway.url + "/metrics")).text()
+    assert "nope-" not in metrics
+    assert 'kvgate_requests_total{endpoint="completions",model="-",replica="-",status="404"} 5.0' in metrics
