@@ -13,7 +13,7 @@ mkdir -p "$OUT" .kvgate
 run_policy() {
   local policy=$1
   local cfg=.kvgate/sweep-$policy.yaml
-  sed -e "s/policy: cache-aware/policy: $policy/" -e "s/port: 8000/port: $PORT/" deploy/local-cpu.yaml > "$cfg"
+  sed -e "s/policy: cache-aware/policy: $policy/" -e "s/port: 8000/port: $PORT/" deploy/local.yaml > "$cfg"
   kvgate serve --config "$cfg" --access-log off --log-level WARNING &
   local pid=$!
   trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null' RETURN

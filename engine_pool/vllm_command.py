@@ -51,7 +51,7 @@ class EngineLaunchSpec:
     block_size: int | None = None  # tokens per KV block; None = vLLM default (128 on CPU, 16 on GPU)
     max_model_len: int | None = None
     max_num_seqs: int | None = None
-    kv_cache_memory_bytes: int | None = None  # KV cache size; takes precedence over gpu_memory_utilization
+    kv_cache_memory_bytes: int | None = None  # KV cache size; takes precedence over gpu_memory_utilization for it
     gpu_memory_utilization: float | None = None  # GPU only, in (0, 1]
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str | None = "sha256_cbor"  # None = vLLM default (sha256 over pickle)
@@ -164,7 +164,8 @@ def vllm_argv(spec: EngineLaunchSpec) -> list[str]:
         argv += ["--max-num-seqs", str(spec.max_num_seqs)]
     if spec.kv_cache_memory_bytes is not None:
         argv += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]
-    elif spec.gpu_memory_utilization is not None and spec.device == "gpu":
+    if spec.gpu_memory_utilization is not None and spec.device == "gpu":
+        # also with a fixed KV size: vLLM checks it against free memory at start-up (replicas sharing a GPU)
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.device == "gpu" and spec.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]

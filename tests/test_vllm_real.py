@@ -83,6 +83,16 @@ def test_cpu_argv_and_env() -> None:
     assert base["PYTHONHASHSEED"] == "7"  # the caller's mapping is not modified
 
 
+def test_gpu_replicas_sharing_a_device_pass_both_kv_size_and_memory_share() -> None:
+    spec = EngineLaunchSpec(model="/m", port=9000, device="gpu", block_size=32, kv_cache_memory_bytes=1 << 26,
+                            gpu_memory_utilization=0.4)  # fmt: skip
+    argv = vllm_argv(spec)
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(1 << 26)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
+    cpu = vllm_argv(EngineLaunchSpec(model="/m", port=9000, device="cpu", block_size=32, gpu_memory_utilization=0.4))
+    assert "--gpu-memory-utilization" not in cpu
+
+
 def test_gpu_argv_and_env_and_tcp_events() -> None:
     spec = EngineLaunchSpec(
         model="/m",
