@@ -29,28 +29,23 @@ import hashlib
 import importlib.util
 import itertools
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_pool.launcher import free_port
 from engine_pool.tiny_model import corpus_text
 from policies.prefix.hashing import chain_hashes, context_seed, prompt_block_hashes
 from policies.prefix.kv_events import BlockStoredEvent, KvEvent, decode_kv_event_batch
 from policies.prefix.kv_index import KvIndex, StoredBlocks
 from policies.prefix.tokenizers import HfPromptTokenizer
+from tests.vllm_gateway import Gateway, pool_gateway
 
 pytestmark = [
     pytest.mark.vllm,
@@ -66,63 +61,25 @@ GROUPS, ROUNDS, PREFIX_BLOCKS, SEED = 9, 6, 24, 0
 READY_S = 420
 
 
-@dataclass
-class Gateway:
-    proc: subprocess.Popen[bytes]
-    url: str
-    model_dir: Path
-    log: Path
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("vllm-cache")
-    port = free_port()
-    model_dir = tmp / "model"
-    config = {
-        "server": {"port": port, "access_log": "off", "shutdown_grace_s": 30},
-        "admin": {"key": KEY},
-        "health": {"interval_s": 0.5, "metrics_interval_s": 0.5},
-        "routing": {"policy": "cache-aware"},
-        "pool": {
-            "log_dir": str(tmp / "logs"),
-            "model_dir": str(model_dir),
-            "cache_root": str(tmp / "vllm-cache"),
-            "models": [
-                {
-                    "name": MODEL,
-                    "replicas": 2,
-                    "device": "cpu",
-                    "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}],
-                    "block_size": BLOCK,
-                    "kv_cache_bytes": NUM_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN,
-                    "max_model_len": 2048,
-                    "dtype": "bfloat16",
-                    "kv_events": True,
-                    "env": {"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
-                    "extra_args": ["--enable-prompt-tokens-details"],  # usage.prompt_tokens_details.cached_tokens
-                    "startup_deadline_s": READY_S,
-                }
-            ],
-        },
+    model = {
+        "name": MODEL,
+        "replicas": 2,
+        "device": "cpu",
+        "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}],
+        "block_size": BLOCK,
+        "kv_cache_bytes": NUM_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN,
+        "max_model_len": 2048,
+        "dtype": "bfloat16",
+        "kv_events": True,
+        "env": {"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
+        "extra_args": ["--enable-prompt-tokens-details"],  # usage.prompt_tokens_details.cached_tokens
+        "startup_deadline_s": READY_S,
     }
-    cfg_path = tmp / "kvgate.yaml"
-    cfg_path.write_text(yaml.safe_dump(config))
-    log = tmp / "kvgate.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "-c", str(cfg_path)], stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        yield Gateway(proc, f"http://127.0.0.1:{port}", model_dir, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    tmp = tmp_path_factory.mktemp("vllm-cache")
+    with pool_gateway(tmp, admin_key=KEY, model=model, routing={"policy": "cache-aware"}) as gw:
+        yield gw
 
 
 # --- helpers -------------------------------------------------------------------------------------------------------

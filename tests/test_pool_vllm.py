@@ -13,11 +13,8 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +22,8 @@ import aiohttp
 import openai
 import psutil
 import pytest
-import yaml
 
-from engine_pool.launcher import free_port
+from tests.vllm_gateway import Gateway, pool_gateway
 
 pytestmark = [
     pytest.mark.vllm,
@@ -39,68 +35,30 @@ MODEL = "tiny"
 EXTRA = {"ignore_eos": True}
 
 
-@dataclass
-class Gateway:
-    proc: subprocess.Popen[bytes]
-    url: str
-    model_dir: Path
-    log: Path
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    tmp = tmp_path_factory.mktemp("vllm-pool")
-    port = free_port()
-    model_dir = tmp / "model"
-    config = {
-        "server": {"port": port, "access_log": "off", "shutdown_grace_s": 60},
-        "admin": {"key": KEY},
-        "health": {"interval_s": 0.5, "metrics_interval_s": 0.5},
-        "pool": {
-            "log_dir": str(tmp / "logs"),
-            "model_dir": str(model_dir),
-            "cache_root": str(tmp / "vllm-cache"),
-            "models": [
-                {
-                    "name": MODEL,
-                    "replicas": 2,
-                    "device": "cpu",
-                    "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}],
-                    "block_size": 32,
-                    "kv_cache_bytes": 64 * 1024 * 1024,
-                    "max_model_len": 2048,
-                    "dtype": "bfloat16",
-                    "kv_events": True,
-                    "startup_deadline_s": 420,
-                    "drain_grace_s": 60,
-                    "liveness": {"interval_s": 1, "timeout_s": 5, "failures": 5},
-                    "restart": {"backoff_base_s": 0.5},
-                }
-            ],
-        },
+    model = {
+        "name": MODEL,
+        "replicas": 2,
+        "device": "cpu",
+        "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}],
+        "block_size": 32,
+        "kv_cache_bytes": 64 * 1024 * 1024,
+        "max_model_len": 2048,
+        "dtype": "bfloat16",
+        "kv_events": True,
+        "startup_deadline_s": 420,
+        "drain_grace_s": 60,
+        "liveness": {"interval_s": 1, "timeout_s": 5, "failures": 5},
+        "restart": {"backoff_base_s": 0.5},
     }
-    cfg_path = tmp / "kvgate.yaml"
-    cfg_path.write_text(yaml.safe_dump(config))
-    log = tmp / "kvgate.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "-c", str(cfg_path)], stdout=out, stderr=subprocess.STDOUT
-        )
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", model_dir, log)
-    try:
+    tmp = tmp_path_factory.mktemp("vllm-pool")
+    with pool_gateway(tmp, admin_key=KEY, model=model) as gw:
         yield gw
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        leftovers = engine_processes(model_dir)
-        for p in leftovers:
-            p.kill()
-        assert not leftovers, f"engine processes outlived kvgate: {leftovers}"
+    leftovers = engine_processes(gw.model_dir)
+    for p in leftovers:
+        p.kill()
+    assert not leftovers, f"engine processes outlived kvgate: {leftovers}"
 
 
 def engine_processes(model_dir: Path) -> list[psutil.Process]:
