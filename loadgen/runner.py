@@ -3,7 +3,8 @@
 Arrival processes:
 - closed: at most `concurrency` requests in flight; a free slot takes the next ready request at once.
 - poisson: new sessions arrive with exponential gaps of mean 1 / rate (seeded); in flight is capped by
-  `max_inflight` (arrivals past the cap wait for a slot).
+  `max_inflight` (arrivals past the cap wait for a slot). The workload's first spec is pulled before the clock
+  starts, so a generator that builds its whole workload up front does not turn the first arrivals into a burst.
 - trace: new sessions arrive at their spec's `arrival_s` (trace replay), same cap.
 
 Sessions: turn k+1 of a session is ready only `think_s` after turn k's answer arrived; its messages are the
@@ -148,7 +149,7 @@ class _Run:
         self.tenants, self.api_key, self.progress = list(tenants), api_key, progress
         self.rng = random.Random(seed ^ 0x5EED)
         self.epoch = 0
-        self.it: Iterator[RequestSpec] | None = factory(seed)
+        self.it: Iterator[RequestSpec] | None = _primed(factory(seed))  # built before the clock starts
         self.sessions: dict[str, _Session] = {}
         self.ready: list[tuple[int, int, int, RequestSpec]] = []
         self.counter = itertools.count()
@@ -178,7 +179,7 @@ class _Run:
                 self.it = None
             else:
                 self.epoch += 1
-                self.it = self.factory(self.seed + self.epoch)
+                self.it = _primed(self.factory(self.seed + self.epoch))
         return None
 
     def _peek_new(self) -> RequestSpec | None:
@@ -308,6 +309,13 @@ class _Run:
         self.progress.update(len(self.results), self.failed, 0, wall, self.tokens, force=True)
         self.progress.close()
         return SettingResult(self.arrival, self.results, wall, started_at)
+
+
+def _primed(specs: Iterator[RequestSpec]) -> Iterator[RequestSpec]:
+    """Pull the first spec now: generators that build (and shuffle) the whole workload do it on the first `next`,
+    which must not happen after the clock started (it would delay the first Poisson arrivals into a burst)."""
+    first = next(specs, None)
+    return iter(()) if first is None else itertools.chain((first,), specs)
 
 
 async def run_setting(

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,21 @@ async def test_open_loop_poisson_and_trace_arrivals(sim: SimServer) -> None:
         offset = int(r.session_id.removeprefix("trace")) * 0.030
         assert r.start_s >= offset  # not sent before its timestamp
     assert sum(r.cached_tokens for r in res.results) > 0  # hash id 0 is a shared 16-token block
+
+
+async def test_workload_is_built_before_the_clock_starts(sim: SimServer) -> None:
+    """A generator that builds its whole workload on the first `next` must not do it after the Poisson clock started:
+    that would bunch the first arrivals into a burst (it once made the routing benchmark's p99 an artefact)."""
+    built_at: list[float] = []
+
+    def factory(seed: int) -> Iterator[RequestSpec]:
+        specs = list(wl.random_requests(M, seed=seed, num_requests=4, input_tokens=(8, 8), output_tokens=(2, 2)))
+        built_at.append(time.time())  # runs on the first next(), like shared_prefix's shuffle
+        yield from specs
+
+    res = await _run(sim.url, factory, Arrival("poisson", rate=100.0), seed=1)
+    assert len(res.results) == 4 and all(r.ok for r in res.results)
+    assert len(built_at) == 1 and built_at[0] <= res.started_at
 
 
 async def test_duration_repeats_the_workload() -> None:
