@@ -120,7 +120,7 @@ def run_workload(
         for arrival_name in args.arrivals:
             arrival = arrivals[arrival_name]
             specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
-            with gateways(sims, specs) as gws:
+            with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs) as gws:
                 for policy, gw in zip(args.policies, gws, strict=True):
                     t0 = time.monotonic()
                     res, cache, reasons = _run(measure(gw, sims, w, arrival, args.seed))
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=JSON",
         help="an extra cache-aware run labelled NAME with these params (before/after tuning)",
+    )
+    p.add_argument(
+        "--hide-slots", action="store_true", help="attach the engines without telling kvgate their max_num_seqs"
     )
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON here")
     p.add_argument("--docs", default=None, help="markdown file to update (default docs/routing.md on a full run)")

@@ -92,19 +92,25 @@ def sim_pool(n: int, costs: SimCosts, num_blocks: int, model: str = "sim") -> It
         yield [f"http://127.0.0.1:{p}" for p in ports]
 
 
-def gateway_yaml(engines: Sequence[str], policy: str, params: dict[str, Any], port: int) -> dict[str, Any]:
+def gateway_yaml(
+    engines: Sequence[str], policy: str, params: dict[str, Any], port: int, max_num_seqs: int | None = None
+) -> dict[str, Any]:
+    engine_extra = {"max_num_seqs": max_num_seqs} if max_num_seqs is not None else {}
     return {
         "server": {"port": port, "access_log": "off"},
         "health": {"interval_s": 0.5, "timeout_s": 2.0, "metrics_interval_s": 0.25},
         "routing": {"policy": policy, "params": params},
         "cache": {"tokenizers": {"sim": "sim"}},
-        "engines": [{"url": u} for u in engines],
+        "engines": [{"url": u, **engine_extra} for u in engines],
     }
 
 
 @contextmanager
-def gateways(engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any]]]) -> Iterator[list[str]]:
-    """One `kvgate serve` (uvloop) per (policy, params), all in front of the same engines; yields their base URLs."""
+def gateways(
+    engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any]]], max_num_seqs: int | None = None
+) -> Iterator[list[str]]:
+    """One `kvgate serve` (uvloop) per (policy, params), all in front of the same engines (attached with their batch
+    slots when `max_num_seqs` is given, as a user who knows their engines would); yields their base URLs."""
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         specs: list[tuple[list[str], list[str]]] = []
         urls: list[str] = []
@@ -112,7 +118,7 @@ def gateways(engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any
             port = free_port()
             path = os.path.join(tmp, f"gw{i}.yaml")
             with open(path, "w") as f:
-                yaml.safe_dump(gateway_yaml(engines, policy, params, port), f)
+                yaml.safe_dump(gateway_yaml(engines, policy, params, port, max_num_seqs), f)
             url = f"http://127.0.0.1:{port}"
             serve = ["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"]
             specs.append((serve, [f"{url}/health", f"{url}/ready"]))

@@ -239,6 +239,7 @@ class EnginePool:
             kv_events_endpoint=f"tcp://{host}:{kv_port}" if kv_port is not None else None,
             tokenizer=tokenizer,
             max_concurrency=m.max_concurrency,
+            max_num_seqs=m.max_num_seqs,
             managed=True,
         )
         slot = Slot(slot_id, m, index, port, kv_port, replica)

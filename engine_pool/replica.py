@@ -41,6 +41,7 @@ class Replica:
         kv_events_endpoint: str | None = None,
         tokenizer: str | None = None,
         max_concurrency: int | None = None,
+        max_num_seqs: int | None = None,
         managed: bool = False,
     ) -> None:
         self.id = replica_id
@@ -55,6 +56,7 @@ class Replica:
         self.kv_events_endpoint = kv_events_endpoint
         self.tokenizer = tokenizer
         self.max_concurrency = max_concurrency
+        self.max_num_seqs = max_num_seqs  # the engine's batch slots, when configured
         self.managed = managed  # started by kvgate's engine pool (restartable) or attached
         self.max_model_len: int | None = None
         self.healthy = False  # last health probe passed
@@ -85,6 +87,7 @@ class Replica:
             waiting=m.waiting,
             kv_usage=m.kv_usage,
             max_concurrency=self.max_concurrency,
+            max_num_seqs=self.max_num_seqs,
             metrics_age_s=now - m.scraped_at,
             draining=self.draining,
         )

@@ -46,6 +46,7 @@ def attached_replica(engine: EngineConfig) -> Replica:
         kv_events_endpoint=engine.kv_events_endpoint,
         tokenizer=engine.tokenizer,
         max_concurrency=engine.max_concurrency,
+        max_num_seqs=engine.max_num_seqs,
         managed=False,
     )
 

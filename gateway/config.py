@@ -72,6 +72,9 @@ class EngineConfig(StrictModel):
     kv_events_endpoint: str | None = Field(None, description="vLLM KV-events ZMQ endpoint, e.g. tcp://10.0.0.5:5557")
     tokenizer: str | None = Field(None, description='for prefix hashing: a local HF dir, "sim" or "chars"')
     max_concurrency: int | None = Field(None, ge=1, description="gateway-side concurrency gate for this replica")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="the engine's batch slots (its --max-num-seqs), for routing's queueing estimate"
+    )
 
     @field_validator("url")
     @classmethod

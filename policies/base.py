@@ -32,6 +32,7 @@ class ReplicaState:
     waiting: int = 0  # engine-reported vllm:num_requests_waiting
     kv_usage: float = 0.0  # engine-reported vllm:kv_cache_usage_perc, in [0, 1]
     max_concurrency: int | None = None  # capacity gate; None = unlimited
+    max_num_seqs: int | None = None  # the engine's batch slots (vLLM --max-num-seqs); None = unknown
     metrics_age_s: float = 0.0  # seconds since the engine metrics were scraped (inf = never)
     draining: bool = False
 

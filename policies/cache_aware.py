@@ -12,8 +12,11 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
                + kv_pressure_cost    * max(0, kv_usage(r) - kv_usage_threshold) / (1 - kv_usage_threshold)
    where uncached_tokens = prompt_tokens - overlap(r) x block_size (overlap = leading prompt blocks believed
    cached there, `view.overlap`) and load = max(gateway in-flight, engine running + waiting).
-   waiting = the engine-reported queue (vllm:num_requests_waiting): a request there waits for a free batch slot,
-   i.e. roughly a whole request's service time, so it costs far more than one that is merely running.
+   waiting = `expected_waiting(r)`: the engine-reported queue (vllm:num_requests_waiting), or, when the replica's
+   batch slots are known (`max_num_seqs`: the pool's spec, or `engines[].max_num_seqs`), the queue the gateway's
+   own fresh in-flight count implies, in_flight + 1 - max_num_seqs (this request included), whichever is larger;
+   scraped metrics lag, the in-flight count does not. A request there waits for a free batch slot, i.e. roughly a
+   whole request's service time, so it costs far more than one that is merely running.
    A cached prefix is worth `prefill_token_cost x cached tokens`; one queued request costs `queued_request_cost`.
    So a hot prefix keeps going to the replica that holds it until that replica's queue is longer than the others'
    by (cached tokens x prefill_token_cost / queued_request_cost); then the next request goes elsewhere, that
@@ -44,6 +47,8 @@ Tuning history (bench/bench_routing.py, docs/routing.md):
   max_num_seqs ~16 a gap of 8 is half a batch; the prefix overlap already keeps a session's history where it is,
   so the session rule only has to hold while loads are close. Measured effect: docs/routing.md (within noise on
   the shared 2-core machine; see there).
+- v2: the waiting term predicts the slot queue from the gateway's in-flight count when the engine's batch slots
+  are known (field note: routers that do not model capacity pile a hot prefix onto a full replica).
 
 Complexity: O(n log n) for n candidates (the id sort that makes results independent of snapshot order); the
 overlap itself is computed by the gateway's index in O(prompt blocks) per replica.
@@ -100,6 +105,14 @@ class CacheAwareParams:
         return p
 
 
+def expected_waiting(r: ReplicaState) -> int:
+    """Requests that would wait for a batch slot there, this one included: the engine's reported queue, or, when the
+    engine's slot count is known, what the gateway's own (fresh) in-flight count implies, whichever is larger."""
+    if r.max_num_seqs is None:
+        return r.waiting
+    return max(r.waiting, r.in_flight + 1 - r.max_num_seqs)
+
+
 def _load_key(r: ReplicaState) -> tuple[int, int, int]:
     return (r.in_flight, r.waiting, r.running)
 
@@ -119,7 +132,7 @@ class CacheAware:
         return (
             p.prefill_token_cost * (req.prompt_tokens - cached)
             + p.queued_request_cost * r.load
-            + p.waiting_request_cost * r.waiting
+            + p.waiting_request_cost * expected_waiting(r)
             + p.kv_pressure_cost * min(pressure, 1.0)
         )
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from policies.base import Decision, NoCandidate, ReplicaState, RequestInfo, RoutingView
-from policies.cache_aware import CacheAware
+from policies.cache_aware import CacheAware, expected_waiting
 from policies.registry import build_policy
 
 BS = 16
@@ -119,6 +119,22 @@ def test_engine_waiting_queue_costs_more_than_running() -> None:
     assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
     # without the waiting term the holder keeps it
     assert decide([rep("a", 2, waiting=2), rep("b", 2)], {"a": 64}, waiting_request_cost=0).replica == "a"
+
+
+def test_known_batch_slots_predict_the_wait_before_the_engine_reports_it() -> None:
+    # a holds the prefix and has 4 in flight; the engine has not reported a queue yet (stale scrape).
+    # Cost a = 5 uncached + 4 x 256 = 1029 = cost b (1029 uncached): tie -> the holder.
+    assert decide([rep("a", 4), rep("b", 0)], {"a": 64}).replica == "a"
+    # with 4 batch slots, a fifth request would wait for one (+1024): the prefix spreads to b
+    d = decide([rep("a", 4, max_num_seqs=4), rep("b", 0, max_num_seqs=4)], {"a": 64})
+    assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
+    # a free slot left: no predicted wait, the holder keeps it
+    d = decide([rep("a", 4, max_num_seqs=5), rep("b", 0, max_num_seqs=5)], {"a": 64})
+    assert (d.replica, d.reason) == ("a", "cache-hit")
+    # the engine's own report counts when it is the larger of the two
+    assert expected_waiting(rep("a", 1, waiting=3, max_num_seqs=4)) == 3
+    assert expected_waiting(rep("a", 6, waiting=0, max_num_seqs=4)) == 3
+    assert expected_waiting(rep("a", 6, waiting=2)) == 2  # slots unknown: only the report
 
 
 def test_session_bound_to_a_gone_or_unroutable_replica() -> None:

@@ -4,6 +4,7 @@ ZMQ publisher, metrics on the given registry."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ def chat(text: str, **extra: Any) -> dict[str, Any]:
 
 @pytest.fixture
 async def state() -> AsyncIterator[CacheAwareState]:
-    s = CacheAwareState(CacheConfig(speculative_ttl_s=0, tokenizer_thread_min_chars=100), CollectorRegistry())
+    config = CacheConfig(speculative_ttl_s=0, tokenizer_thread_min_chars=100, python_tokenizer_thread_min_chars=100)
+    s = CacheAwareState(config, CollectorRegistry())  # low thresholds: long prompts take the thread-pool path
     s.add_replica("r1", model="m", block_size=BS, num_blocks=1000, kv_events_endpoint=None, tokenizer="sim")
     s.add_replica("r2", model="m", block_size=BS, num_blocks=1000, kv_events_endpoint=None, tokenizer="sim")
     await s.start()
@@ -51,6 +53,34 @@ async def test_request_info_uses_the_sim_tokenizer_and_block_size(state: CacheAw
     assert i.prompt_tokens == len(tokens) and i.block_size == BS and len(i.block_hashes) == len(tokens) // BS
     assert i.tokenizer_kind == "sim" and not i.approximate
     assert sample(state, "kvgate_prefix_requests_total", tokenizer="sim", approximate="false") == 1
+
+
+@pytest.mark.parametrize(("python_min_chars", "expect_thread"), [(None, False), (100, True)])
+async def test_pure_python_tokenizers_stay_on_the_loop_below_their_threshold(
+    python_min_chars: int | None, expect_thread: bool
+) -> None:
+    """sim is a pure-Python tokenizer: a 1-2k character prompt is tokenized inline under the default thresholds
+    (a thread would only add hand-off latency), in the pool once past `python_tokenizer_thread_min_chars`."""
+    extra = {} if python_min_chars is None else {"python_tokenizer_thread_min_chars": python_min_chars}
+    s = CacheAwareState(CacheConfig(tokenizer_thread_min_chars=100, **extra), CollectorRegistry())
+    s.add_replica("r1", model="m", block_size=BS, num_blocks=100, kv_events_endpoint=None, tokenizer="sim")
+    await s.start()
+    try:
+        tok = await s.tokenizer("sim")
+        assert tok.pure_python
+        threads: list[str] = []
+        original = tok.tokenize_chat
+
+        def recording(*args: Any, **kwargs: Any) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return original(*args, **kwargs)
+
+        tok.tokenize_chat = recording  # type: ignore[method-assign]
+        i = await info(s, chat("x" * 1000))
+        assert i.prompt_tokens > 0 and len(threads) == 1
+        assert threads[0].startswith("kvgate-tokenize") is expect_thread
+    finally:
+        await s.stop()
 
 
 async def test_shared_prefix_overlaps_after_routing(state: CacheAwareState) -> None:

@@ -30,6 +30,12 @@ class CacheConfig(BaseModel):
     tokenizer_thread_min_chars: int = Field(
         1024, ge=0, description="prompts at least this long (characters) are tokenized in the thread pool"
     )
+    python_tokenizer_thread_min_chars: int = Field(
+        16384,
+        ge=0,
+        description="the same threshold for tokenizers that run in Python under the GIL (sim, chars): a thread only "
+        "adds hand-off latency for them, so only very long prompts leave the event loop",
+    )
     tokenizer_threads: int = Field(2, gt=0, description="size of the tokenization thread pool")
     parity_window: int = Field(50, gt=0, description="finished requests per parity check (per model)")
     parity_warn_fraction: float = Field(

@@ -3,7 +3,8 @@
 Per request: `request_info` tokenizes the prompt as the target engine will (tokenizer chosen per model: config,
 else the replica's, else `chars`), cuts it into full blocks of the model's block size and hashes them in the cache
 context (model or LoRA adapter name + `cache_salt`). Prompts of at least `tokenizer_thread_min_chars` characters
-are tokenized in a small thread pool (an 8k-token HF chat prompt takes ~20 ms on this machine); shorter ones inline.
+are tokenized in a small thread pool (an 8k-token HF chat prompt takes ~20 ms on this machine); shorter ones inline
+(pure-Python tokenizers, which hold the GIL, only from `python_tokenizer_thread_min_chars`).
 `overlap` / `session_replica` fill the `RoutingView`; `on_routed` records the speculative insert and binds the
 session; `on_finished` compares the predicted cached tokens with the engine's `cached_tokens` (live parity).
 
@@ -257,7 +258,9 @@ class CacheAwareState:
 
         started = time.perf_counter()
         try:
-            if _prompt_chars(endpoint, body) >= self.config.tokenizer_thread_min_chars:
+            cfg = self.config
+            min_chars = cfg.python_tokenizer_thread_min_chars if tok.pure_python else cfg.tokenizer_thread_min_chars
+            if _prompt_chars(endpoint, body) >= min_chars:
                 n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(self._pool, work)
             else:
                 n_tokens, hashes = work()

@@ -11,7 +11,9 @@ Kinds:
   id a 32-bit hash. Deterministic, so repeated prefixes still match each other, but block boundaries do not match
   the engine's: overlaps are estimates (`approximate = True`, labelled in metrics) and KV events cannot be used.
 
-Every tokenizer is a plain synchronous object; `CacheAwareState` runs large prompts in a thread pool.
+Every tokenizer is a plain synchronous object; `CacheAwareState` runs large prompts in a thread pool (much larger
+ones for `pure_python` tokenizers, which hold the GIL: measured here, `sim` tokenizes ~100 characters/us and `chars`
+~16, so 16k characters block the loop for 0.2 / 1 ms, less than a thread hand-off costs under load).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _RESERVED_KWARGS = frozenset(
 class PromptTokenizer(Protocol):
     kind: str  # "hf" | "sim" | "chars"
     approximate: bool  # True when ids are pseudo tokens that do not match the engine's
+    pure_python: bool  # holds the GIL throughout: a thread gives it no parallelism, only hand-off latency
 
     def tokenize_chat(
         self,
@@ -51,6 +54,7 @@ class PromptTokenizer(Protocol):
 class HfPromptTokenizer:
     kind = "hf"
     approximate = False
+    pure_python = False  # the Rust encoder releases the GIL
 
     def __init__(self, path: str) -> None:
         """Load a tokenizer from a local directory (blocking: call it off the event loop)."""
@@ -90,6 +94,7 @@ class HfPromptTokenizer:
 class SimPromptTokenizer:
     kind = "sim"
     approximate = False
+    pure_python = True
 
     def __init__(self) -> None:
         from engine_pool.sim import tokenize as sim_tokenize
@@ -116,6 +121,7 @@ class CharsPromptTokenizer:
 
     kind = "chars"
     approximate = True
+    pure_python = True
 
     def __init__(self, chunk_chars: int = 4) -> None:
         if chunk_chars <= 0:
