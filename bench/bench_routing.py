@@ -9,11 +9,14 @@ capacity sized per workload) and, per arrival process, one kvgate process per po
 the cache-aware gateway's index starts empty). Each (workload, arrival, policy) run resets the engines' prefix
 caches, then drives the same seeded workload through that gateway from this process (`loadgen.runner`,
 streaming chat, TTFT measured by the client) and scrapes the engines' `vllm:prefix_cache_{hits,queries}_total`
-before and after. Policies run one after the other, never at the same time.
+before and after. Policies run one after the other, never at the same time. With `--repeat N` every
+(workload, arrival) runs N times with fresh gateways and the rows show medians (throughput and TTFT p99 with their
+min-max range: on a shared 2-core machine one run's difference of a few percent is noise).
 
 Reported per run: engine hit rate, the workload's best possible hit rate (`routing_workloads.best_hit_rate`),
-TTFT p50/p99, output tok/s and req/s, per-replica request share (from `x-kvgate-replica`). Target checks are in
-`routing_report`.
+TTFT p50/p99, output tok/s and req/s, the gateway's CPU milliseconds per request (everything shares 2 cores, so a
+policy's own CPU shows up in its latencies), per-replica request share (from `x-kvgate-replica`). Target checks are
+in `routing_report`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -32,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.routing_procs import SimCosts, gateways, sim_pool
+from bench.routing_procs import SimCosts, cpu_seconds, gateways, sim_pool
 from bench.routing_report import render_markdown, target_checks, update_docs
 from bench.routing_workloads import Workload, best_hit_rate, rebuild_prompts, workloads
 from loadgen.client import Target
@@ -60,6 +64,10 @@ class Row:
     req_s: float
     share: list[float] = field(default_factory=list)
     reasons: dict[str, int] = field(default_factory=dict)
+    gw_cpu_ms: float = 0.0  # the gateway process's CPU per request (tokenizing, hashing, relaying)
+    repeats: int = 1
+    out_tok_s_range: tuple[float, float] = (0.0, 0.0)  # min, max over the repeats
+    ttft_p99_range: tuple[float, float] = (0.0, 0.0)
 
 
 async def _reset(http: aiohttp.ClientSession, sims: Sequence[str]) -> None:
@@ -103,50 +111,84 @@ def _run(coro: Any) -> Any:
         return asyncio.run(coro)
 
 
+def _measure_row(
+    w: Workload, arrival_name: str, arrival: Arrival, policy: str, gw: str, pid: int, sims: Sequence[str],
+    args: argparse.Namespace, costs: SimCosts,
+) -> Row:  # fmt: skip
+    t0, cpu0 = time.monotonic(), cpu_seconds(pid)
+    res, cache, reasons = _run(measure(gw, sims, w, arrival, args.seed))
+    gw_cpu_ms = 1e3 * (cpu_seconds(pid) - cpu0) / max(1, len(res.results))
+    s = summarize(res.results, res.wall_s)
+    prompts = rebuild_prompts(w.factory, args.seed, res.results)
+    ports = [u.rsplit(":", 1)[1] for u in sims]
+    counts = [sum(1 for r in res.results if (r.replica or "").endswith(f":{p}")) for p in ports]
+    n = max(1, sum(counts))
+    pool_blocks = w.num_blocks * args.replicas
+    row = Row(
+        workload=w.name, arrival=arrival_name, policy=policy, requests=s.requests, failed=s.failed,
+        hit_rate=cache["hit_rate"] or 0.0,
+        best_hit_rate=best_hit_rate(prompts, costs.block_size, pool_blocks, MODEL),
+        best_unbounded=best_hit_rate(prompts, costs.block_size, None, MODEL),
+        ttft_p50_ms=1e3 * (s.ttft_s["p50"] or 0.0), ttft_p99_ms=1e3 * (s.ttft_s["p99"] or 0.0),
+        out_tok_s=s.output_tok_per_s, req_s=s.req_per_s, share=[c / n for c in counts],
+        reasons=reasons, gw_cpu_ms=gw_cpu_ms,
+    )  # fmt: skip
+    errors = s.errors and f" {s.errors}"
+    print(
+        f"  {w.name:<17} {arrival_name:<8} {policy:<12} hit {row.hit_rate:6.1%} "
+        f"(best {row.best_hit_rate:6.1%}) ttft p50 {row.ttft_p50_ms:7.1f} p99 {row.ttft_p99_ms:7.1f} ms "
+        f"{row.out_tok_s:7.1f} tok/s {row.req_s:6.1f} req/s gw {gw_cpu_ms:.2f} ms CPU/req "
+        f"fail {row.failed}{errors or ''} [{time.monotonic() - t0:.1f} s]",
+        flush=True,
+    )
+    return row
+
+
+def combine(runs: Sequence[Row]) -> Row:
+    """One row from repeated runs of the same (workload, arrival, policy): the median of every figure, the range
+    of throughput and TTFT p99 kept to show the run-to-run noise, failures and route reasons summed."""
+    med = statistics.median
+    first = runs[0]
+    reasons: dict[str, int] = {}
+    for r in runs:
+        for k, v in r.reasons.items():
+            reasons[k] = reasons.get(k, 0) + v
+    return Row(
+        workload=first.workload, arrival=first.arrival, policy=first.policy, requests=first.requests,
+        failed=sum(r.failed for r in runs), hit_rate=med(r.hit_rate for r in runs),
+        best_hit_rate=med(r.best_hit_rate for r in runs), best_unbounded=med(r.best_unbounded for r in runs),
+        ttft_p50_ms=med(r.ttft_p50_ms for r in runs), ttft_p99_ms=med(r.ttft_p99_ms for r in runs),
+        out_tok_s=med(r.out_tok_s for r in runs), req_s=med(r.req_s for r in runs),
+        share=[statistics.fmean(s) for s in zip(*(r.share for r in runs), strict=True)], reasons=reasons,
+        gw_cpu_ms=med(r.gw_cpu_ms for r in runs), repeats=len(runs),
+        out_tok_s_range=(min(r.out_tok_s for r in runs), max(r.out_tok_s for r in runs)),
+        ttft_p99_range=(min(r.ttft_p99_ms for r in runs), max(r.ttft_p99_ms for r in runs)),
+    )  # fmt: skip
+
+
 def run_workload(
     w: Workload,
     args: argparse.Namespace,
     costs: SimCosts,
     ca_params: dict[str, Any],
 ) -> list[Row]:
+    """Every (arrival, policy) of one workload, `args.repeat` times with fresh gateways each time (a gateway's
+    learned index must not outlive the engine cache reset), policies interleaved within a repeat."""
     rows: list[Row] = []
-    pool_blocks = w.num_blocks * args.replicas
     arrivals = {
         "closed": Arrival("closed", concurrency=w.concurrency),
         "poisson": Arrival("poisson", rate=w.rate * args.rate_scale),
     }
+    specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
     with sim_pool(args.replicas, costs, w.num_blocks, MODEL) as sims:
-        ports = [s.rsplit(":", 1)[1] for s in sims]
         for arrival_name in args.arrivals:
-            arrival = arrivals[arrival_name]
-            specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
-            with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs) as gws:
-                for policy, gw in zip(args.policies, gws, strict=True):
-                    t0 = time.monotonic()
-                    res, cache, reasons = _run(measure(gw, sims, w, arrival, args.seed))
-                    s = summarize(res.results, res.wall_s)
-                    prompts = rebuild_prompts(w.factory, args.seed, res.results)
-                    counts = [sum(1 for r in res.results if (r.replica or "").endswith(f":{p}")) for p in ports]
-                    n = max(1, sum(counts))
-                    row = Row(
-                        workload=w.name, arrival=arrival_name, policy=policy, requests=s.requests, failed=s.failed,
-                        hit_rate=cache["hit_rate"] or 0.0,
-                        best_hit_rate=best_hit_rate(prompts, costs.block_size, pool_blocks, MODEL),
-                        best_unbounded=best_hit_rate(prompts, costs.block_size, None, MODEL),
-                        ttft_p50_ms=1e3 * (s.ttft_s["p50"] or 0.0), ttft_p99_ms=1e3 * (s.ttft_s["p99"] or 0.0),
-                        out_tok_s=s.output_tok_per_s, req_s=s.req_per_s, share=[c / n for c in counts],
-                        reasons=reasons,
-                    )  # fmt: skip
-                    rows.append(row)
-                    errors = s.errors and f" {s.errors}"
-                    print(
-                        f"  {w.name:<17} {arrival_name:<8} {policy:<12} hit {row.hit_rate:6.1%} "
-                        f"(best {row.best_hit_rate:6.1%}) ttft p50 {row.ttft_p50_ms:7.1f} "
-                        f"p99 {row.ttft_p99_ms:7.1f} ms "
-                        f"{row.out_tok_s:7.1f} tok/s {row.req_s:6.1f} req/s fail {row.failed}{errors or ''} "
-                        f"[{time.monotonic() - t0:.1f} s]",
-                        flush=True,
-                    )
+            runs: dict[str, list[Row]] = {p: [] for p in args.policies}
+            for _ in range(args.repeat):
+                with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs) as gws:
+                    for policy, (gw, pid) in zip(args.policies, gws, strict=True):
+                        row = _measure_row(w, arrival_name, arrivals[arrival_name], policy, gw, pid, sims, args, costs)
+                        runs[policy].append(row)
+            rows += [combine(runs[p]) for p in args.policies]
     return rows
 
 
@@ -156,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=None, help="request-count multiplier (default 1, quick 0.3)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiplier on every Poisson rate")
     p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1, help="runs per (workload, arrival, policy); rows show medians")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workloads", default="", help="comma list (default: all)")
     p.add_argument("--arrivals", default="closed,poisson")

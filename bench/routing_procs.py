@@ -108,9 +108,9 @@ def gateway_yaml(
 @contextmanager
 def gateways(
     engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any]]], max_num_seqs: int | None = None
-) -> Iterator[list[str]]:
+) -> Iterator[list[tuple[str, int]]]:
     """One `kvgate serve` (uvloop) per (policy, params), all in front of the same engines (attached with their batch
-    slots when `max_num_seqs` is given, as a user who knows their engines would); yields their base URLs."""
+    slots when `max_num_seqs` is given, as a user who knows their engines would); yields (base URL, pid) each."""
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         specs: list[tuple[list[str], list[str]]] = []
         urls: list[str] = []
@@ -123,5 +123,12 @@ def gateways(
             serve = ["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"]
             specs.append((serve, [f"{url}/health", f"{url}/ready"]))
             urls.append(url)
-        with children(specs):
-            yield urls
+        with children(specs) as procs:
+            yield [(url, proc.pid) for url, proc in zip(urls, procs, strict=True)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

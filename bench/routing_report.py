@@ -49,19 +49,24 @@ def render_markdown(
         f"Engines: {replicas} simulated replicas (separate processes), block {costs.block_size} tokens, "
         f"max_num_seqs {costs.max_num_seqs}, prefill {costs.prefill_us_per_token:g} us/token + "
         f"{costs.overhead_ms:g} ms, decode {costs.decode_ms:g} ms + {costs.decode_ms_per_seq:g} ms x running.  ",
-        f"cache-aware params: `{dict(ca_params) or 'defaults'}`",
+        f"cache-aware params: `{dict(ca_params) or 'defaults'}`; runs per row: {rows[0].repeats if rows else 1} "
+        "(medians; throughput and TTFT p99 with their min-max over the runs)",
         "",
         "| workload | arrival | policy | reqs | hit | best | TTFT p50 ms | TTFT p99 ms | out tok/s | req/s "
-        "| share % per replica | route reasons |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| gw CPU ms/req | share % per replica | route reasons |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         fail = f" ({r.failed} failed)" if r.failed else ""
+        tok_s, p99 = f"{r.out_tok_s:.0f}", f"{r.ttft_p99_ms:.0f}"
+        if r.repeats > 1:
+            tok_s += f" ({r.out_tok_s_range[0]:.0f}-{r.out_tok_s_range[1]:.0f})"
+            p99 += f" ({r.ttft_p99_range[0]:.0f}-{r.ttft_p99_range[1]:.0f})"
         reasons = _reasons(r.reasons) if r.policy not in ("round-robin", "least-load") else ""
         lines.append(
             f"| {r.workload} | {r.arrival} | {r.policy} | {r.requests}{fail} | {100 * r.hit_rate:.1f}% "
-            f"| {100 * r.best_hit_rate:.1f}% | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {r.out_tok_s:.0f} "
-            f"| {r.req_s:.1f} | {_share(r.share)} | {reasons} |"
+            f"| {100 * r.best_hit_rate:.1f}% | {r.ttft_p50_ms:.0f} | {p99} | {tok_s} "
+            f"| {r.req_s:.1f} | {r.gw_cpu_ms:.2f} | {_share(r.share)} | {reasons} |"
         )
     lines += ["", "Workloads:", ""]
     for w in ws:

@@ -47,6 +47,29 @@ def test_lru_bound_evicts_oldest() -> None:
     assert idx.overlap(h2, ["a"]) == {"a": 2}
 
 
+def test_capacity_pressure_forgets_a_prefix_from_its_end() -> None:
+    """Like vLLM (which frees a request's blocks tail first), the index keeps the head of a prefix longest: a
+    4-block prompt squeezed by 2 new blocks still matches its first 2 blocks (evicting the head would lose all)."""
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=4)
+    h1 = hashes(list(range(16)))
+    idx.record_routed("a", h1)
+    idx.record_routed("a", hashes(list(range(100, 108))))
+    assert idx.overlap(h1, ["a"]) == {"a": 2}
+
+
+def test_a_lapsed_speculative_block_ends_the_run() -> None:
+    clock = Clock()
+    idx = KvIndex(speculative_ttl_s=2.0, clock=clock)
+    idx.add_replica("a", capacity_blocks=10, precise=True)
+    h = hashes(list(range(12)))  # 3 blocks
+    idx.record_routed("a", h)  # expire at 2
+    clock.now = 1.0
+    idx.record_routed("a", h[:1])  # block 0 refreshed: expires at 3
+    clock.now = 2.5
+    assert idx.overlap(h, ["a"]) == {"a": 1}
+
+
 def test_speculative_entries_expire_only_on_replicas_with_events() -> None:
     clock = Clock()
     idx = KvIndex(speculative_ttl_s=2.0, clock=clock)

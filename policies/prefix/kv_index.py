@@ -14,7 +14,11 @@ Two sources:
   engine hashes; the same map translates them. A stored event whose parent is unknown (evicted from the map, or
   published before kvgate subscribed) cannot be placed in the chain and is skipped (counted by the caller).
 
-Complexity: `overlap` is O(blocks of the prompt) per replica and stops at the first miss; inserts, removals and
+LRU order: a routed prompt's blocks are inserted tail first, so its head is the most recently used and, under
+capacity pressure, a prefix is forgotten from its end, as vLLM evicts (it frees a request's blocks tail first).
+
+Complexity: `overlap` is O(blocks of the prompt) per replica and stops at the first miss (C-level iteration; the
+per-block Python loop only runs when a speculative entry in the run may have expired); inserts, removals and
 evictions are O(1) per block. Memory: at most `capacity` entries per replica in the index plus at most
 `2 * capacity` entries in the engine-hash map.
 """
@@ -26,6 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from policies.prefix.hashing import chain_hashes
 
@@ -122,9 +127,15 @@ class KvIndex:
         out: dict[str, int] = {}
         for rid in replica_ids:
             r = self._replicas.get(rid)
-            n = 0
-            if r is not None:
-                blocks = r.blocks
+            if r is None:
+                out[rid] = 0
+                continue
+            blocks = r.blocks
+            # the leading run of present blocks, counted in C (takewhile), then the expiry check in C (min) only
+            # when that run holds a speculative entry that may have lapsed; the Python loop is the rare fallback
+            n = len(list(takewhile(blocks.__contains__, hashes)))
+            if n and min(map(blocks.__getitem__, hashes[:n])) < now:
+                n = 0
                 for h in hashes:
                     expiry = blocks.get(h)
                     if expiry is None or expiry < now:
@@ -141,8 +152,17 @@ class KvIndex:
         if r is None:
             return
         expiry = self._clock() + self._ttl if (r.precise and self._ttl is not None) else _CONFIRMED
-        for h in hashes:
-            r.insert(h, expiry)
+        blocks, move_to_end, capacity = r.blocks, r.blocks.move_to_end, r.capacity
+        for h in reversed(hashes):  # the head becomes the most recent: under pressure a prefix loses its tail first
+            old = blocks.get(h)  # _ReplicaBlocks.insert, inlined: this loop runs for every block of every request
+            if old is not None:
+                move_to_end(h)
+                if expiry > old:
+                    blocks[h] = expiry
+            else:
+                blocks[h] = expiry
+                if len(blocks) > capacity:
+                    blocks.popitem(last=False)
 
     # --- precise source (KV events) ---------------------------------------------------------------------------
     def apply_stored(self, replica_id: str, event: StoredBlocks, root_seed: int) -> int:

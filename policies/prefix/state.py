@@ -115,6 +115,7 @@ class CacheAwareState:
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
         self._ids = itertools.count(1)
         self._pending: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        self._last_overlap: tuple[int, dict[str, int]] = (0, {})
         self._parity: dict[str, deque[tuple[int, int]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self._stopping: set[asyncio.Task[None]] = set()
@@ -286,7 +287,10 @@ class CacheAwareState:
         )
 
     def overlap(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, int]:
-        return self.index.overlap(info.block_hashes, replica_ids)
+        result = self.index.overlap(info.block_hashes, replica_ids)
+        if isinstance(info, PrefixRequestInfo):
+            self._last_overlap = (info.request_id, result)  # on_routed's prediction reuses it (same instant)
+        return result
 
     @staticmethod
     def _session_key(info: RequestInfo) -> str | None:
@@ -300,7 +304,11 @@ class CacheAwareState:
     def on_routed(self, info: RequestInfo, decision: Decision) -> None:
         rid = decision.replica
         if isinstance(info, PrefixRequestInfo):
-            self._pending[info.request_id] = (rid, self.index.overlap(info.block_hashes, (rid,))[rid])
+            last_id, last = self._last_overlap
+            predicted = last[rid] if last_id == info.request_id and rid in last else None
+            if predicted is None:
+                predicted = self.index.overlap(info.block_hashes, (rid,))[rid]
+            self._pending[info.request_id] = (rid, predicted)
             while len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)
         self.index.record_routed(rid, info.block_hashes)
