@@ -4,7 +4,8 @@ Side by side in one run, on the same engines:
 - added latency at concurrency 1: requests alternate between "direct to an engine" and "through kvgate", so both
   see the same machine state; reported as p50/p99 of each and their difference;
 - gateway CPU per request at high concurrency: kvgate's own process CPU seconds (from /proc) over N requests,
-  streaming and not.
+  streaming and not;
+- with the fast path (default) and without it (`server.fast_path: false`, aiohttp serves everything).
 kvgate runs as its own process (`kvgate serve`, uvloop), the engines as `kvgate sim-engine --instant`, and this
 script is the client. Rerun: `python bench/bench_gateway_overhead.py [--requests N] [--out docs/...md]`.
 """
@@ -14,16 +15,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import cpu_seconds, kvgate, sim_engine_processes
+
+ENV_FAST_PATH = "KVGATE__SERVER__FAST_PATH"
 
 
 def pct(values: list[float], p: float) -> float:
@@ -79,6 +85,20 @@ async def cpu_per_request(url: str, pid: int, n: int, concurrency: int, stream: 
     return {"cpu_ms_per_request": (c1 - c0) / n * 1000, "requests_per_s": n / (t1 - t0)}
 
 
+@contextmanager
+def fast_path_env(on: bool) -> Iterator[None]:
+    """kvgate children inherit the environment: KVGATE__SERVER__FAST_PATH selects the server path."""
+    old = os.environ.get(ENV_FAST_PATH)
+    os.environ[ENV_FAST_PATH] = "true" if on else "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_FAST_PATH, None)
+        else:
+            os.environ[ENV_FAST_PATH] = old
+
+
 async def measure(args: argparse.Namespace) -> dict[str, object]:
     results: dict[str, object] = {}
     with sim_engine_processes(2, "--instant") as procs:
@@ -87,18 +107,21 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
             ref = await cpu_per_request(procs[0][0], procs[0][1], args.requests, args.concurrency, stream)
             results[f"engine alone, stream={stream}"] = {"engine_cpu_ms_per_request": ref["cpu_ms_per_request"]}
             print(f"engine alone stream={stream}", json.dumps(ref), flush=True)
-        for log_mode in ("off", "plain"):
-            with kvgate(
-                engines,
-                "--policy",
-                "least-load",
-                "--access-log",
-                log_mode,
-                "--log-level",
-                "WARNING" if log_mode == "off" else "INFO",
-            ) as (gw, pid):
+        for fast_path, log_mode in ((True, "off"), (True, "plain"), (False, "off")):
+            with (
+                fast_path_env(fast_path),
+                kvgate(
+                    engines,
+                    "--policy",
+                    "least-load",
+                    "--access-log",
+                    log_mode,
+                    "--log-level",
+                    "WARNING" if log_mode == "off" else "INFO",
+                ) as (gw, pid),
+            ):
                 for stream in (False, True):
-                    key = f"access_log={log_mode} stream={stream}"
+                    key = f"fast_path={'on' if fast_path else 'off'} access_log={log_mode} stream={stream}"
                     lat = await latency(engines[0], gw, args.latency_requests, stream)
                     cpu = await cpu_per_request(gw, pid, args.requests, args.concurrency, stream)
                     cpu["gateway_cpu_ms_per_request"] = cpu.pop("cpu_ms_per_request")

@@ -1,7 +1,8 @@
 """The floor of a Python proxy on this machine, next to kvgate: CPU per request of
 (1) one instant simulated engine alone (a plain aiohttp server), (2) a minimal proxy in front of it (an httptools
-server protocol + kvgate's upstream client, no routing, admission or metrics), (3) `kvgate serve` in front of it.
-Shows how much of kvgate's per-request cost is the aiohttp server and its own logic rather than sockets.
+server protocol + kvgate's upstream client, no routing, admission or metrics), (3) `kvgate serve` in front of it,
+with its fast path and with `server.fast_path: false` (aiohttp serving everything).
+Shows how much of kvgate's per-request cost is the HTTP server and its own logic rather than sockets.
 Rerun: `python bench/bench_proxy_floor.py [--requests N]` (about 1 minute).
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -106,13 +108,17 @@ def main() -> None:
         finally:
             proxy.terminate()
             proxy.wait()
-        with kvgate([engine_url], "--access-log", "off", "--log-level", "WARNING") as (gw, pid):
-            rows.append(
-                (
-                    "kvgate serve (least-load, admission defaults)",
-                    cpu_ms_per_request(gw, pid, args.requests, args.concurrency),
+        for fast_path in (True, False):
+            os.environ["KVGATE__SERVER__FAST_PATH"] = "true" if fast_path else "false"  # inherited by the child
+            with kvgate([engine_url], "--access-log", "off", "--log-level", "WARNING") as (gw, pid):
+                name = "fast path (default)" if fast_path else "server.fast_path=false: aiohttp server"
+                rows.append(
+                    (
+                        f"kvgate serve, {name} (least-load, admission defaults)",
+                        cpu_ms_per_request(gw, pid, args.requests, args.concurrency),
+                    )
                 )
-            )
+        os.environ.pop("KVGATE__SERVER__FAST_PATH", None)
     print("| process | CPU ms per request |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value:.3f} |")

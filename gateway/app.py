@@ -1,7 +1,8 @@
 """The aiohttp application: typed app keys, middleware, and the resources each `cleanup_ctx` step owns.
 
-Start-up order (reverse on shutdown): HTTP client session -> replica set (attached engines, probes) -> router and
-proxy. Nothing is module-global: a test can run several gateways in one process.
+Start-up order (reverse on shutdown): HTTP client session -> replica set (attached engines, probes) -> prefix cache
+-> engine pool -> router and proxy -> admission -> the completion service both servers call. Nothing is
+module-global: a test can run several gateways in one process.
 """
 
 from __future__ import annotations
@@ -20,10 +21,25 @@ from engine_pool.replica_set import ReplicaSet
 from gateway import handlers
 from gateway.admission.setup import admission_ctx
 from gateway.cache_ctx import cache_ctx
+from gateway.completion import CompletionService
 from gateway.config import EngineConfig, GatewayConfig
 from gateway.errors import GatewayError, error_response, http_exception_to_error
 from gateway.ids import IdSource
-from gateway.keys import CACHE, CLIENT, CONFIG, IDS, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER, UPSTREAM
+from gateway.keys import (
+    ADMISSION,
+    CACHE,
+    CLIENT,
+    COMPLETIONS,
+    CONFIG,
+    IDS,
+    METRICS,
+    PROXY,
+    REGISTRY,
+    REPLICAS,
+    REQUEST_ID,
+    ROUTER,
+    UPSTREAM,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
 from gateway.router import Router
@@ -115,6 +131,13 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
 
 
+async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[COMPLETIONS] = CompletionService(
+        app[CONFIG], app[METRICS], app[ADMISSION], app[REPLICAS], app[ROUTER], app[PROXY], app.get(CACHE)
+    )
+    yield
+
+
 def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
@@ -123,6 +146,7 @@ def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = Non
     app[METRICS] = GatewayMetrics(app[REGISTRY])
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, cache_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
     app.cleanup_ctx.append(admission_ctx)  # after the router: tenants, quotas, the fair queue
+    app.cleanup_ctx.append(_completions_ctx)  # the completion endpoints, over everything above
     handlers.add_routes(app)
     admin.add_routes(app)  # /admin/*: drain, restart, rolling restart, scale
     return app

@@ -34,6 +34,11 @@ class ServerConfig(StrictModel):
     )
     route_headers: bool = Field(True, description="add x-kvgate-replica / x-kvgate-route-reason to responses")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    fast_path: bool = Field(
+        True,
+        description="serve POST /v1/chat/completions and /v1/completions on a lean HTTP/1.1 front (httptools) that "
+        "hands every other request to aiohttp; false: aiohttp serves everything",
+    )
 
 
 class TimeoutConfig(StrictModel):

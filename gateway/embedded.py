@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
+from gateway.listener import GatewayListener
 
 
 @dataclass
@@ -21,19 +22,15 @@ class RunningGateway:
     app: web.Application
     url: str
     port: int
+    listener: GatewayListener  # `await gw.listener.stop()` shuts down early; leaving the block then does nothing
 
 
 @asynccontextmanager
 async def running_gateway(config: GatewayConfig) -> AsyncIterator[RunningGateway]:
     app = build_app(config)
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
-    await site.start()
-    port = runner.addresses[0][1]
+    listener = GatewayListener(app, config)
+    port = await listener.start()
     try:
-        yield RunningGateway(app, f"http://{config.server.host}:{port}", port)
+        yield RunningGateway(app, f"http://{config.server.host}:{port}", port, listener)
     finally:
-        await runner.cleanup()
+        await listener.stop()

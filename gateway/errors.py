@@ -1,8 +1,9 @@
 """One exception hierarchy for everything the gateway answers with an error, rendered in one place.
 
-Every error carries its HTTP status and OpenAI error `type` / `code`; `error_response` renders
-`{"error": {"message", "type", "param", "code"}}`. Subclasses also inherit the matching builtin where one exists
-(a timeout is also a `TimeoutError`) so callers can catch either.
+Every error carries its HTTP status and OpenAI error `type` / `code`; `render_error` renders
+`{"error": {"message", "type", "param", "code"}}` as (status, headers, bytes), which both servers write: aiohttp
+through `error_response`, the fast path (`gateway.fastpath`) directly. Subclasses also inherit the matching builtin
+where one exists (a timeout is also a `TimeoutError`) so callers can catch either.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class HeadersTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_too_large"
+
+
 class RateLimited(GatewayError):
     status = 429
     type = "rate_limit_exceeded"
@@ -125,13 +132,18 @@ class UpstreamUnavailable(GatewayError, ConnectionError):
     code = "upstream_unavailable"
 
 
-def error_response(err: GatewayError, *, request_id: str | None = None) -> web.Response:
+def render_error(err: GatewayError, *, request_id: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    """The one rendering of an error: status, headers (the error's own, Content-Type, x-request-id) and body."""
     headers = dict(err.headers)
+    headers["Content-Type"] = "application/json"
     if request_id:
         headers["x-request-id"] = request_id
-    return web.Response(
-        status=err.status, body=json.dumps(err.body()), content_type="application/json", headers=headers
-    )
+    return err.status, headers, json.dumps(err.body()).encode()
+
+
+def error_response(err: GatewayError, *, request_id: str | None = None) -> web.Response:
+    status, headers, body = render_error(err, request_id=request_id)
+    return web.Response(status=status, body=body, headers=headers)
 
 
 def http_exception_to_error(exc: web.HTTPException) -> GatewayError:

@@ -1,82 +1,36 @@
-"""HTTP handlers: the OpenAI endpoints, models, health, readiness and metrics."""
+"""HTTP handlers: the OpenAI endpoints (logic in gateway.completion), models, health, readiness and metrics."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.accesslog import log_access
 from gateway.admission.admin import reload_admission
-from gateway.context import RequestContext
-from gateway.errors import GatewayError, NotFound
-from gateway.keys import ADMISSION, CACHE, CONFIG, METRICS, PROXY, REGISTRY, REPLICAS, REQUEST_ID, ROUTER
-from gateway.request_parse import Endpoint, parse_request
-from policies.base import RequestInfo
+from gateway.errors import PayloadTooLarge
+from gateway.keys import COMPLETIONS, METRICS, REGISTRY, REPLICAS, REQUEST_ID
+from gateway.request_parse import Endpoint
+from gateway.responder import AiohttpResponder
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge("request body exceeds the configured limit") from None
 
 
 async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    app = request.app
-    cfg, metrics = app[CONFIG], app[METRICS]
-    ctx = RequestContext(request_id=request[REQUEST_ID], endpoint=endpoint)
-    admission = app[ADMISSION]
-    info: RequestInfo | None = None
-    try:
-        identity = admission.identify(request.headers)  # 401 before anything else when auth is on
-        ctx.tenant = identity.tenant
-        raw = await request.read()
-        parsed = parse_request(endpoint, raw)
-        if not app[REPLICAS].for_model(parsed.model):  # metrics label only known models: bounded cardinality
-            raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
-        ctx.model, ctx.stream = parsed.model, parsed.stream
-        body_changed = admission.apply_cache_salt(identity, parsed.body)
-        session_key = request.headers.get(cfg.cache.session_header)
-        info = await app[ROUTER].request_info(
-            model=parsed.model, endpoint=endpoint, body=parsed.body, tenant=ctx.tenant, session_key=session_key
-        )
-        prompt_estimate = info.prompt_tokens or len(raw) // 4
-        async with admission.admission(identity, parsed.model, prompt_estimate, ctx):
-            response = await app[PROXY].forward(request, parsed, info, ctx, raw, body_changed=body_changed)
-        ctx.status = response.status
-        return response
-    except GatewayError as err:
-        ctx.status, ctx.error = err.status, err.code
-        for name, value in ctx.extra_headers.items():
-            err.headers.setdefault(name, value)
-        raise
-    except BaseException:
-        if ctx.delivered:  # the client had every event and left before the chunked terminator: a success
-            ctx.status = 200
-        else:
-            ctx.status, ctx.client_disconnected = 499, True
-            metrics.cancelled.labels(ctx.model).inc()
-        raise
-    finally:
-        if ctx.status == 200 and info is not None and (cache := app.get(CACHE)) is not None:
-            cache.on_finished(info, ctx.replica, ctx.cached_tokens)
-        ctx.duration_s = time.monotonic() - ctx.started
-        _observe(request, ctx)
-        admission.metrics.requests.labels(ctx.tenant, str(ctx.status)).inc()
-        log_access(ctx, cfg.server.access_log)
-
-
-def _observe(request: web.Request, ctx: RequestContext) -> None:
-    m = request.app[METRICS]
-    m.requests.labels(ctx.model, ctx.replica, ctx.endpoint, str(ctx.status)).inc()
-    if ctx.status == 200:
-        if ctx.ttft_s is not None:
-            m.ttft.labels(ctx.model).observe(ctx.ttft_s)
-        if ctx.duration_s is not None:
-            m.e2e.labels(ctx.model).observe(ctx.duration_s)
-        for kind, value in (
-            ("prompt", ctx.prompt_tokens),
-            ("cached", ctx.cached_tokens),
-            ("completion", ctx.completion_tokens),
-        ):
-            if value:
-                m.tokens.labels(ctx.model, kind).inc(value)
+    out = AiohttpResponder(request)
+    await request.app[COMPLETIONS].handle(
+        endpoint, request.headers, partial(_read_body, request), request[REQUEST_ID], out
+    )
+    if out.response is None:  # the client left before anything could be sent: nothing will be
+        return web.Response(status=499)
+    return out.response
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

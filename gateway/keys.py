@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.controller import AdmissionController
+from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
 from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics
@@ -26,6 +27,7 @@ REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", Router)
 PROXY = web.AppKey("proxy", UpstreamProxy)
 ADMISSION = web.AppKey("admission", AdmissionController)
+COMPLETIONS = web.AppKey("completions", CompletionService)  # the two OpenAI endpoints, shared by both servers
 CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
 CACHE = web.AppKey("cache", CacheAwareState)  # absent unless the routing policy uses prefix overlap
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config

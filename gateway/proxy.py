@@ -9,8 +9,9 @@ Algorithm per request:
 4. Streaming: SSE events are relayed one by one as they arrive (no buffering beyond one partial event); the client's
    response is only started when the first event arrives, so an engine that dies before its first event is still
    retried. The gateway always asks the engine for the usage chunk and drops it again when the client did not ask.
-5. The client leaving cancels the handler (aiohttp handler_cancellation), which aborts the upstream connection, and
-   vLLM aborts a request whose connection closed: the engine stops generating at once.
+5. The client leaving cancels the handler task (both servers do), which aborts the upstream connection, and vLLM
+   aborts a request whose connection closed: the engine stops generating at once.
+Everything reaches the client through a `Responder` (gateway.responder), so both servers share this code.
 Cost per streamed event: one bytes.find for the event boundary plus a substring check for usage.
 """
 
@@ -22,8 +23,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.config import RetryConfig, TimeoutConfig
@@ -31,6 +30,7 @@ from gateway.context import RequestContext
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.request_parse import ParsedRequest
+from gateway.responder import Responder
 from gateway.router import Router
 from gateway.upstream import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from policies.base import Decision, RequestInfo
@@ -77,13 +77,14 @@ class UpstreamProxy:
 
     async def forward(
         self,
-        request: web.Request,
+        out: Responder,
         parsed: ParsedRequest,
         info: RequestInfo,
         ctx: RequestContext,
         raw_body: bytes,
         body_changed: bool = False,
-    ) -> web.StreamResponse:
+    ) -> int:
+        """Relay the request and write the engine's answer to `out`; returns the HTTP status sent."""
         timeouts = self.settings.timeouts
         rewrite = body_changed or (parsed.stream and not parsed.include_usage)
         data = self._upstream_body(parsed) if rewrite else raw_body
@@ -103,7 +104,7 @@ class UpstreamProxy:
             ctx.attempts = attempt + 1
             ctx.replica, ctx.route_reason = replica.id, decision.reason
             try:
-                return await self._attempt(request, parsed, replica, decision, ctx, data, deadline)
+                return await self._attempt(out, parsed, replica, decision, ctx, data, deadline)
             except _Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 if replica.record_failure(
@@ -128,14 +129,19 @@ class UpstreamProxy:
         timeouts = self.settings.timeouts
         pool = self.client.pool(replica.host, replica.port, replica.use_tls)
         headers = {"Content-Type": "application/json", "x-request-id": ctx.request_id}
+        url = replica.base_path + path
         for fresh_retry in (False, True):
             upstream = None
+            budget = min(timeouts.first_byte_s, deadline - time.monotonic())
             try:
-                async with asyncio.timeout(min(timeouts.first_byte_s, deadline - time.monotonic())):
-                    upstream = await pool.request(
-                        "POST", replica.base_path + path, data, headers, connect_timeout_s=timeouts.connect_s
-                    )
-                    await upstream.headers_ready
+                upstream = pool.request_idle("POST", url, data, headers)
+                if upstream is None:  # a new connection (rare once warm): the budget covers connecting too
+                    started = time.monotonic()
+                    async with asyncio.timeout(budget):
+                        upstream = await pool.request("POST", url, data, headers, connect_timeout_s=timeouts.connect_s)
+                    budget -= time.monotonic() - started
+                upstream.set_timeout(budget)  # one timer on the response instead of a task timeout around the wait
+                await upstream.headers_ready
                 return upstream
             except TimeoutError:
                 if upstream is not None:
@@ -155,14 +161,14 @@ class UpstreamProxy:
 
     async def _attempt(
         self,
-        request: web.Request,
+        out: Responder,
         parsed: ParsedRequest,
         replica: Replica,
         decision: Decision,
         ctx: RequestContext,
         data: bytes,
         deadline: float,
-    ) -> web.StreamResponse:
+    ) -> int:
         replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
             upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline)
@@ -175,8 +181,10 @@ class UpstreamProxy:
                     err.headers.update(self._headers(ctx, replica, decision))
                     raise err
                 if parsed.stream:
-                    return await self._relay_stream(request, parsed, upstream, replica, decision, ctx, deadline)
-                return await self._relay_whole(upstream, replica, decision, ctx, deadline)
+                    await self._relay_stream(out, parsed, upstream, replica, decision, ctx, deadline)
+                else:
+                    await self._relay_whole(out, upstream, replica, decision, ctx, deadline)
+                return upstream.status
             except BaseException:
                 upstream.close()  # never reuse a connection mid-response: closing it aborts the engine request
                 raise
@@ -186,8 +194,9 @@ class UpstreamProxy:
             replica.end()
 
     async def _upstream_error(self, upstream: UpstreamResponse) -> UpstreamError:
+        upstream.set_timeout(5.0)
         try:
-            raw = await asyncio.wait_for(upstream.read(), 5.0)
+            raw = await upstream.read()
             body: Any = json.loads(raw)
         except (ValueError, TimeoutError, ConnectionError):
             body = None
@@ -208,15 +217,16 @@ class UpstreamProxy:
 
     async def _relay_whole(
         self,
+        out: Responder,
         upstream: UpstreamResponse,
         replica: Replica,
         decision: Decision,
         ctx: RequestContext,
         deadline: float,
-    ) -> web.Response:
+    ) -> None:
+        upstream.set_timeout(deadline - time.monotonic())
         try:
-            async with asyncio.timeout(deadline - time.monotonic()):
-                raw = await upstream.read()
+            raw = await upstream.read()
         except TimeoutError:
             raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} timed out")) from None
         except ConnectionError as exc:
@@ -225,75 +235,69 @@ class UpstreamProxy:
         ctx.set_usage(_usage_of(raw))
         ctx.ttft_s = time.monotonic() - ctx.started
         ctx.delivered = True
-        return web.Response(
-            body=raw,
-            status=upstream.status,
-            content_type="application/json",
-            headers=self._headers(ctx, replica, decision),
-        )
+        headers = self._headers(ctx, replica, decision)
+        headers["Content-Type"] = "application/json"
+        await out.send(upstream.status, headers, raw)
 
     async def _relay_stream(
         self,
-        request: web.Request,
+        out: Responder,
         parsed: ParsedRequest,
         upstream: UpstreamResponse,
         replica: Replica,
         decision: Decision,
         ctx: RequestContext,
         deadline: float,
-    ) -> web.StreamResponse:
+    ) -> None:
         first_byte_s = self.settings.timeouts.first_byte_s
-        response: web.StreamResponse | None = None
+        started = False
         strip_usage = not parsed.include_usage
         buf = b""
         last_write = 0.0
         itl = self.metrics.itl.labels(parsed.model)
+        upstream.clear_timeout()  # the stream's own windows below also bound the writes to the client
         try:
             async with asyncio.timeout(min(first_byte_s, deadline - time.monotonic())) as window:
                 async for chunk in upstream.iter_chunks():
                     buf += chunk
-                    out = []
+                    events = []
                     while (end := buf.find(b"\n\n")) >= 0:
                         event, buf = buf[: end + 2], buf[end + 2 :]
                         if b'"usage"' in event and not event.startswith(_DONE):
                             event = self._usage_event(event, ctx, strip_usage)
                         if event:
-                            out.append(event)
-                    if not out:
+                            events.append(event)
+                    if not events:
                         continue
                     now = time.monotonic()
-                    if response is None:
-                        response = web.StreamResponse(
-                            headers={
-                                **self._headers(ctx, replica, decision),
-                                "Content-Type": "text/event-stream",
-                                "Cache-Control": "no-cache",
-                            }
-                        )
-                        await response.prepare(request)
+                    if not started:
+                        headers = self._headers(ctx, replica, decision)
+                        headers["Content-Type"] = "text/event-stream"
+                        headers["Cache-Control"] = "no-cache"
+                        await out.start_stream(upstream.status, headers)
+                        started = True
                         ctx.ttft_s = now - ctx.started
                         window.reschedule(deadline)  # past the first byte, only the total deadline applies
                         replica.record_success()
                     else:
                         itl.observe(now - last_write)
                     last_write = now
-                    await response.write(b"".join(out))
-                    if out[-1].startswith(_DONE):
+                    await out.write(b"".join(events))
+                    if events[-1].startswith(_DONE):
                         ctx.delivered = True  # the client has everything; it may close before the terminator
         except TimeoutError:
-            if response is None:
+            if not started:
                 raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
             ctx.error = "total_timeout"
         except UpstreamConnectionError as exc:  # the engine failed mid-stream
-            if response is None:
+            if not started:
                 raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
             ctx.error = f"upstream_reset: {exc}"
             self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
-        if response is None:
+        if not started:
             raise _Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
         ctx.delivered = ctx.delivered or ctx.error is None
-        await response.write_eof()
-        return response
+        await out.end()
 
     @staticmethod
     def _usage_event(event: bytes, ctx: RequestContext, strip_usage: bool) -> bytes:

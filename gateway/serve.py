@@ -1,7 +1,7 @@
 """`kvgate serve`: load and validate the whole configuration, then run the gateway until SIGINT/SIGTERM.
 
-Shutdown: stop accepting, let in-flight requests finish for up to `server.shutdown_grace_s`, then run every
-cleanup step (engine processes are stopped by the pool's own cleanup).
+Shutdown (`gateway.listener`): stop accepting, let in-flight requests finish for up to `server.shutdown_grace_s`,
+then run every cleanup step (engine processes are stopped by the pool's own cleanup).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from aiohttp import web
 from gateway.app import build_app
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.keys import ADMISSION, CONFIG_PATH, REPLICAS
+from gateway.listener import GatewayListener
 from policies.registry import policy_names
 
 log = logging.getLogger("kvgate")
@@ -65,13 +66,8 @@ async def serve(
     app = build_app(config)
     if config_path is not None:
         app[CONFIG_PATH] = config_path
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=config.server.shutdown_grace_s
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=1024, reuse_address=True)
-    await site.start()
-    port = runner.addresses[0][1]
+    listener = GatewayListener(app, config)
+    port = await listener.start()
     log.info(
         "kvgate listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)",
         config.server.host,
@@ -94,7 +90,7 @@ async def serve(
         announcer.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
-        await runner.cleanup()
+        await listener.stop()
 
 
 async def _announce_ready(app: web.Application, base_url: str) -> None:

@@ -7,8 +7,10 @@ with a body, status + headers, the body read whole or streamed chunk by chunk (c
 parser), keep-alive reuse, and abort (closing the socket, which is how vLLM learns that a client left).
 
 Pool: per (host, port), a LIFO stack of idle connections bounded by `max_idle`; a connection goes back only when its
-response was read to the end and both sides allow keep-alive. Costs per request: one transport.write, one parser
-feed per received segment; no per-request allocations beyond the response object and its header dict.
+response was read to the end and both sides allow keep-alive. Timeouts: `UpstreamResponse.set_timeout` registers a
+deadline with the client's `DeadlineWatch`, one timer ticking every 50 ms while anything is watched (not a timer per
+request). Costs per request: one transport.write, one parser feed per received segment; no per-request allocations
+beyond the response object and its header dict.
 """
 
 from __future__ import annotations
@@ -103,10 +105,31 @@ class UpstreamResponse:
         self.complete = False
         self.error: Exception | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self.headers_ready: asyncio.Future[None] = loop.create_future()
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
+        self.deadline: float | None = None  # loop time; watched by the pool's DeadlineWatch
+
+    def set_timeout(self, delay_s: float) -> None:
+        """Fail the response with TimeoutError in `delay_s` (at most `DeadlineWatch.tick_s` late) unless it is
+        complete by then; replaces an earlier timeout. `headers_ready` and the body readers raise it."""
+        self.deadline = self._loop.time() + delay_s
+        self._conn.pool.deadlines.watch(self)
+
+    def clear_timeout(self) -> None:
+        if self.deadline is not None:
+            self.deadline = None
+            self._conn.pool.deadlines.unwatch(self)
+
+    def expire(self) -> None:
+        self.deadline = None
+        if self.complete or self.error is not None:
+            return
+        self.error = TimeoutError("upstream response timed out")
+        if not self.headers_ready.done():
+            self.headers_ready.set_exception(self.error)
+        self.wake()
 
     def wake(self) -> None:
         w = self._waiter
@@ -121,10 +144,17 @@ class UpstreamResponse:
             self._waiter = None
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (chunked encoding already removed)."""
+        """The body as it arrives (chunked encoding already removed); what arrived together comes as one piece."""
+        chunks = self.chunks
         while True:
-            while self.chunks:
-                yield self.chunks.popleft()
+            if chunks:
+                if len(chunks) == 1:
+                    yield chunks.popleft()
+                else:
+                    data = b"".join(chunks)
+                    chunks.clear()
+                    yield data
+                continue
             if self.complete:
                 return
             if self.error is not None:
@@ -137,12 +167,14 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Abort: the connection is closed (the engine sees the client leave) and never reused."""
+        self.clear_timeout()
         if not self._done:
             self._done = True
             self._conn.abort()
 
     def release(self) -> None:
         """Return the connection to its pool when the response was read whole; abort it otherwise."""
+        self.clear_timeout()
         if self._done:
             return
         self._done = True
@@ -154,12 +186,52 @@ class UpstreamResponse:
             conn.abort()
 
 
+class DeadlineWatch:
+    """Timeouts for many responses with one timer instead of one each: every `tick_s` while any response is
+    watched, fail those past their deadline. O(1) per watch/unwatch, O(watched) per tick; at most `tick_s` late."""
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self.tick_s = tick_s
+        self._watched: set[UpstreamResponse] = set()  # bounded by the requests in flight
+        self._handle: asyncio.TimerHandle | None = None
+
+    def watch(self, resp: UpstreamResponse) -> None:
+        self._watched.add(resp)
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.tick_s, self._tick)
+
+    def unwatch(self, resp: UpstreamResponse) -> None:
+        self._watched.discard(resp)
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for resp in [r for r in self._watched if r.deadline is None or r.deadline <= now]:
+            self._watched.discard(resp)
+            resp.expire()
+        self._handle = loop.call_later(self.tick_s, self._tick) if self._watched else None
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._watched.clear()
+
+
 class UpstreamPool:
     """Keep-alive connections to one host:port."""
 
     def __init__(
-        self, host: str, port: int, *, use_tls: bool = False, max_idle: int = 256, idle_timeout_s: float = 4.0
+        self,
+        host: str,
+        port: int,
+        *,
+        use_tls: bool = False,
+        max_idle: int = 256,
+        idle_timeout_s: float = 4.0,
+        deadlines: DeadlineWatch | None = None,
     ) -> None:
+        self.deadlines = deadlines or DeadlineWatch()
         self.host, self.port = host, port
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if use_tls else None
         self.max_idle = max_idle
@@ -187,21 +259,30 @@ class UpstreamPool:
             raise UpstreamConnectionError(f"connect to {self.host}:{self.port} failed: {exc}") from None
         return conn
 
+    def _idle_conn(self) -> _Conn | None:
+        oldest_ok = time.monotonic() - self.idle_timeout_s
+        while self._idle:
+            candidate = self._idle.pop()
+            if not candidate.closed and candidate.idle_since >= oldest_ok:
+                return candidate
+            candidate.abort()
+        return None
+
+    def request_idle(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse | None:
+        """Send on a kept-alive connection at once; None when there is no idle one (then `request` connects)."""
+        conn = self._idle_conn() if self._idle else None
+        return None if conn is None else self._send(conn, method, path, body, headers)
+
     async def request(
         self, method: str, path: str, body: bytes, headers: Mapping[str, str], *, connect_timeout_s: float
     ) -> UpstreamResponse:
         """Send the request; the returned response's headers may not have arrived yet (`await resp.headers_ready`)."""
-        conn = None
-        if self._idle:
-            oldest_ok = time.monotonic() - self.idle_timeout_s
-            while self._idle:
-                candidate = self._idle.pop()
-                if not candidate.closed and candidate.idle_since >= oldest_ok:
-                    conn = candidate
-                    break
-                candidate.abort()
+        conn = self._idle_conn() if self._idle else None
         if conn is None:
             conn = await self._connect(connect_timeout_s)
+        return self._send(conn, method, path, body, headers)
+
+    def _send(self, conn: _Conn, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         resp = UpstreamResponse(conn, reused=conn.reused)
         conn.response = resp
         head = [
@@ -230,16 +311,20 @@ class UpstreamClient:
 
     def __init__(self, *, max_idle_per_host: int = 256) -> None:
         self.max_idle_per_host = max_idle_per_host
+        self.deadlines = DeadlineWatch()  # one timer for every pool's response timeouts
         self._pools: dict[tuple[str, int], UpstreamPool] = {}
 
     def pool(self, host: str, port: int, use_tls: bool = False) -> UpstreamPool:
         key = (host, port)
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = UpstreamPool(host, port, use_tls=use_tls, max_idle=self.max_idle_per_host)
+            pool = self._pools[key] = UpstreamPool(
+                host, port, use_tls=use_tls, max_idle=self.max_idle_per_host, deadlines=self.deadlines
+            )
         return pool
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+        self.deadlines.close()

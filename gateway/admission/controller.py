@@ -29,6 +29,7 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.auth import Authenticator, Identity
 from gateway.admission.config import AdmissionConfig
+from gateway.admission.local import LocalQuotaStore
 from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.queue import DrainRate, FairQueue, QueueEntry
 from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
@@ -70,6 +71,7 @@ class AdmissionController:
         self.replicas = replicas
         self.router = router
         self.store = store
+        self._local = store if isinstance(store, LocalQuotaStore) else None  # synchronous: no coroutine, no shield
         self.metrics = metrics
         self.reload_source = reload_source  # blocking loader (runs in a thread) for SIGHUP / empty admin reload
         self._queues: dict[str, FairQueue] = {}  # per model; models come from the replica set (bounded)
@@ -153,7 +155,11 @@ class AdmissionController:
     async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
-        quota = await self.store.check(tenant, tenant_cfg.limits, prompt_tokens, self._lease_ids.next())
+        lease_id = self._lease_ids.next()
+        if self._local is not None:
+            quota = self._local.check_now(tenant, tenant_cfg.limits, prompt_tokens, lease_id)
+        else:
+            quota = await self.store.check(tenant, tenant_cfg.limits, prompt_tokens, lease_id)
         ctx.extra_headers.update(quota.headers())
         if not quota.allowed:
             self.metrics.rejections.labels(tenant, quota.reason or "quota").inc()
@@ -199,7 +205,10 @@ class AdmissionController:
         if ticket.lease is not None:
             weight = self.config.tenant(tenant).limits.cached_token_weight
             cost = token_cost(prompt, cached, completion, weight)
-            await asyncio.shield(self.store.release(ticket.lease, cost))
+            if self._local is not None:
+                self._local.release_now(ticket.lease, cost)
+            else:
+                await asyncio.shield(self.store.release(ticket.lease, cost))
 
     def _tenant_add(self, tenant: str, delta: int) -> None:
         value = self._tenant_active.get(tenant, 0) + delta
@@ -218,7 +227,7 @@ class AdmissionController:
             if not r.routable(now):
                 continue
             ready += 1
-            if saturated(r.snapshot(now), threshold):
+            if r.metrics.waiting > 0 and saturated(r.snapshot(now), threshold):  # saturation needs waiting > 0
                 continue
             cap += _UNBOUNDED if r.max_concurrency is None else r.max_concurrency
         return cap, ready

@@ -1,0 +1,138 @@
+"""The two OpenAI completion endpoints, implemented once for both servers (aiohttp routes and the fast path).
+
+Per request: identify the tenant (401) -> read and validate the body (400/404/413) -> cache salt -> prefix info
+for routing -> admission (429/503) -> forward with retries (`gateway.proxy`) -> usage, metrics, access log.
+Every answer, errors included, goes out through a `Responder`; errors are rendered by `gateway.errors`.
+The client leaving cancels the task running `handle` (both servers do this), which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+from engine_pool.replica_set import ReplicaSet
+from gateway.accesslog import log_access
+from gateway.admission.controller import AdmissionController
+from gateway.config import GatewayConfig
+from gateway.context import RequestContext
+from gateway.errors import GatewayError, NotFound, render_error
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import UpstreamProxy
+from gateway.request_parse import Endpoint, parse_request
+from gateway.responder import Responder
+from gateway.router import Router
+from policies.base import RequestInfo
+from policies.prefix.state import CacheAwareState
+
+log = logging.getLogger("kvgate.gateway")
+
+ReadBody = Callable[[], Awaitable[bytes]]
+
+
+class CompletionService:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        metrics: GatewayMetrics,
+        admission: AdmissionController,
+        replicas: ReplicaSet,
+        router: Router,
+        proxy: UpstreamProxy,
+        cache: CacheAwareState | None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.admission = admission
+        self.replicas = replicas
+        self.router = router
+        self.proxy = proxy
+        self.cache = cache
+        self._session_header = config.cache.session_header
+        self._access_log = config.server.access_log
+
+    async def handle(
+        self,
+        endpoint: Endpoint,
+        headers: Mapping[str, str],
+        read_body: ReadBody,
+        request_id: str,
+        out: Responder,
+    ) -> None:
+        """Answer one request through `out`; returns once the whole response was handed to the server."""
+        ctx = RequestContext(request_id=request_id, endpoint=endpoint)
+        admission = self.admission
+        info: RequestInfo | None = None
+        try:
+            identity = admission.identify(headers)  # 401 before anything else when auth is on
+            ctx.tenant = identity.tenant
+            raw = await read_body()
+            parsed = parse_request(endpoint, raw)
+            if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
+                raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
+            ctx.model, ctx.stream = parsed.model, parsed.stream
+            body_changed = admission.apply_cache_salt(identity, parsed.body)
+            info = await self.router.request_info(
+                model=parsed.model,
+                endpoint=endpoint,
+                body=parsed.body,
+                tenant=ctx.tenant,
+                session_key=headers.get(self._session_header),
+            )
+            prompt_estimate = info.prompt_tokens or len(raw) // 4
+            ticket = await admission.admit(identity, parsed.model, prompt_estimate, ctx)
+            try:
+                ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, body_changed=body_changed)
+            finally:
+                await admission.finish(ticket, ctx)
+        except GatewayError as err:
+            await self._error(err, ctx, out)
+        except ConnectionResetError:  # a write found the client gone
+            self._client_left(ctx)
+        except Exception:
+            if out.started:
+                raise
+            log.exception("unhandled error in %s (request %s)", endpoint, request_id)
+            await self._error(GatewayError("internal gateway error"), ctx, out)
+        except BaseException:  # cancelled: the client left (or shutdown)
+            self._client_left(ctx)
+            raise
+        finally:
+            if ctx.status == 200 and info is not None and self.cache is not None:
+                self.cache.on_finished(info, ctx.replica, ctx.cached_tokens)
+            ctx.duration_s = time.monotonic() - ctx.started
+            self._observe(ctx)
+            if self._access_log != "off":
+                log_access(ctx, self._access_log)
+
+    def _client_left(self, ctx: RequestContext) -> None:
+        if ctx.delivered:  # the client had every event and left before the chunked terminator: a success
+            ctx.status = 200
+        else:
+            ctx.status, ctx.client_disconnected = 499, True
+            self.metrics.cancelled.labels(ctx.model).inc()
+
+    async def _error(self, err: GatewayError, ctx: RequestContext, out: Responder) -> None:
+        ctx.status, ctx.error = err.status, err.code
+        for name, value in ctx.extra_headers.items():
+            err.headers.setdefault(name, value)
+        status, headers, body = render_error(err, request_id=ctx.request_id)
+        await out.send(status, headers, body)
+
+    def _observe(self, ctx: RequestContext) -> None:
+        m = self.metrics
+        status = str(ctx.status)
+        m.requests.labels(ctx.model, ctx.replica, ctx.endpoint, status).inc()
+        self.admission.metrics.requests.labels(ctx.tenant, status).inc()
+        if ctx.status == 200:
+            if ctx.ttft_s is not None:
+                m.ttft.labels(ctx.model).observe(ctx.ttft_s)
+            if ctx.duration_s is not None:
+                m.e2e.labels(ctx.model).observe(ctx.duration_s)
+            if ctx.prompt_tokens:
+                m.tokens.labels(ctx.model, "prompt").inc(ctx.prompt_tokens)
+            if ctx.cached_tokens:
+                m.tokens.labels(ctx.model, "cached").inc(ctx.cached_tokens)
+            if ctx.completion_tokens:
+                m.tokens.labels(ctx.model, "completion").inc(ctx.completion_tokens)

@@ -1,0 +1,282 @@
+"""The fast path (gateway.fastpath) through real sockets: HTTP/1.1 framing, handover to aiohttp, errors, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import httptools
+import openai
+import pytest
+
+from engine_pool.sim import SimConfig
+from gateway.http1 import request_boundary
+from tests.conftest import gateway_over_sims, wait_for
+
+SIM = SimConfig(model="sim", instant=True)
+COMPLETION = json.dumps({"model": "sim", "prompt": "hello", "max_tokens": 3}).encode()
+
+
+class Response:
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.body = b""
+        self.complete = False
+
+
+class RawClient:
+    """A raw HTTP/1.1 connection: write any bytes, read responses in order as httptools parses them."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.parser = httptools.HttpResponseParser(self)
+        self.done: list[Response] = []
+        self.current: Response | None = None
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        return cls(reader, writer)
+
+    def on_message_begin(self) -> None:
+        self.current = Response()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.current is not None
+        self.current.headers[name.decode().lower()] = value.decode()
+
+    def on_headers_complete(self) -> None:
+        assert self.current is not None
+        self.current.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        assert self.current is not None
+        self.current.body += body
+
+    def on_message_complete(self) -> None:
+        assert self.current is not None
+        self.current.complete = True
+        self.done.append(self.current)
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def response(self) -> Response:
+        while not self.done:
+            data = await self.reader.read(65536)
+            assert data, "connection closed before a whole response"
+            self.parser.feed_data(data)
+        return self.done.pop(0)
+
+    async def closed_by_server(self) -> bool:
+        """True when the server closed the connection (EOF, or a reset after it closed)."""
+        try:
+            return await self.reader.read(65536) == b""
+        except ConnectionResetError:
+            return True
+
+    async def close(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+def post(path: str, body: bytes, *extra: str, version: str = "1.1") -> bytes:
+    head = [f"POST {path} HTTP/{version}", "Host: x", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join([*head, *extra]) + "\r\n\r\n").encode() + body
+
+
+def get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+
+
+def assert_openai_error(resp: Response, status: int) -> dict[str, Any]:
+    assert resp.status == status, resp.body
+    payload = json.loads(resp.body)
+    assert set(payload) == {"error"} and {"message", "type", "param", "code"} <= set(payload["error"])
+    assert resp.headers.get("x-request-id")
+    return dict(payload["error"])
+
+
+async def test_hot_request_then_handover_on_the_same_connection() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        await conn.send(post("/v1/completions", COMPLETION))
+        first = await conn.response()
+        assert first.status == 200 and json.loads(first.body)["usage"]["completion_tokens"] == 3
+        assert "server" not in first.headers and first.headers["x-request-id"]  # answered by the fast path
+        await conn.send(get("/metrics"))
+        metrics = await conn.response()
+        assert metrics.status == 200 and b'kvgate_requests_total{endpoint="completions"' in metrics.body
+        assert "aiohttp" in metrics.headers["server"]  # handed over to aiohttp
+        await conn.send(get("/v1/models"))
+        models = await conn.response()
+        assert [m["id"] for m in json.loads(models.body)["data"]] == ["sim"]
+        await conn.send(post("/v1/completions", COMPLETION))  # aiohttp keeps the connection, and serves this too
+        again = await conn.response()
+        assert again.status == 200 and "aiohttp" in again.headers["server"]
+        await conn.close()
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        bodies = [json.dumps({"model": "sim", "prompt": "p", "max_tokens": n}).encode() for n in (5, 1, 2)]
+        ids = ["first", "second", "third"]
+        pipelined = [post("/v1/completions", b, f"x-request-id: {i}") for b, i in zip(bodies, ids, strict=True)]
+        await conn.send(b"".join(pipelined))
+        answers = [await conn.response() for _ in ids]
+        assert [a.headers["x-request-id"] for a in answers] == ids
+        assert [json.loads(a.body)["usage"]["completion_tokens"] for a in answers] == [5, 1, 2]
+        # hot, then a request for aiohttp, then hot again, in one segment: handed over after the first answer
+        await conn.send(post("/v1/completions", bodies[1]) + get("/health") + post("/v1/completions", bodies[2]))
+        hot, health, last = [await conn.response() for _ in range(3)]
+        assert hot.status == 200 and "server" not in hot.headers
+        assert health.status == 200 and json.loads(health.body) == {"status": "ok"}
+        assert last.status == 200 and json.loads(last.body)["usage"]["completion_tokens"] == 2
+        await conn.close()
+
+
+async def test_pipelining_in_segments_that_never_end_on_a_request_boundary() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        requests = [post("/v1/completions", COMPLETION, f"x-request-id: r{i}") for i in range(12)]
+        data = b"".join(requests) + get("/health")
+        for i in range(0, len(data), 97):  # 97 bytes per write: boundaries fall mid-segment
+            await conn.send(data[i : i + 97])
+            await asyncio.sleep(0)
+        answers = [await conn.response() for _ in range(13)]
+        assert [a.headers["x-request-id"] for a in answers[:12]] == [f"r{i}" for i in range(12)]
+        assert all(a.status == 200 for a in answers) and json.loads(answers[12].body) == {"status": "ok"}
+        await conn.close()
+
+
+async def test_chunked_request_body() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+        chunks = [body[:10], body[10:]]
+        await conn.send(head + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n")
+        resp = await conn.response()
+        assert resp.status == 200 and json.loads(resp.body)["object"] == "chat.completion"
+        await conn.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_body_over_the_limit_is_413_and_closes(chunked: bool) -> None:
+    async with gateway_over_sims([SIM], server={"max_body_bytes": 1000}) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        big = json.dumps({"model": "sim", "prompt": "x" * 5000}).encode()
+        if chunked:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            await conn.send(head + b"%x\r\n%s\r\n" % (len(big), big))  # no terminator: it is refused before the end
+        else:
+            await conn.send(post("/v1/completions", big))
+        error = assert_openai_error(await conn.response(), 413)
+        assert error["code"] == "request_too_large"
+        assert await conn.closed_by_server()
+        await conn.close()
+
+
+async def test_expect_100_continue() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        head = post("/v1/completions", COMPLETION, "Expect: 100-continue")[: -len(COMPLETION)]
+        await conn.send(head)
+        interim = await conn.reader.readuntil(b"\r\n\r\n")
+        assert interim.startswith(b"HTTP/1.1 100 Continue")
+        await conn.send(COMPLETION)
+        resp = await conn.response()
+        assert resp.status == 200
+        await conn.close()
+
+
+async def test_malformed_http_is_400_and_closes() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        await conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+        error = assert_openai_error(await conn.response(), 400)
+        assert error["code"] == "invalid_http_request"
+        assert await conn.closed_by_server()
+        await conn.close()
+
+
+@pytest.mark.parametrize("variant", ["http10", "connection-close"])
+async def test_http10_and_connection_close_close_the_connection(variant: str) -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        if variant == "http10":
+            await conn.send(post("/v1/completions", COMPLETION, version="1.0"))
+        else:
+            await conn.send(post("/v1/completions", COMPLETION, "Connection: close"))
+        resp = await conn.response()
+        assert resp.status == 200 and resp.headers["connection"] == "close"
+        assert int(resp.headers["content-length"]) == len(resp.body)
+        assert await conn.closed_by_server()
+        await conn.close()
+
+
+async def test_http10_keep_alive_is_honoured() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        for _ in range(2):
+            await conn.send(post("/v1/completions", COMPLETION, "Connection: keep-alive", version="1.0"))
+            resp = await conn.response()
+            assert resp.status == 200 and resp.headers["connection"] == "keep-alive"
+        await conn.close()
+
+
+async def test_streaming_through_the_fast_path_with_openai() -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="sim",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            assert raw.headers.get("transfer-encoding") == "chunked" and "server" not in raw.headers
+            chunks = [chunk async for chunk in raw.parse()]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+async def test_fast_path_off_serves_everything_with_aiohttp(http: aiohttp.ClientSession) -> None:
+    async with gateway_over_sims([SIM], server={"fast_path": False}) as (gw, _):
+        async with http.post(gw.url + "/v1/completions", data=COMPLETION) as resp:
+            assert resp.status == 200 and "aiohttp" in resp.headers["Server"]
+
+
+async def test_shutdown_finishes_running_requests_and_closes_idle_connections() -> None:
+    slow = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=20)
+    async with gateway_over_sims([slow]) as (gw, sims):
+        idle = await RawClient.connect(gw.port)
+        await idle.send(post("/v1/completions", COMPLETION))
+        assert (await idle.response()).status == 200
+        busy = await RawClient.connect(gw.port)
+        await busy.send(post("/v1/completions", json.dumps({"model": "sim", "prompt": "x", "max_tokens": 20}).encode()))
+        await wait_for(lambda: sims[0].engine.running == 1, what="request running")
+        stopping = asyncio.create_task(gw.listener.stop())
+        assert await idle.closed_by_server()
+        resp = await busy.response()
+        assert resp.status == 200 and json.loads(resp.body)["usage"]["completion_tokens"] == 20
+        assert resp.headers["connection"] == "close"
+        await stopping
+        await idle.close()
+        await busy.close()
+
+
+def test_request_boundary() -> None:
+    one = post("/v1/completions", COMPLETION)
+    chunked = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    raw = one + get("/health") + chunked + b"GET /partial HTTP/1.1\r\n"
+    assert request_boundary(raw, 0) == 0
+    assert request_boundary(raw, 1) == len(one)
+    assert request_boundary(raw, 2) == len(one) + len(get("/health"))
+    assert request_boundary(raw, 3, step=7) == len(raw) - len(b"GET /partial HTTP/1.1\r\n")
+    assert request_boundary(raw, 4) == -1
