@@ -12,11 +12,13 @@ streaming chat, TTFT measured by the client) and scrapes the engines' `vllm:pref
 before and after. Policies run one after the other, never at the same time. With `--repeat N` every
 (workload, arrival) runs N times with fresh gateways and the rows show medians (throughput and TTFT p99 with their
 min-max range: on a shared 2-core machine one run's difference of a few percent is noise).
+CPUs: by default every process shares all CPUs; `--pin` gives the gateway under test the last CPU to itself and the
+engines and the client the others (on 2 CPUs that leaves one core for four engines and the client, which then
+saturates: every policy slows, so the default is not to pin).
 
 Reported per run: engine hit rate, the workload's best possible hit rate (`routing_workloads.best_hit_rate`),
-TTFT p50/p99, output tok/s and req/s, the gateway's CPU milliseconds per request (everything shares 2 cores, so a
-policy's own CPU shows up in its latencies), per-replica request share (from `x-kvgate-replica`). Target checks are
-in `routing_report`.
+TTFT p50/p99, output tok/s and req/s, the gateway's CPU milliseconds per request, per-replica request share (from
+`x-kvgate-replica`). Target checks are in `routing_report`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.routing_procs import SimCosts, cpu_seconds, gateways, sim_pool
+from bench.routing_procs import SimCosts, cpu_seconds, gateways, sim_pool, split_cpus
 from bench.routing_report import render_markdown, target_checks, update_docs
 from bench.routing_workloads import Workload, best_hit_rate, rebuild_prompts, workloads
 from loadgen.client import Target
@@ -180,11 +182,12 @@ def run_workload(
         "poisson": Arrival("poisson", rate=w.rate * args.rate_scale),
     }
     specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
-    with sim_pool(args.replicas, costs, w.num_blocks, MODEL) as sims:
+    gw_cpus, other_cpus = split_cpus(args.pin)
+    with sim_pool(args.replicas, costs, w.num_blocks, MODEL, other_cpus) as sims:
         for arrival_name in args.arrivals:
             runs: dict[str, list[Row]] = {p: [] for p in args.policies}
             for _ in range(args.repeat):
-                with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs) as gws:
+                with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs, gw_cpus) as gws:
                     for policy, (gw, pid) in zip(args.policies, gws, strict=True):
                         row = _measure_row(w, arrival_name, arrivals[arrival_name], policy, gw, pid, sims, args, costs)
                         runs[policy].append(row)
@@ -214,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hide-slots", action="store_true", help="attach the engines without telling kvgate their max_num_seqs"
     )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="give the gateway under test the last CPU to itself, the engines and the client the others",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON here")
     p.add_argument("--docs", default=None, help="markdown file to update (default docs/routing.md on a full run)")
     p.add_argument("--no-docs", action="store_true")
@@ -222,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    gw_cpus, other_cpus = split_cpus(args.pin)
+    if other_cpus:
+        os.sched_setaffinity(0, other_cpus)  # the client shares the engines' CPUs, never the gateway's
     scale = args.scale if args.scale is not None else (0.3 if args.quick else 1.0)
     args.arrivals = [a for a in args.arrivals.split(",") if a]
     args.policies = [p for p in args.policies.split(",") if p]
@@ -244,8 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m bench.bench_routing", *argv_used])
     load = os.getloadavg()
     machine = (
-        f"{platform.machine()}, {_cpus()} CPUs shared with other jobs (load average at the end "
-        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}), Python {platform.python_version()}, {platform.system()}"
+        f"{platform.machine()}, {os.cpu_count()} CPUs shared with other jobs (load average at the end "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}), Python {platform.python_version()}, {platform.system()}; "
+        + (
+            f"gateway under test pinned to CPU {sorted(gw_cpus)}, engines and client to {sorted(other_cpus)}"
+            if gw_cpus and other_cpus
+            else "no CPU pinning"
+        )
     )
     md = render_markdown(rows, ws, costs, args.replicas, command, machine, elapsed, ca_params)
     print()
@@ -258,10 +274,6 @@ def main(argv: list[str] | None = None) -> int:
         update_docs(Path(docs), md + "\n\n" + "\n".join(target_checks(rows)))
         print(f"updated {docs}")
     return 0
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 if __name__ == "__main__":

@@ -55,14 +55,19 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 
 @contextmanager
-def children(specs: Sequence[tuple[list[str], list[str]]]) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Start every (args, ready_urls) child at once, wait until all ready URLs answer 200, stop them all on exit."""
+def children(
+    specs: Sequence[tuple[list[str], list[str]]], cpus: set[int] | None = None
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start every (args, ready_urls) child at once (pinned to `cpus` when given), wait until all ready URLs answer
+    200, stop them all on exit."""
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[IO[bytes]] = []
     try:
         for args, _ in specs:
             logs.append(tempfile.TemporaryFile())
             procs.append(_spawn(args, logs[-1]))
+            if cpus:
+                os.sched_setaffinity(procs[-1].pid, cpus)
         for (args, urls), log in zip(specs, logs, strict=True):
             for url in urls:
                 try:
@@ -78,8 +83,20 @@ def children(specs: Sequence[tuple[list[str], list[str]]]) -> Iterator[list[subp
             log.close()
 
 
+def split_cpus(pin: bool) -> tuple[set[int] | None, set[int] | None]:
+    """(gateway CPUs, everything else's CPUs): with `pin` and at least 2 CPUs, the gateway under test gets the last
+    CPU to itself, as in a deployment where it does not share cores with engines; then no policy's own CPU cost
+    (tokenizing, hashing) slows the simulated engines or the client. None, None: no pinning."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        return None, None
+    return {cpus[-1]}, set(cpus[:-1])
+
+
 @contextmanager
-def sim_pool(n: int, costs: SimCosts, num_blocks: int, model: str = "sim") -> Iterator[list[str]]:
+def sim_pool(
+    n: int, costs: SimCosts, num_blocks: int, model: str = "sim", cpus: set[int] | None = None
+) -> Iterator[list[str]]:
     ports = [free_port() for _ in range(n)]
     specs = [
         (
@@ -88,7 +105,7 @@ def sim_pool(n: int, costs: SimCosts, num_blocks: int, model: str = "sim") -> It
         )
         for p in ports
     ]
-    with children(specs):
+    with children(specs, cpus):
         yield [f"http://127.0.0.1:{p}" for p in ports]
 
 
@@ -107,7 +124,10 @@ def gateway_yaml(
 
 @contextmanager
 def gateways(
-    engines: Sequence[str], policies: Sequence[tuple[str, dict[str, Any]]], max_num_seqs: int | None = None
+    engines: Sequence[str],
+    policies: Sequence[tuple[str, dict[str, Any]]],
+    max_num_seqs: int | None = None,
+    cpus: set[int] | None = None,
 ) -> Iterator[list[tuple[str, int]]]:
     """One `kvgate serve` (uvloop) per (policy, params), all in front of the same engines (attached with their batch
     slots when `max_num_seqs` is given, as a user who knows their engines would); yields (base URL, pid) each."""
@@ -123,7 +143,7 @@ def gateways(
             serve = ["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"]
             specs.append((serve, [f"{url}/health", f"{url}/ready"]))
             urls.append(url)
-        with children(specs) as procs:
+        with children(specs, cpus) as procs:
             yield [(url, proc.pid) for url, proc in zip(urls, procs, strict=True)]
 
 
