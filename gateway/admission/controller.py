@@ -1,4 +1,4 @@
-"""The admission controller: the one object `_completion` calls, per request, around `proxy.forward`.
+"""The admission controller: `CompletionService.handle` calls `admit` before `proxy.forward` and `finish` after it.
 
 Per request: identify the tenant (401) -> quota check in the store (429, or 503 when the store is down and the
 policy is fail-closed) -> capacity gate: pass at once when nothing of the model is queued and a slot is free,
@@ -21,7 +21,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,16 +141,6 @@ class AdmissionController:
         salt = tenant.cache_salt or hmac.new(secret, identity.tenant.encode(), hashlib.sha256).hexdigest()[:32]
         body["cache_salt"] = f"{SALT_PREFIX}{salt}" + (f":{client}" if isinstance(client, str) and client else "")
         return True
-
-    @contextlib.asynccontextmanager
-    async def admission(
-        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext
-    ) -> AsyncIterator[Ticket]:
-        ticket = await self.admit(identity, model, prompt_tokens, ctx)
-        try:
-            yield ticket
-        finally:
-            await self.finish(ticket, ctx)
 
     async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
         tenant = identity.tenant
