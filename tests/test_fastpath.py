@@ -195,6 +195,20 @@ async def test_expect_100_continue() -> None:
         await conn.close()
 
 
+@pytest.mark.parametrize("shape", ["one-huge-header", "too-many-headers"])
+async def test_oversized_head_is_431_and_closes(shape: str) -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        if shape == "one-huge-header":
+            extra = [f"x-pad: {'a' * 70_000}"]  # over the 64 KiB head limit
+        else:
+            extra = [f"x-pad-{i}: 1" for i in range(200)]  # over the 128-header limit
+        await conn.send(post("/v1/completions", COMPLETION, *extra))
+        assert_openai_error(await conn.response(), 431)
+        assert await conn.closed_by_server()
+        await conn.close()
+
+
 async def test_malformed_http_is_400_and_closes() -> None:
     async with gateway_over_sims([SIM]) as (gw, _):
         conn = await RawClient.connect(gw.port)
