@@ -9,8 +9,10 @@ parser), keep-alive reuse, and abort (closing the socket, which is how vLLM lear
 Pool: per (host, port), a LIFO stack of idle connections bounded by `max_idle`; a connection goes back only when its
 response was read to the end and both sides allow keep-alive. Timeouts: `UpstreamResponse.set_timeout` registers a
 deadline with the client's `DeadlineWatch`, one timer ticking every 50 ms while anything is watched (not a timer per
-request). Costs per request: one transport.write, one parser feed per received segment; no per-request allocations
-beyond the response object and its header dict.
+request). Flow control: a response holds at most about `READ_HIGH_WATER` bytes its reader has not taken; past that
+the connection stops reading the socket until the reader catches up, so a slow client backs up into the engine's
+socket instead of the gateway's memory. Costs per request: one transport.write, one parser feed per received
+segment; no per-request allocations beyond the response object and its header dict.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ class UpstreamConnectionError(ConnectionError):
     """Could not connect, or the connection broke before the response was complete."""
 
 
+READ_HIGH_WATER = 256 * 1024  # bytes received and not yet taken by the reader before the socket stops being read
+
+
 class _Conn(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        self.reading_paused = False
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
         self.closed = False
@@ -69,9 +75,14 @@ class _Conn(asyncio.Protocol):
                 resp.headers_ready.set_result(None)
 
     def on_body(self, body: bytes) -> None:
-        if self.response is not None:
-            self.response.chunks.append(body)
-            self.response.wake()
+        resp = self.response
+        if resp is not None:
+            resp.chunks.append(body)
+            resp.buffered += len(body)
+            if resp.buffered > READ_HIGH_WATER and not self.reading_paused and self.transport is not None:
+                self.reading_paused = True  # a slow client: let the engine's socket fill rather than our memory
+                self.transport.pause_reading()
+            resp.wake()
 
     def on_message_complete(self) -> None:
         resp = self.response
@@ -89,6 +100,12 @@ class _Conn(asyncio.Protocol):
             resp.headers_ready.set_exception(exc)
         resp.wake()
 
+    def resume_reading(self) -> None:
+        if self.reading_paused:
+            self.reading_paused = False
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -105,6 +122,7 @@ class UpstreamResponse:
         self.complete = False
         self.error: Exception | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0  # bytes in `chunks`; past READ_HIGH_WATER the connection stops reading until taken
         self._loop = loop = asyncio.get_running_loop()
         self.headers_ready: asyncio.Future[None] = loop.create_future()
         self._waiter: asyncio.Future[None] | None = None
@@ -148,12 +166,11 @@ class UpstreamResponse:
         chunks = self.chunks
         while True:
             if chunks:
-                if len(chunks) == 1:
-                    yield chunks.popleft()
-                else:
-                    data = b"".join(chunks)
-                    chunks.clear()
-                    yield data
+                data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                self.buffered = 0
+                self._conn.resume_reading()
+                yield data
                 continue
             if self.complete:
                 return
@@ -181,6 +198,7 @@ class UpstreamResponse:
         conn = self._conn
         conn.response = None
         if self.complete and self.keep_alive and not conn.closed and self.error is None:
+            conn.resume_reading()
             conn.pool.put(conn)
         else:
             conn.abort()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import socket
 from typing import Any
 
 import aiohttp
@@ -12,6 +14,7 @@ import openai
 import pytest
 
 from engine_pool.sim import SimConfig
+from gateway import upstream as upstream_module
 from gateway.http1 import request_boundary
 from tests.conftest import gateway_over_sims, wait_for
 
@@ -242,6 +245,39 @@ async def test_http10_keep_alive_is_honoured() -> None:
             resp = await conn.response()
             assert resp.status == 200 and resp.headers["connection"] == "keep-alive"
         await conn.close()
+
+
+async def test_a_client_that_stops_reading_backs_up_into_the_engine_not_the_gateway() -> None:
+    """Flow control end to end: the client stops reading a long stream; the fast path pauses writing, the relay
+    waits, the upstream connection stops reading at its high-water mark, and the gateway holds a bounded amount of
+    the stream (the rest waits in the engine and the kernel). Then the client reads it all, intact."""
+    sim = SimConfig(model="sim", instant=True, max_model_len=400_000, num_blocks=30_000)
+    async with gateway_over_sims([sim]) as (gw, _):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", gw.port, limit=1 << 26
+        )  # the client's kernel buffer stays small: it never reads until asked
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        body = json.dumps({"model": "sim", "prompt": "hello", "max_tokens": 300_000, "stream": True}).encode()
+        writer.write(post("/v1/completions", body))
+        await writer.drain()
+        reader._transport.pause_reading()  # type: ignore[attr-defined]  # stop reading: the socket fills
+        assert gw.listener.fast is not None
+        fast = gw.listener.fast
+
+        def upstream_conns() -> list[Any]:
+            return [o for o in gc.get_objects() if isinstance(o, upstream_module._Conn) and o.response is not None]
+
+        await wait_for(lambda: any(c.write_paused for c in fast.connections), timeout_s=60, what="client backpressure")
+        await wait_for(lambda: any(c.reading_paused for c in upstream_conns()), timeout_s=60, what="upstream pause")
+        for conn in upstream_conns():
+            assert conn.response.buffered <= upstream_module.READ_HIGH_WATER + 256 * 1024
+        for client_conn in fast.connections:
+            assert client_conn.transport is not None
+            assert client_conn.transport.get_write_buffer_size() <= 1 << 20
+        reader._transport.resume_reading()  # type: ignore[attr-defined]
+        raw = await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n\r\n"), 120)
+        assert raw.count(b'"text":') == 300_000  # every token arrived, in one intact stream
+        writer.close()
 
 
 async def test_streaming_through_the_fast_path_with_openai() -> None:
