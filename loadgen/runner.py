@@ -291,6 +291,8 @@ class _Run:
                 self.pending = None
                 self._dispatch(spec)
                 stopping = self._stopping(now)
+            if not stopping and self.ready and self.inflight < cap:
+                continue  # the scan for new sessions scheduled a session's next turn: send it before waiting
             if self.duration_s is not None and not stopping:
                 left = self.t0 + self.duration_s - now
                 timeout = left if timeout is None else min(timeout, left)

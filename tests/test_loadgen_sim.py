@@ -122,6 +122,17 @@ async def test_open_loop_poisson_and_trace_arrivals(sim: SimServer) -> None:
     assert sum(r.cached_tokens for r in res.results) > 0  # hash id 0 is a shared 16-token block
 
 
+async def test_a_next_turn_found_by_the_new_session_scan_is_sent(sim: SimServer) -> None:
+    """One user, two rounds, one request at a time: turn 2 is only read from the workload (by the scan for new
+    sessions) after turn 1 finished, when nothing is in flight any more. The runner once waited for a wake-up that
+    could not come; it must send the turn. (The wait_for bound only keeps a regression from hanging the suite.)"""
+    factory = lambda s: wl.multi_round_chat(  # noqa: E731
+        M, seed=s, users=1, rounds=3, system_tokens=8, question_tokens=4, answer_tokens=2
+    )
+    res = await asyncio.wait_for(_run(sim.url, factory, Arrival("closed", concurrency=1)), 60)
+    assert sorted(r.turn for r in res.results) == [0, 1, 2] and all(r.ok for r in res.results)
+
+
 async def test_workload_is_built_before_the_clock_starts(sim: SimServer) -> None:
     """A generator that builds its whole workload on the first `next` must not do it after the Poisson clock started:
     that would bunch the first arrivals into a burst (it once made the routing benchmark's p99 an artefact)."""
