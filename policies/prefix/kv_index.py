@@ -46,17 +46,20 @@ class _ReplicaBlocks:
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)
     engine_to_kvgate: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
 
-    def insert(self, h: int, expiry: float) -> None:
-        blocks = self.blocks
-        old = blocks.get(h)
-        if old is not None:
-            blocks.move_to_end(h)
-            if expiry > old:
+    def insert_all(self, hashes: Iterable[int], expiry: float) -> None:
+        """Insert or refresh each block in turn (the last one ends up most recent), evicting past capacity.
+        The hot loop of routing: every block of every routed request passes here, hence the local names."""
+        blocks, move_to_end, capacity = self.blocks, self.blocks.move_to_end, self.capacity
+        for h in hashes:
+            old = blocks.get(h)
+            if old is not None:
+                move_to_end(h)
+                if expiry > old:
+                    blocks[h] = expiry
+            else:
                 blocks[h] = expiry
-            return
-        blocks[h] = expiry
-        if len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+                if len(blocks) > capacity:
+                    blocks.popitem(last=False)
 
     def map_engine(self, engine_hash: EngineHash, h: int) -> None:
         m = self.engine_to_kvgate
@@ -152,17 +155,7 @@ class KvIndex:
         if r is None:
             return
         expiry = self._clock() + self._ttl if (r.precise and self._ttl is not None) else _CONFIRMED
-        blocks, move_to_end, capacity = r.blocks, r.blocks.move_to_end, r.capacity
-        for h in reversed(hashes):  # the head becomes the most recent: under pressure a prefix loses its tail first
-            old = blocks.get(h)  # _ReplicaBlocks.insert, inlined: this loop runs for every block of every request
-            if old is not None:
-                move_to_end(h)
-                if expiry > old:
-                    blocks[h] = expiry
-            else:
-                blocks[h] = expiry
-                if len(blocks) > capacity:
-                    blocks.popitem(last=False)
+        r.insert_all(reversed(hashes), expiry)  # the head ends up most recent: a prefix loses its tail first
 
     # --- precise source (KV events) ---------------------------------------------------------------------------
     def apply_stored(self, replica_id: str, event: StoredBlocks, root_seed: int) -> int:
@@ -179,11 +172,10 @@ class KvIndex:
                 return -1
             parent = found
         ours = chain_hashes(event.token_ids, event.block_size, parent)
-        n = 0
-        for engine_hash, h in zip(event.block_hashes, ours, strict=False):
+        n = min(len(event.block_hashes), len(ours))
+        for engine_hash, h in zip(event.block_hashes, ours[:n], strict=False):
             r.map_engine(engine_hash, h)
-            r.insert(h, _CONFIRMED)
-            n += 1
+        r.insert_all(ours[:n], _CONFIRMED)
         return n
 
     def apply_removed(self, replica_id: str, engine_hashes: Iterable[EngineHash]) -> int:
