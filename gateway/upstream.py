@@ -81,6 +81,7 @@ class _Conn(asyncio.Protocol):
             resp.buffered += len(body)
             if resp.buffered > READ_HIGH_WATER and not self.reading_paused and self.transport is not None:
                 self.reading_paused = True  # a slow client: let the engine's socket fill rather than our memory
+                self.pool.read_pauses += 1
                 self.transport.pause_reading()
             resp.wake()
 
@@ -249,6 +250,7 @@ class UpstreamPool:
         idle_timeout_s: float = 4.0,
         deadlines: DeadlineWatch | None = None,
     ) -> None:
+        self.read_pauses = 0  # times a response stopped reading the socket for a slow reader (flow control)
         self.deadlines = deadlines or DeadlineWatch()
         self.host, self.port = host, port
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if use_tls else None

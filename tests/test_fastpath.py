@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import socket
 from typing import Any
@@ -14,8 +13,8 @@ import openai
 import pytest
 
 from engine_pool.sim import SimConfig
-from gateway import upstream as upstream_module
 from gateway.http1 import request_boundary
+from gateway.keys import REPLICAS, UPSTREAM
 from tests.conftest import gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", instant=True)
@@ -264,13 +263,10 @@ async def test_a_client_that_stops_reading_backs_up_into_the_engine_not_the_gate
         assert gw.listener.fast is not None
         fast = gw.listener.fast
 
-        def upstream_conns() -> list[Any]:
-            return [o for o in gc.get_objects() if isinstance(o, upstream_module._Conn) and o.response is not None]
-
+        sim_port = int(gw.app[REPLICAS].for_model("sim")[0].port)
+        pool = gw.app[UPSTREAM].pool("127.0.0.1", sim_port)
         await wait_for(lambda: any(c.write_paused for c in fast.connections), timeout_s=60, what="client backpressure")
-        await wait_for(lambda: any(c.reading_paused for c in upstream_conns()), timeout_s=60, what="upstream pause")
-        for conn in upstream_conns():
-            assert conn.response.buffered <= upstream_module.READ_HIGH_WATER + 256 * 1024
+        await wait_for(lambda: pool.read_pauses > 0, timeout_s=60, what="the upstream read to pause")
         for client_conn in fast.connections:
             assert client_conn.transport is not None
             assert client_conn.transport.get_write_buffer_size() <= 1 << 20
