@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from prometheus_client import Counter
 
 from engine_pool.degradation import ErrorSource
 from engine_pool.pool import EnginePool
+from gateway.fastmetrics import FastCounter
 from gateway.keys import CLIENT, CONFIG, METRICS, POOL, REGISTRY, REPLICAS
 from gateway.metrics import GatewayMetrics
 
@@ -22,7 +22,7 @@ def replica_answers(metrics: GatewayMetrics) -> ErrorSource:
     """(attempts, failed attempts) on a replica: answers it gave with status < 500 plus failed upstream attempts
     (`kvgate_upstream_errors`; a retried failure counts against the replica that failed, not the one that answered)."""
 
-    def count(counter: Counter, replica_id: str, ok_only: bool) -> float:
+    def count(counter: FastCounter, replica_id: str, ok_only: bool) -> float:
         total = 0.0
         for family in counter.collect():
             for sample in family.samples:
@@ -33,8 +33,8 @@ def replica_answers(metrics: GatewayMetrics) -> ErrorSource:
         return total
 
     def source(replica_id: str) -> tuple[float, float]:
-        failed = count(metrics.upstream_errors.metric, replica_id, False)
-        return count(metrics.requests.metric, replica_id, True) + failed, failed
+        failed = count(metrics.upstream_errors, replica_id, False)
+        return count(metrics.requests, replica_id, True) + failed, failed
 
     return source
 

@@ -63,11 +63,19 @@ class Replica:
         self.warm = not managed  # managed replicas become warm after a real warm-up inference
         self.draining = False
         self.in_flight = 0
+        # requests that were running when the engine metrics were scraped and have finished since: the scraped
+        # running count still includes them until the next scrape (vLLM's gauges are only read every interval)
+        self.finished_since_scrape = 0
         self.consecutive_failures = 0
         self.breaker_open_until = 0.0
         self.metrics = EngineMetrics()
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def set_metrics(self, metrics: EngineMetrics) -> None:
+        """A new scrape: its running count is current again."""
+        self.metrics = metrics
+        self.finished_since_scrape = 0
 
     # --- routing state -------------------------------------------------------------------------------------
     def breaker_open(self, now: float) -> bool:
@@ -77,14 +85,14 @@ class Replica:
         return self.healthy and self.warm and not self.draining and not self.breaker_open(now)
 
     def snapshot(self, now: float) -> ReplicaState:
-        m = self.metrics
+        m, stale = self.metrics, self.finished_since_scrape
         return ReplicaState(
             id=self.id,
             model=self.model or "",
             ready=self.healthy and self.warm and not self.breaker_open(now),
             in_flight=self.in_flight,
-            running=m.running,
-            waiting=m.waiting,
+            running=max(0, m.running - stale),
+            waiting=max(0, m.waiting - max(0, stale - m.running)),
             kv_usage=m.kv_usage,
             max_concurrency=self.max_concurrency,
             max_num_seqs=self.max_num_seqs,
@@ -93,11 +101,15 @@ class Replica:
         )
 
     # --- request accounting ----------------------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self) -> float:
+        """Count a request sent to the replica; returns its start time, for `end`."""
         self.in_flight += 1
         self._idle.clear()
+        return time.monotonic()
 
-    def end(self) -> None:
+    def end(self, started: float) -> None:
+        if started <= self.metrics.scraped_at:  # the last scrape saw it running: do not count it any more
+            self.finished_since_scrape += 1
         self.in_flight -= 1
         if self.in_flight <= 0:
             self.in_flight = 0

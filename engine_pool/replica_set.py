@@ -142,6 +142,7 @@ class ReplicaSet:
 
     async def scrape_metrics(self, replica: Replica) -> bool:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        sent = time.monotonic()  # the engine's counts are as of about now
         try:
             async with self._session.get(replica.metrics_url, timeout=timeout) as resp:
                 if resp.status != 200:
@@ -150,7 +151,7 @@ class ReplicaSet:
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
             return False
         before = replica.metrics
-        replica.metrics = parse_engine_metrics(text)
+        replica.set_metrics(parse_engine_metrics(text, now=sent))
         layout = (replica.metrics.block_size, replica.metrics.num_blocks)
         if replica.healthy and layout != (before.block_size, before.num_blocks):
             for listener in self._listeners:  # the KV layout became known (or changed): listeners re-register it

@@ -169,7 +169,7 @@ class UpstreamProxy:
         data: bytes,
         deadline: float,
     ) -> int:
-        replica.begin()  # the in-flight gauge is read from the replicas at scrape time
+        started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
             upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline)
             try:
@@ -191,7 +191,7 @@ class UpstreamProxy:
             finally:
                 upstream.release()
         finally:
-            replica.end()
+            replica.end(started)
 
     async def _upstream_error(self, upstream: UpstreamResponse) -> UpstreamError:
         upstream.set_timeout(5.0)

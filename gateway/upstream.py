@@ -3,7 +3,7 @@ parsed by httptools (llhttp, the parser Node.js uses).
 
 Why not aiohttp's client: on these machines it costs several times what the whole rest of a proxied request does
 (the gateway overhead benchmark in docs/ shows both). This client does only what relaying to vLLM needs: POST/GET
-with a body, status + headers, the body read whole or streamed chunk by chunk (chunked transfer decoding by the
+with a body, the status, the body read whole or streamed chunk by chunk (chunked transfer decoding by the
 parser), keep-alive reuse, and abort (closing the socket, which is how vLLM learns that a client left).
 
 Pool: per (host, port), a LIFO stack of idle connections bounded by `max_idle`; a connection goes back only when its
@@ -62,10 +62,6 @@ class _Conn(asyncio.Protocol):
             self._fail(UpstreamConnectionError(f"upstream closed the connection: {exc or 'EOF'}"))
 
     # --- httptools callbacks ------------------------------------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None:
-            self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
     def on_headers_complete(self) -> None:
         resp = self.response
         if resp is not None:
@@ -117,8 +113,7 @@ class UpstreamResponse:
     def __init__(self, conn: _Conn, *, reused: bool = False) -> None:
         self._conn = conn
         self.reused = reused  # sent on a kept-alive connection (a failure before any byte may be a stale socket)
-        self.status = 0
-        self.headers: dict[str, str] = {}
+        self.status = 0  # response headers are not kept: the proxy sets its own (no on_header callback at all)
         self.keep_alive = False
         self.complete = False
         self.error: Exception | None = None
@@ -180,8 +175,21 @@ class UpstreamResponse:
             await self._wait()
 
     async def read(self) -> bytes:
-        parts = [chunk async for chunk in self.iter_chunks()]
-        return b"".join(parts)
+        """The whole body (`iter_chunks`' semantics without an async generator: most bodies are already complete)."""
+        chunks = self.chunks
+        parts: list[bytes] = []
+        while True:
+            if chunks:
+                parts += chunks
+                chunks.clear()
+                self.buffered = 0
+                self._conn.resume_reading()
+                continue
+            if self.complete:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if self.error is not None:
+                raise self.error
+            await self._wait()
 
     def close(self) -> None:
         """Abort: the connection is closed (the engine sees the client leave) and never reused."""

@@ -337,9 +337,11 @@ async def test_cache_aware_hit_rate_far_above_round_robin(gateway: Gateway) -> N
         gw0, (h0, q0) = await scrape(http, gateway.url), await prefix_counters(http, urls)
         started = time.monotonic()
         reasons: dict[str, int] = {}
+        routes: list[str] = []  # replica and reason per request, printed for a failure's diagnosis
         for messages in requests:
             _, headers = await chat(http, gateway.url, messages)
             reasons[headers["x-kvgate-route-reason"]] = reasons.get(headers["x-kvgate-route-reason"], 0) + 1
+            routes.append(f"{headers['x-kvgate-replica'][-1]}{headers['x-kvgate-route-reason'][:4]}")
         ca_s = time.monotonic() - started
         await asyncio.sleep(1.5)  # engine counters are updated with the step's stats
         gw1, (h1, q1) = await scrape(http, gateway.url), await prefix_counters(http, urls)
@@ -369,7 +371,8 @@ async def test_cache_aware_hit_rate_far_above_round_robin(gateway: Gateway) -> N
         print(
             f"\ncache-aware hit rate {ca_rate:.3f} ({ca_s:.1f} s), round-robin {rr_rate:.3f} ({rr_s:.1f} s); "
             f"queries {q1 - q0:.0f} / {q3 - q2:.0f}; reasons {reasons}; decisions metric {decisions}; "
-            f"cached tokens predicted {predicted:.0f} reported {reported:.0f}"
+            f"cached tokens predicted {predicted:.0f} reported {reported:.0f}\nroutes by round: "
+            + " | ".join(" ".join(routes[r * GROUPS : (r + 1) * GROUPS]) for r in range(ROUNDS))
         )
         assert q1 - q0 == q3 - q2  # the same prompts were counted
         assert ca_rate > 0.6

@@ -1,6 +1,10 @@
-"""The replica set against a real simulated engine: probes, model discovery, and listeners hearing the KV layout."""
+"""The replica set against a real simulated engine: probes, model discovery, listeners hearing the KV layout, and
+scraped load that the gateway knows has finished since."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import aiohttp
 
@@ -41,3 +45,28 @@ async def test_probe_discovers_model_and_listeners_hear_the_kv_layout() -> None:
         assert await replicas.scrape_metrics(replica)  # unchanged layout: no second announcement
         replicas.set_health(replica, False)
         assert rec.events == [("up", "r", None, None), ("up", "r", 32, 100), ("down", "r", 32, 100)]
+
+
+async def test_a_scraped_running_request_that_finished_stops_counting_before_the_next_scrape() -> None:
+    async with (
+        run_sim_engine(SimConfig(model="m", decode_ms=20.0)) as engine,
+        aiohttp.ClientSession() as session,
+    ):
+        replicas = ReplicaSet(session, interval_s=60, metrics_interval_s=60)
+        replica = Replica("r", engine.url, "m")
+        body = {"model": "m", "prompt": "hello there", "max_tokens": 15}
+
+        started = replica.begin()
+        request = asyncio.create_task(session.post(f"{engine.url}/v1/completions", json=body))
+        await engine.engine.wait_until(lambda e: e.running == 1)
+        assert await replicas.scrape_metrics(replica)
+        assert replica.snapshot(time.monotonic()).running == 1  # the scrape saw it running
+        late = replica.begin()  # sent after the scrape: the scraped count never included it
+        replica.end(late)
+        assert replica.snapshot(time.monotonic()).running == 1
+        (await request).release()
+        replica.end(started)
+        assert replica.snapshot(time.monotonic()).running == 0  # finished since: no longer load, scrape or not
+        assert replica.metrics.running == 1  # the scrape itself is kept as it was
+        assert await replicas.scrape_metrics(replica)
+        assert (replica.metrics.running, replica.snapshot(time.monotonic()).running) == (0, 0)

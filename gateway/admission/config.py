@@ -34,6 +34,16 @@ class LimitsConfig(_Strict):
     tokens_per_day: int | None = Field(None, ge=1)  # optional daily budget
     cached_token_weight: float = Field(1.0, ge=0.0, le=1.0)  # charge for a prompt token that hit the cache
 
+    @property
+    def unlimited(self) -> bool:
+        """No limit to check: admission takes no lease and leaves the quota store alone."""
+        return (
+            self.max_concurrency is None
+            and self.requests_per_minute is None
+            and self.tokens_per_minute is None
+            and self.tokens_per_day is None
+        )
+
 
 class TenantConfig(_Strict):
     keys: list[str] = Field(default_factory=list)  # "sha256:<hex>" (see hash_key)

@@ -1,9 +1,10 @@
 """The admission controller: `CompletionService.handle` calls `admit` before `proxy.forward` and `finish` after it.
 
 Per request: identify the tenant (401) -> quota check in the store (429, or 503 when the store is down and the
-policy is fail-closed) -> capacity gate: pass at once when nothing of the model is queued and a slot is free,
-otherwise wait in the model's fair queue (503 at once when the queue is full or no replica is ready, 503 after
-`max_wait_s`) -> forward -> release the slot (which dispatches the next queued request) and reconcile tokens.
+policy is fail-closed; skipped for a tenant without limits) -> capacity gate: pass at once when nothing of the
+model is queued and a slot is free, otherwise wait in the model's fair queue (503 at once when the queue is full or
+no replica is ready, 503 after `max_wait_s`) -> forward -> release the slot (which dispatches the next queued
+request) and reconcile tokens.
 
 Capacity of a model = sum of `max_concurrency` over its routable, unsaturated replicas (unbounded if one has no
 gate); a slot is free while the requests this controller admitted for the model are fewer than that and the router
@@ -43,6 +44,7 @@ log = logging.getLogger("kvgate.admission")
 
 SALT_PREFIX = "kvgate:"
 _UNBOUNDED = 1 << 30
+_UNLIMITED = QuotaResult(allowed=True)  # a tenant without limits: no lease, no rate-limit headers
 
 
 @dataclass(slots=True)
@@ -145,12 +147,15 @@ class AdmissionController:
     async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
-        lease_id = self._lease_ids.next()
-        if self._local is not None:
-            quota = self._local.check_now(tenant, tenant_cfg.limits, prompt_tokens, lease_id)
+        limits = tenant_cfg.limits
+        if limits.unlimited:
+            quota = _UNLIMITED
+        elif self._local is not None:
+            quota = self._local.check_now(tenant, limits, prompt_tokens, self._lease_ids.next())
         else:
-            quota = await self.store.check(tenant, tenant_cfg.limits, prompt_tokens, lease_id)
-        ctx.extra_headers.update(quota.headers())
+            quota = await self.store.check(tenant, limits, prompt_tokens, self._lease_ids.next())
+        if quota is not _UNLIMITED:
+            ctx.extra_headers.update(quota.headers())
         if not quota.allowed:
             self.metrics.rejections.labels(tenant, quota.reason or "quota").inc()
             if quota.reason == "store_unavailable":

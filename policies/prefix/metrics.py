@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from gateway.fastmetrics import FastCounter, FastHistogram
 
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -40,55 +42,56 @@ class PrefixMetrics:
         index_sizes: Callable[[], Mapping[str, int]],
         sessions: Callable[[], int],
     ) -> None:
-        self.requests = Counter(
+        r = registry
+        self.requests = FastCounter(
             "kvgate_prefix_requests",
             "requests tokenized and hashed for routing; approximate=true when pseudo tokens were used",
             ["tokenizer", "approximate"],
-            registry=registry,
+            r,
         )
-        self.tokenize_errors = Counter(
+        self.tokenize_errors = FastCounter(
             "kvgate_prefix_tokenize_errors",
             "requests the router could not tokenize (routed without prefix information)",
             ["tokenizer"],
-            registry=registry,
+            r,
         )
-        self.tokenize_seconds = Histogram(
+        self.tokenize_seconds = FastHistogram(
             "kvgate_prefix_tokenize_seconds",
             "time to tokenize and hash a prompt",
             ["tokenizer"],
-            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
-            registry=registry,
+            r,
+            (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
         )
-        self.predicted = Counter(
+        self.predicted = FastCounter(
             "kvgate_prefix_predicted_cached_tokens",
             "prompt tokens kvgate predicted the chosen replica had cached (finished requests with a report)",
             ["model"],
-            registry=registry,
+            r,
         )
-        self.reported = Counter(
+        self.reported = FastCounter(
             "kvgate_prefix_reported_cached_tokens",
             "cached prompt tokens the engine reported for the same requests",
             ["model"],
-            registry=registry,
+            r,
         )
-        self.gap = Histogram(
+        self.gap = FastHistogram(
             "kvgate_prefix_cached_tokens_gap",
             "|predicted - reported| cached prompt tokens per finished request",
             ["model"],
-            buckets=_TOKEN_BUCKETS,
-            registry=registry,
+            r,
+            _TOKEN_BUCKETS,
         )
-        self.events = Counter("kvgate_kv_events", "KV events applied, by type", ["replica", "type"], registry=registry)
-        self.events_skipped = Counter(
+        self.events = FastCounter("kvgate_kv_events", "KV events applied, by type", ["replica", "type"], r)
+        self.events_skipped = FastCounter(
             "kvgate_kv_events_skipped",
             "KV events not applied (unknown-parent, medium, group, multimodal)",
             ["replica", "reason"],
-            registry=registry,
+            r,
         )
-        self.events_resets = Counter(
+        self.events_resets = FastCounter(
             "kvgate_kv_events_resets",
             "times a replica's index was cleared because its event stream lost continuity",
             ["replica", "reason"],
-            registry=registry,
+            r,
         )
         registry.register(_SizeCollector(index_sizes, sessions))
