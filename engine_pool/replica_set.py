@@ -46,6 +46,7 @@ class ReplicaSet:
         self.timeout_s = timeout_s
         self.metrics_interval_s = metrics_interval_s
         self._replicas: dict[str, Replica] = {}
+        self._by_model: dict[str, list[Replica]] = {}  # for_model's cache
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listeners: list[ReplicaListener] = []
         self.changed = asyncio.Event()  # set whenever routability may have changed (for waiters)
@@ -58,10 +59,12 @@ class ReplicaSet:
         if replica.id in self._replicas:
             raise ValueError(f"replica {replica.id!r} already exists")
         self._replicas[replica.id] = replica
+        self._by_model.clear()
         self._tasks[replica.id] = asyncio.create_task(self._probe_loop(replica), name=f"probe:{replica.id}")
 
     async def remove(self, replica_id: str) -> Replica | None:
         replica = self._replicas.pop(replica_id, None)
+        self._by_model.clear()
         task = self._tasks.pop(replica_id, None)
         if task is not None:
             task.cancel()
@@ -87,7 +90,14 @@ class ReplicaSet:
         return len(self._replicas)
 
     def for_model(self, model: str) -> list[Replica]:
-        return [r for r in self._replicas.values() if r.model == model]
+        """The model's replicas (a shared list: do not modify). Cached per model, several lookups per request;
+        the cache is dropped whenever a replica is added or removed or learns its model."""
+        found = self._by_model.get(model)
+        if found is None:
+            found = [r for r in self._replicas.values() if r.model == model]
+            if len(self._by_model) < 1024:  # bounded: unknown model names are asked about too
+                self._by_model[model] = found
+        return found
 
     def models(self) -> dict[str, list[Replica]]:
         out: dict[str, list[Replica]] = {}
@@ -135,7 +145,9 @@ class ReplicaSet:
             data = await resp.json(content_type=None)
         for entry in data.get("data", []):
             if replica.model is None or entry.get("id") == replica.model:
-                replica.model = replica.model or str(entry["id"])
+                if replica.model is None:
+                    replica.model = str(entry["id"])
+                    self._by_model.clear()
                 if isinstance(entry.get("max_model_len"), int):
                     replica.max_model_len = entry["max_model_len"]
                 return

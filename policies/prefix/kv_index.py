@@ -93,11 +93,6 @@ class KvIndex:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self._replicas[replica_id] = _ReplicaBlocks(capacity=capacity_blocks, precise=precise)
 
-    def set_precise(self, replica_id: str, precise: bool) -> None:
-        r = self._replicas.get(replica_id)
-        if r is not None:
-            r.precise = precise
-
     def remove_replica(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
 
@@ -135,9 +130,10 @@ class KvIndex:
                 continue
             blocks = r.blocks
             # the leading run of present blocks, counted in C (takewhile), then the expiry check in C (min) only
-            # when that run holds a speculative entry that may have lapsed; the Python loop is the rare fallback
+            # when that run holds a speculative entry that may have lapsed; the Python loop is the rare fallback.
+            # A replica without KV events only ever holds confirmed entries: no expiry check at all.
             n = len(list(takewhile(blocks.__contains__, hashes)))
-            if n and min(map(blocks.__getitem__, hashes[:n])) < now:
+            if n and r.precise and min(map(blocks.__getitem__, hashes[:n])) < now:
                 n = 0
                 for h in hashes:
                     expiry = blocks.get(h)
