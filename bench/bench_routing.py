@@ -175,7 +175,8 @@ def run_workload(
     ca_params: dict[str, Any],
 ) -> list[Row]:
     """Every (arrival, policy) of one workload, `args.repeat` times with fresh gateways each time (a gateway's
-    learned index must not outlive the engine cache reset), policies interleaved within a repeat."""
+    learned index must not outlive the engine cache reset), policies interleaved within a repeat and their order
+    rotated from one repeat to the next (no policy always runs first, on the freshest engines)."""
     rows: list[Row] = []
     arrivals = {
         "closed": Arrival("closed", concurrency=w.concurrency),
@@ -186,9 +187,11 @@ def run_workload(
     with sim_pool(args.replicas, costs, w.num_blocks, MODEL, other_cpus) as sims:
         for arrival_name in args.arrivals:
             runs: dict[str, list[Row]] = {p: [] for p in args.policies}
-            for _ in range(args.repeat):
+            for rep in range(args.repeat):
                 with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs, gw_cpus) as gws:
-                    for policy, (gw, pid) in zip(args.policies, gws, strict=True):
+                    order = list(zip(args.policies, gws, strict=True))
+                    k = rep % len(order)
+                    for policy, (gw, pid) in order[k:] + order[:k]:
                         row = _measure_row(w, arrival_name, arrivals[arrival_name], policy, gw, pid, sims, args, costs)
                         runs[policy].append(row)
             rows += [combine(runs[p]) for p in args.policies]
