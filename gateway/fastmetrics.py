@@ -81,39 +81,32 @@ class _Family(Generic[C]):
     def describe(self) -> list[Metric]:
         return [self._family()]
 
-    def _fill(self, family: Metric) -> None:
+    def collect(self) -> Iterator[Metric]:
         raise NotImplementedError
+
+
+class _ValueFamily(_Family[Value]):
+    family_type: type[CounterMetricFamily] | type[GaugeMetricFamily]
+
+    def _new_child(self) -> Value:
+        return Value()
+
+    def _family(self) -> CounterMetricFamily | GaugeMetricFamily:
+        return self.family_type(self.name, self.documentation, labels=self.labelnames)
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
-        self._fill(family)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
         yield family
 
 
-class FastCounter(_Family[Value]):
-    def _new_child(self) -> Value:
-        return Value()
-
-    def _family(self) -> Metric:
-        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
-    def _fill(self, family: Metric) -> None:
-        assert isinstance(family, CounterMetricFamily)
-        for values, child in self._children.items():
-            family.add_metric(list(values), child.value)
+class FastCounter(_ValueFamily):
+    family_type = CounterMetricFamily
 
 
-class FastGauge(_Family[Value]):
-    def _new_child(self) -> Value:
-        return Value()
-
-    def _family(self) -> Metric:
-        return GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-
-    def _fill(self, family: Metric) -> None:
-        assert isinstance(family, GaugeMetricFamily)
-        for values, child in self._children.items():
-            family.add_metric(list(values), child.value)
+class FastGauge(_ValueFamily):
+    family_type = GaugeMetricFamily
 
 
 class FastHistogram(_Family[Buckets]):
@@ -133,11 +126,11 @@ class FastHistogram(_Family[Buckets]):
     def _new_child(self) -> Buckets:
         return Buckets(self.bounds)
 
-    def _family(self) -> Metric:
+    def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def _fill(self, family: Metric) -> None:
-        assert isinstance(family, HistogramMetricFamily)
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
         les = [*(floatToGoString(b) for b in self.bounds), "+Inf"]
         for values, child in self._children.items():
             cumulative, total = [], 0
@@ -145,3 +138,4 @@ class FastHistogram(_Family[Buckets]):
                 total += n
                 cumulative.append((le, float(total)))
             family.add_metric(list(values), cumulative, child.sum)
+        yield family

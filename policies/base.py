@@ -28,8 +28,10 @@ class ReplicaState:
     model: str
     ready: bool = True
     in_flight: int = 0  # requests the gateway has sent and not yet finished
-    running: int = 0  # engine-reported vllm:num_requests_running
-    waiting: int = 0  # engine-reported vllm:num_requests_waiting
+    # engine-reported vllm:num_requests_running / _waiting at the last scrape, less the requests the gateway has
+    # seen finish since that scrape (they were counted in it)
+    running: int = 0
+    waiting: int = 0
     kv_usage: float = 0.0  # engine-reported vllm:kv_cache_usage_perc, in [0, 1]
     max_concurrency: int | None = None  # capacity gate; None = unlimited
     max_num_seqs: int | None = None  # the engine's batch slots (vLLM --max-num-seqs); None = unknown
