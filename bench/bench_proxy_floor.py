@@ -1,9 +1,10 @@
-"""The floor of a Python proxy on this machine, next to kvgate: CPU per request of
+"""The floor of a Python proxy on this machine, next to kvgate: CPU per request (concurrency 64) of
 (1) one instant simulated engine alone (a plain aiohttp server), (2) a minimal proxy in front of it (an httptools
 server protocol + kvgate's upstream client, no routing, admission or metrics), (3) `kvgate serve` in front of it,
-with its fast path and with `server.fast_path: false` (aiohttp serving everything).
-Shows how much of kvgate's per-request cost is the HTTP server and its own logic rather than sockets.
-Rerun: `python bench/bench_proxy_floor.py [--requests N]` (about 1 minute).
+with its fast path and with `server.fast_path: false` (aiohttp serving everything); and for (2) and (3) the latency
+they add at concurrency 1 (p50 of alternating direct / proxied requests, as `bench_gateway_overhead.py` measures).
+Shows how much of kvgate's per-request cost is the HTTP server and its own logic rather than sockets and hops.
+Rerun: `python bench/bench_proxy_floor.py [--requests N] [--pairs N]` (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import cpu_seconds, free_port, kvgate, sim_engine_processes, wait_http
+from bench_gateway_overhead import latency
 
 
 class _MinimalProxy(asyncio.Protocol):
@@ -87,6 +89,12 @@ def cpu_ms_per_request(url: str, pid: int, n: int, concurrency: int) -> float:
     return (cpu_seconds(pid) - c0) / n * 1000
 
 
+def measure(direct: str, url: str, pid: int, args: argparse.Namespace) -> tuple[float, float | None]:
+    """(CPU ms per request, added p50 ms at concurrency 1)."""
+    added = asyncio.run(latency(direct, url, args.pairs, stream=False))["added_p50_ms"]
+    return cpu_ms_per_request(url, pid, args.requests, args.concurrency), added
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         serve_minimal_proxy(int(sys.argv[2]), int(sys.argv[3]))
@@ -94,16 +102,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--pairs", type=int, default=1000, help="direct/proxied request pairs for the added latency")
     args = p.parse_args()
     with sim_engine_processes(1, "--instant") as [(engine_url, engine_pid)]:
         alone = cpu_ms_per_request(engine_url, engine_pid, args.requests, args.concurrency)
-        rows = [("engine alone (aiohttp server)", alone)]
+        rows: list[tuple[str, tuple[float, float | None]]] = [("engine alone (aiohttp server)", (alone, None))]
         port = free_port()
         proxy = subprocess.Popen([sys.executable, __file__, "--serve", str(port), engine_url.rsplit(":", 1)[1]])
         try:
             time.sleep(1.0)
             wait_http(engine_url + "/health")
-            minimal = cpu_ms_per_request(f"http://127.0.0.1:{port}", proxy.pid, args.requests, args.concurrency)
+            minimal = measure(engine_url, f"http://127.0.0.1:{port}", proxy.pid, args)
             rows.append(("minimal proxy (httptools server + kvgate upstream client)", minimal))
         finally:
             proxy.terminate()
@@ -113,15 +122,12 @@ def main() -> None:
             with kvgate([engine_url], "--access-log", "off", "--log-level", "WARNING") as (gw, pid):
                 name = "fast path (default)" if fast_path else "server.fast_path=false: aiohttp server"
                 rows.append(
-                    (
-                        f"kvgate serve, {name} (least-load, admission defaults)",
-                        cpu_ms_per_request(gw, pid, args.requests, args.concurrency),
-                    )
+                    (f"kvgate serve, {name} (least-load, admission defaults)", measure(engine_url, gw, pid, args))
                 )
         os.environ.pop("KVGATE__SERVER__FAST_PATH", None)
-    print("| process | CPU ms per request |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value:.3f} |")
+    print("| process | CPU ms per request | added p50 ms |\n|---|---|---|")
+    for name, (cpu, added) in rows:
+        print(f"| {name} | {cpu:.3f} | {'' if added is None else f'{added:.3f}'} |")
 
 
 if __name__ == "__main__":
