@@ -11,9 +11,11 @@ throughput r and success rate s. The baseline b is the TTFT p50 of the lowest-lo
 *saturated* when
     (a) t_i > ttft_factor * b  and  t_i - b > min_rise_s      (TTFT rose sharply: queueing, not noise), and
     (b) r_i < (1 + min_gain) * r_{i-1}                        (throughput stopped rising),
+    (c) max(r_j, j >= i) < (1 + min_gain) * r_{i-1}           (and it does not rise again at any higher load:
+                                                               a single stalled setting is noise, not the knee),
 or when s_i < min_success (the endpoint fails requests). The knee is the point just before the first saturated
 point; when no point saturates the knee is the highest load tested and `found` is False (the sweep did not reach
-it). Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99. O(points).
+it). Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99. O(points^2) at worst, for (c).
 
 Verdicts (`verdict`), with ratio = t_i / b and the knee load k:
     success < min_success         -> "failing"
@@ -178,8 +180,15 @@ def find_knee(points: Sequence[SweepPoint], rule: KneeRule | None = None) -> Kne
         return Knee(0, pts[0].load, True, base, pts[0].load, "lowest load already fails requests")
     for i in range(1, len(pts)):
         why = _saturated(pts[i - 1], pts[i], base, rule)
-        if why is not None:
-            return Knee(i - 1, pts[i - 1].load, True, base, pts[i].load, why)
+        if why is None:
+            continue
+        later_best = max(p.output_tok_per_s for p in pts[i:])
+        if (
+            pts[i].success_rate >= rule.min_success
+            and later_best >= (1.0 + rule.min_gain) * pts[i - 1].output_tok_per_s
+        ):
+            continue  # (c): a higher load still gains throughput, so this flat step was a stall, not the knee
+        return Knee(i - 1, pts[i - 1].load, True, base, pts[i].load, why)
     return Knee(len(pts) - 1, pts[-1].load, False, base, None, "no saturated point: sweep higher")
 
 

@@ -115,6 +115,25 @@ def test_knee_needs_both_conditions() -> None:
     assert not find_knee(noise).found
 
 
+def test_a_stalled_setting_followed_by_higher_throughput_is_not_the_knee() -> None:
+    # bench/vllm_sweep.sh on the shared machine: concurrency 4 stalled (flat throughput, TTFT up), 8-64 kept gaining
+    stalled = [
+        SweepPoint(1, 0.040, 145.6),
+        SweepPoint(2, 0.089, 181.0),
+        SweepPoint(4, 0.150, 176.3),
+        SweepPoint(8, 0.212, 556.1),
+        SweepPoint(16, 0.391, 694.4),
+        SweepPoint(32, 1.310, 585.8),
+        SweepPoint(64, 1.669, 963.1),
+    ]
+    knee = find_knee(stalled)
+    assert not knee.found and knee.load == 64
+    # the same sweep with the gain at 64 gone: the flat step at 32 is now the real knee (16 just before it)
+    plateau = [*stalled[:-1], SweepPoint(64, 1.669, 700.0)]
+    knee = find_knee(plateau)
+    assert knee.found and knee.load == 16 and knee.saturated_at == 32
+
+
 def test_knee_on_failures_and_empty() -> None:
     failing = [SweepPoint(1, 0.05, 100.0), SweepPoint(2, 0.05, 200.0), SweepPoint(4, 0.05, 400.0, 0.9)]
     knee = find_knee(failing)
