@@ -50,7 +50,6 @@ class Router:
         self.metrics = metrics
         self.cache = cache
         self._seq = 0
-        self._decision_counters: dict[str, Any] = {}  # reason -> labelled child (labels() is slow per request)
 
     async def request_info(
         self,
@@ -92,12 +91,7 @@ class Router:
         replica = self.replicas.get(decision.replica)
         if replica is None:  # a policy may only pick from the view; this is a policy bug
             raise RuntimeError(f"policy {self.policy.name} picked unknown replica {decision.replica!r}")
-        counter = self._decision_counters.get(decision.reason)
-        if counter is None:
-            counter = self._decision_counters[decision.reason] = self.metrics.decisions.labels(
-                self.policy.name, decision.reason
-            )
-        counter.inc()
+        self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
         if self.cache is not None:
             self.cache.on_routed(info, decision)
         return replica, decision
