@@ -86,25 +86,29 @@ class Replica:
 
     def snapshot(self, now: float) -> ReplicaState:
         m, stale = self.metrics, self.finished_since_scrape
-        return ReplicaState(
-            id=self.id,
-            model=self.model or "",
-            ready=self.healthy and self.warm and not self.breaker_open(now),
-            in_flight=self.in_flight,
-            running=max(0, m.running - stale),
-            waiting=max(0, m.waiting - max(0, stale - m.running)),
-            kv_usage=m.kv_usage,
-            max_concurrency=self.max_concurrency,
-            max_num_seqs=self.max_num_seqs,
-            metrics_age_s=now - m.scraped_at,
-            draining=self.draining,
+        running, waiting = m.running, m.waiting
+        if stale:
+            running, waiting = max(0, running - stale), max(0, waiting - max(0, stale - running))
+        return ReplicaState(  # positional: the fields in ReplicaState's order (the cheapest construction)
+            self.id,
+            self.model or "",
+            self.healthy and self.warm and now >= self.breaker_open_until,
+            self.in_flight,
+            running,
+            waiting,
+            m.kv_usage,
+            self.max_concurrency,
+            self.max_num_seqs,
+            now - m.scraped_at,
+            self.draining,
         )
 
     # --- request accounting ----------------------------------------------------------------------------------
     def begin(self) -> float:
         """Count a request sent to the replica; returns its start time, for `end`."""
         self.in_flight += 1
-        self._idle.clear()
+        if self.in_flight == 1:
+            self._idle.clear()
         return time.monotonic()
 
     def end(self, started: float) -> None:

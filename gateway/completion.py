@@ -49,43 +49,46 @@ class CompletionService:
         self.router = router
         self.proxy = proxy
         self.cache = cache
-        self._session_header = config.cache.session_header
+        self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
 
     async def handle(
         self,
         endpoint: Endpoint,
         headers: Mapping[str, str],
-        read_body: ReadBody,
+        body: bytes | ReadBody,
         request_id: str,
         out: Responder,
     ) -> None:
-        """Answer one request through `out`; returns once the whole response was handed to the server."""
-        ctx = RequestContext(request_id=request_id, endpoint=endpoint)
+        """Answer one request through `out`; returns once the whole response was handed to the server.
+        `headers` is looked up by lower-case name (aiohttp's case-insensitive headers, or the fast path's dict of
+        lower-case names); `body` is the request body, or a coroutine function reading it."""
+        ctx = RequestContext(request_id, endpoint, time.monotonic())
         admission = self.admission
         info: RequestInfo | None = None
         try:
             identity = admission.identify(headers)  # 401 before anything else when auth is on
-            ctx.tenant = identity.tenant
-            raw = await read_body()
+            ctx.tenant = tenant = identity.tenant
+            raw = body if isinstance(body, bytes) else await body()
             parsed = parse_request(endpoint, raw)
-            if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
-                raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
-            ctx.model, ctx.stream = parsed.model, parsed.stream
+            model = parsed.model
+            if not self.replicas.for_model(model):  # metrics label only known models: bounded cardinality
+                raise NotFound(f"the model {model!r} does not exist", param="model")
+            ctx.model, ctx.stream = model, parsed.stream
             body_changed = admission.apply_cache_salt(identity, parsed.body)
-            info = await self.router.request_info(
-                model=parsed.model,
-                endpoint=endpoint,
-                body=parsed.body,
-                tenant=ctx.tenant,
-                session_key=headers.get(self._session_header),
+            session_key = headers.get(self._session_header)
+            info = self.router.plain_info(model, tenant, session_key) or await self.router.request_info(
+                model=model, endpoint=endpoint, body=parsed.body, tenant=tenant, session_key=session_key
             )
             prompt_estimate = info.prompt_tokens or len(raw) // 4
-            ticket = await admission.admit(identity, parsed.model, prompt_estimate, ctx)
+            ticket = admission.admit_now(identity, model, prompt_estimate, ctx) or await admission.admit(
+                identity, model, prompt_estimate, ctx
+            )
             try:
                 ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, body_changed=body_changed)
             finally:
-                await admission.finish(ticket, ctx)
+                if not admission.finish_now(ticket, ctx):
+                    await admission.finish(ticket, ctx)
         except GatewayError as err:
             await self._error(err, ctx, out)
         except ConnectionResetError:  # a write found the client gone
@@ -111,7 +114,7 @@ class CompletionService:
             ctx.status = 200
         else:
             ctx.status, ctx.client_disconnected = 499, True
-            self.metrics.cancelled.labels(ctx.model).inc()
+            self.metrics.model(ctx.model).cancelled.value += 1
 
     async def _error(self, err: GatewayError, ctx: RequestContext, out: Responder) -> None:
         ctx.status, ctx.error = err.status, err.code
@@ -121,18 +124,18 @@ class CompletionService:
         await out.send(status, headers, body)
 
     def _observe(self, ctx: RequestContext) -> None:
-        m = self.metrics
         status = str(ctx.status)
-        m.requests.labels(ctx.model, ctx.replica, ctx.endpoint, status).inc()
-        self.admission.metrics.requests.labels(ctx.tenant, status).inc()
+        self.metrics.requests.labels(ctx.model, ctx.replica, ctx.endpoint, status).inc()
+        self.admission.metrics.tenant(ctx.tenant).requests(status).inc()
         if ctx.status == 200:
+            m = self.metrics.model(ctx.model)
             if ctx.ttft_s is not None:
-                m.ttft.labels(ctx.model).observe(ctx.ttft_s)
+                m.ttft.observe(ctx.ttft_s)
             if ctx.duration_s is not None:
-                m.e2e.labels(ctx.model).observe(ctx.duration_s)
+                m.e2e.observe(ctx.duration_s)
             if ctx.prompt_tokens:
-                m.tokens.labels(ctx.model, "prompt").inc(ctx.prompt_tokens)
+                m.prompt.value += ctx.prompt_tokens
             if ctx.cached_tokens:
-                m.tokens.labels(ctx.model, "cached").inc(ctx.cached_tokens)
+                m.cached.value += ctx.cached_tokens
             if ctx.completion_tokens:
-                m.tokens.labels(ctx.model, "completion").inc(ctx.completion_tokens)
+                m.completion.value += ctx.completion_tokens

@@ -29,7 +29,6 @@ from typing import cast
 
 import httptools
 from aiohttp import web
-from multidict import CIMultiDict
 
 from gateway.completion import CompletionService
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, PayloadTooLarge, render_error
@@ -53,19 +52,19 @@ class _Stop(Exception):
 
 
 class FastRequest:
+    """A parsed hot request. `headers` is a plain dict keyed by lower-case names (the completion logic looks headers
+    up by lower-case name; for a repeated header the last value wins)."""
+
     __slots__ = ("body", "endpoint", "headers", "http10", "keep_alive")
 
     def __init__(
-        self, endpoint: Endpoint, headers: CIMultiDict[str], body: bytes, keep_alive: bool, http10: bool
+        self, endpoint: Endpoint, headers: dict[str, str], body: bytes, keep_alive: bool, http10: bool
     ) -> None:
         self.endpoint = endpoint
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
         self.http10 = http10
-
-    async def read(self) -> bytes:
-        return self.body
 
 
 class FastPathServer:
@@ -115,9 +114,9 @@ class FastPathProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         # the request being parsed
         self._url = b""
-        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers: dict[str, str] = {}
+        self._n_headers = 0
         self._head_bytes = 0
-        self._headers: CIMultiDict[str] = CIMultiDict()
         self._endpoint: Endpoint = "chat"
         self._body: list[bytes] = []
         self._body_len = 0
@@ -206,7 +205,8 @@ class FastPathProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._in_msg = True
         self._url = b""
-        self._raw_headers = []
+        self._headers = {}
+        self._n_headers = 0
         self._head_bytes = 0
         self._body = []
         self._body_len = 0
@@ -219,34 +219,32 @@ class FastPathProtocol(asyncio.Protocol):
             raise _Stop
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw_headers.append((name, value))
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._n_headers += 1
         self._head_bytes += len(name) + len(value)
-        if self._head_bytes > MAX_HEAD_BYTES or len(self._raw_headers) > MAX_HEADERS:
+        if self._head_bytes > MAX_HEAD_BYTES or self._n_headers > MAX_HEADERS:
             self._reject = HeadersTooLarge("request line or headers too large")
             raise _Stop
 
     def on_headers_complete(self) -> None:
         parser = self.parser
         endpoint = HOT_PATHS.get(self._url) if parser.get_method() == b"POST" else None
-        headers: CIMultiDict[str] = CIMultiDict(
-            [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw_headers]
-        )
-        expect = headers.get("Expect")
+        headers = self._headers
+        expect = headers.get("expect")
         if (
             endpoint is None
-            or "Upgrade" in headers
+            or "upgrade" in headers
             or (expect is not None and (expect.lower() != "100-continue" or self._task is not None or self._queue))
         ):
             self._handover = True
             raise _Stop
-        length = headers.get("Content-Length")
+        length = headers.get("content-length")
         if length is not None and int(length) > self.server.max_body_bytes:  # llhttp checked it is a number
             self._reject = PayloadTooLarge("request body exceeds the configured limit")
             raise _Stop
         if expect is not None and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._endpoint = endpoint
-        self._headers = headers
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
@@ -278,7 +276,7 @@ class FastPathProtocol(asyncio.Protocol):
         request_id = request.headers.get("x-request-id") or server.ids.next()
         out = FastResponder(self, request, request_id)
         try:
-            await server.service.handle(request.endpoint, request.headers, request.read, request_id, out)
+            await server.service.handle(request.endpoint, request.headers, request.body, request_id, out)
         except Exception:
             log.exception("fast path: request %s failed after its answer started", request_id)
             out.complete = False

@@ -7,15 +7,32 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from gateway.fastmetrics import FastCounter, FastGauge, FastHistogram
+from gateway.fastmetrics import Buckets, FastCounter, FastGauge, FastHistogram, Value
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
 
+class ModelMetrics:
+    """One model's children, resolved once: a request updates them without a label lookup each."""
+
+    __slots__ = ("cached", "cancelled", "completion", "e2e", "itl", "prompt", "retries", "ttft")
+
+    def __init__(self, metrics: GatewayMetrics, model: str) -> None:
+        self.ttft: Buckets = metrics.ttft.labels(model)
+        self.itl: Buckets = metrics.itl.labels(model)
+        self.e2e: Buckets = metrics.e2e.labels(model)
+        self.prompt: Value = metrics.tokens.labels(model, "prompt")
+        self.cached: Value = metrics.tokens.labels(model, "cached")
+        self.completion: Value = metrics.tokens.labels(model, "completion")
+        self.cancelled: Value = metrics.cancelled.labels(model)
+        self.retries: Value = metrics.retries.labels(model)
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._models: dict[str, ModelMetrics] = {}  # bounded: only models the replica set serves get here
         r = registry
         self.requests = FastCounter(
             "kvgate_requests",
@@ -58,3 +75,9 @@ class GatewayMetrics:
         self.tokens = FastCounter(
             "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.", ["model", "kind"], r
         )
+
+    def model(self, name: str) -> ModelMetrics:
+        found = self._models.get(name)
+        if found is None:
+            found = self._models[name] = ModelMetrics(self, name)
+        return found

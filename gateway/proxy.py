@@ -99,7 +99,7 @@ class UpstreamProxy:
                     raise last_error from None
                 raise
             if attempt:
-                self.metrics.retries.labels(parsed.model).inc()
+                self.metrics.model(parsed.model).retries.value += 1
             tried.append(replica.id)
             ctx.attempts = attempt + 1
             ctx.replica, ctx.route_reason = replica.id, decision.reason
@@ -254,7 +254,7 @@ class UpstreamProxy:
         strip_usage = not parsed.include_usage
         buf = b""
         last_write = 0.0
-        itl = self.metrics.itl.labels(parsed.model)
+        itl = self.metrics.model(parsed.model).itl
         upstream.clear_timeout()  # the stream's own windows below also bound the writes to the client
         try:
             async with asyncio.timeout(min(first_byte_s, deadline - time.monotonic())) as window:

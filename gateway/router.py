@@ -14,7 +14,7 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.errors import Overloaded
 from gateway.metrics import GatewayMetrics
-from policies.base import Decision, NoCandidate, Policy, RequestInfo, RoutingView
+from policies.base import EMPTY_MAPPING, Decision, NoCandidate, Policy, RequestInfo, RoutingView
 
 
 class CacheHooks(Protocol):
@@ -50,6 +50,22 @@ class Router:
         self.metrics = metrics
         self.cache = cache
         self._seq = 0
+        self._plain: dict[tuple[str, str], RequestInfo] = {}  # see plain_info
+
+    def plain_info(self, model: str, tenant: str, session_key: str | None) -> RequestInfo | None:
+        """The request's info when there are no cache hooks (None when there are: then await `request_info`).
+        Immutable, so shared between the requests of a model and tenant without a session (bounded by both)."""
+        if self.cache is not None:
+            return None
+        if session_key is not None:
+            return RequestInfo(model=model, tenant=tenant, session_key=session_key)
+        key = (model, tenant)
+        info = self._plain.get(key)
+        if info is None:
+            info = RequestInfo(model=model, tenant=tenant)
+            if len(self._plain) < 4096:
+                self._plain[key] = info
+        return info
 
     async def request_info(
         self,
@@ -68,8 +84,11 @@ class Router:
 
     def view(self, info: RequestInfo, exclude: Collection[str] = ()) -> RoutingView:
         now = time.monotonic()
-        snaps = tuple(r.snapshot(now) for r in self.replicas.for_model(info.model) if r.id not in exclude)
-        overlap: dict[str, int] = {}
+        replicas = self.replicas.for_model(info.model)
+        if exclude:
+            replicas = [r for r in replicas if r.id not in exclude]
+        snaps = tuple([r.snapshot(now) for r in replicas])
+        overlap: Mapping[str, int] = EMPTY_MAPPING
         session = None
         if self.cache is not None:
             if info.block_hashes:
@@ -95,11 +114,3 @@ class Router:
         if self.cache is not None:
             self.cache.on_routed(info, decision)
         return replica, decision
-
-    def has_capacity(self, model: str) -> bool:
-        """Some replica of the model is routable and below its concurrency gate."""
-        now = time.monotonic()
-        return any(
-            r.routable(now) and (r.max_concurrency is None or r.in_flight < r.max_concurrency)
-            for r in self.replicas.for_model(model)
-        )

@@ -25,9 +25,17 @@ class LeastLoad:
             raise ValueError(f"least-load takes no parameters, got {sorted(params)}")
 
     def decide(self, view: RoutingView) -> Decision:
-        candidates = sorted(routable(view.replicas), key=lambda r: r.id)
-        if not candidates:
-            raise NoCandidate()
-        best = min(load_key(r) for r in candidates)
-        tied = [r for r in candidates if load_key(r) == best]
+        candidates = routable(view.replicas)
+        if len(candidates) <= 1:
+            if not candidates:
+                raise NoCandidate()
+            return Decision(candidates[0].id, "least-load")
+        candidates.sort(key=_by_id)
+        keys = [load_key(r) for r in candidates]
+        best = min(keys)
+        tied = [r for r, key in zip(candidates, keys, strict=True) if key == best]
         return Decision(tied[view.seq % len(tied)].id, "least-load")
+
+
+def _by_id(replica: ReplicaState) -> str:
+    return replica.id

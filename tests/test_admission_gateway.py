@@ -97,7 +97,7 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
 
         slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=40), key="sk-alice"))
         adm = gw.app[ADMISSION]
-        await wait_for(lambda: adm._tenant_active.get("alice", 0) > 0, 30.0, 'adm._tenant_active.get("alice", 0) == 0')
+        await wait_for(lambda: adm.tenant_in_flight("alice") > 0, 30.0, "alice admitted")
         status, headers, raw = await post(session, gw.url, chat(), key="sk-alice")
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert json.loads(raw)["error"]["code"] == "rate_limit_exceeded"
@@ -115,8 +115,8 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
 async def test_cache_salt_isolation() -> None:
     async with stack({"auth": True, "tenants": TENANTS}) as (gw, _, session):
         adm = gw.app[ADMISSION]
-        bob = adm.identify({"Authorization": "Bearer sk-bob"})
-        alice = adm.identify({"Authorization": "Bearer sk-alice"})
+        bob = adm.identify({"authorization": "Bearer sk-bob"})
+        alice = adm.identify({"authorization": "Bearer sk-alice"})
         body: dict[str, Any] = {"cache_salt": "mine"}
         assert adm.apply_cache_salt(bob, body) and body["cache_salt"].startswith("kvgate:")
         assert body["cache_salt"].endswith(":mine")
@@ -129,7 +129,7 @@ async def test_cache_salt_isolation() -> None:
 async def test_reload_keeps_in_flight_requests() -> None:
     async with stack({"auth": True, "tenants": TENANTS}, decode_ms=30) as (gw, _, session):
         slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=30), key="sk-alice"))
-        await wait_for(lambda: gw.app[ADMISSION]._tenant_active.get("alice", 0) > 0, 30.0, "request admitted")
+        await wait_for(lambda: gw.app[ADMISSION].tenant_in_flight("alice") > 0, 30.0, "request admitted")
         new = {"admission": {"auth": True, "tenants": {"carol": {"keys": [hash_key("sk-carol")]}}}}
         async with session.post(f"{gw.url}/admin/reload", json=new, headers={"Authorization": "Bearer no"}) as r:
             assert r.status == 401
@@ -148,7 +148,7 @@ async def test_queue_timeout_is_503_with_retry_after() -> None:
     admission = {"replica_max_concurrency": 1, "queue": {"max_wait_s": 0.2}}
     async with stack(admission, decode_ms=50) as (gw, _, session):
         slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=40)))
-        await wait_for(lambda: gw.app[ADMISSION]._tenant_active.get("anonymous", 0) > 0, 30.0, "request admitted")
+        await wait_for(lambda: gw.app[ADMISSION].tenant_in_flight("anonymous") > 0, 30.0, "request admitted")
         status, headers, raw = await post(session, gw.url, chat())
         assert status == 503 and int(headers["Retry-After"]) >= 1
         assert json.loads(raw)["error"]["code"] == "queue_timeout"

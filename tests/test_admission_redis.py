@@ -114,7 +114,7 @@ async def hold_two_slots(session: aiohttp.ClientSession, gws: list[RunningGatewa
     """One slow request through each gateway: together they use the tenant's 2 shared slots."""
     tasks = [asyncio.create_task(post(session, gw.url, chat(max_tokens=40), key="sk-acme")) for gw in gws]
     controllers = [gw.app[ADMISSION] for gw in gws]
-    await wait_for(lambda: all(c._tenant_active.get("acme", 0) for c in controllers), 30.0, "both slots taken")
+    await wait_for(lambda: all(c.tenant_in_flight("acme") for c in controllers), 30.0, "both slots taken")
     return tasks
 
 

@@ -50,21 +50,21 @@ def test_hash_key_format_and_config_rejects_clear_or_shared_keys() -> None:
 
 def test_auth_maps_keys_to_tenants_and_clamps_priority() -> None:
     auth = Authenticator(_config())
-    assert auth.identify({"Authorization": "Bearer sk-alice"}).tenant == "alice"
-    bob = auth.identify({"Authorization": "Bearer sk-bob", "x-kvgate-priority": "interactive"})
+    assert auth.identify({"authorization": "Bearer sk-alice"}).tenant == "alice"
+    bob = auth.identify({"authorization": "Bearer sk-bob", "x-kvgate-priority": "interactive"})
     assert (bob.tenant, bob.priority_name) == ("bob", "batch")  # cannot rise above the tenant's ceiling
-    alice_batch = auth.identify({"Authorization": "Bearer sk-alice", "x-kvgate-priority": "batch"})
+    alice_batch = auth.identify({"authorization": "Bearer sk-alice", "x-kvgate-priority": "batch"})
     assert alice_batch.priority_name == "batch"  # may lower itself
-    for headers in ({}, {"Authorization": "Bearer sk-nobody"}, {"Authorization": "Basic sk-alice"}):
+    for headers in ({}, {"authorization": "Bearer sk-nobody"}, {"authorization": "Basic sk-alice"}):
         with pytest.raises(Unauthorized):
             auth.identify(headers)
     off = Authenticator(AdmissionConfig())
-    assert off.identify({"Authorization": "Bearer whatever"}).tenant == "anonymous"
+    assert off.identify({"authorization": "Bearer whatever"}).tenant == "anonymous"
 
 
 def test_admin_check() -> None:
-    check_admin({"Authorization": "Bearer adm"}, "adm")
-    for key, headers in (("adm", {"Authorization": "Bearer no"}), (None, {"Authorization": "Bearer adm"})):
+    check_admin({"authorization": "Bearer adm"}, "adm")
+    for key, headers in (("adm", {"authorization": "Bearer no"}), (None, {"authorization": "Bearer adm"})):
         with pytest.raises(Unauthorized):
             check_admin(headers, key)
 

@@ -24,7 +24,8 @@ class Identity:
 
 
 def bearer(headers: Mapping[str, str]) -> str | None:
-    value = headers.get("Authorization", "")
+    """The bearer token; `headers` is looked up by lower-case name (see `CompletionService.handle`)."""
+    value = headers.get("authorization", "")
     scheme, _, token = value.partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
@@ -35,6 +36,7 @@ class Authenticator:
         self.config = config
         self._by_hash = {k: name for name, tenant in config.tenants.items() for k in tenant.keys}
         self._ranks = {name: i for i, name in enumerate(config.priority_classes)}
+        self._plain: dict[str, Identity] = {}  # tenant -> identity without a requested class (bounded by tenants)
 
     def identify(self, headers: Mapping[str, str]) -> Identity:
         """The caller's tenant and priority class; raises Unauthorized (401) when auth is on and the key is bad."""
@@ -49,7 +51,13 @@ class Authenticator:
             if found is None:
                 raise Unauthorized("incorrect API key provided")
             tenant = found
-        return self._priority(tenant, headers.get("x-kvgate-priority"))
+        requested = headers.get("x-kvgate-priority")
+        if requested:
+            return self._priority(tenant, requested)
+        identity = self._plain.get(tenant)
+        if identity is None:
+            identity = self._plain[tenant] = self._priority(tenant, None)
+        return identity
 
     def _priority(self, tenant: str, requested: str | None) -> Identity:
         """The request may ask for a class at or below its tenant's ceiling; a higher or unknown one is clamped."""

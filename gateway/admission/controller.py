@@ -1,16 +1,18 @@
 """The admission controller: `CompletionService.handle` calls `admit` before `proxy.forward` and `finish` after it.
 
-Per request: identify the tenant (401) -> quota check in the store (429, or 503 when the store is down and the
+Per request (`admit_now` / `finish_now` without a coroutine in the common case: no remote store, a free slot):
+identify the tenant (401) -> quota check in the store (429, or 503 when the store is down and the
 policy is fail-closed; skipped for a tenant without limits) -> capacity gate: pass at once when nothing of the
 model is queued and a slot is free, otherwise wait in the model's fair queue (503 at once when the queue is full or
 no replica is ready, 503 after `max_wait_s`) -> forward -> release the slot (which dispatches the next queued
 request) and reconcile tokens.
 
 Capacity of a model = sum of `max_concurrency` over its routable, unsaturated replicas (unbounded if one has no
-gate); a slot is free while the requests this controller admitted for the model are fewer than that and the router
-agrees (`has_capacity`). Counting admitted requests (not the replicas' in-flight counts) means a request granted but
-not yet sent still holds its slot, so a burst of releases never over-admits. Queued requests are dispatched on a
-release, on any replica-set change and every `queue.tick_s` (engine saturation changes without notice).
+gate); a slot is free while the requests this controller admitted for the model are fewer than that and some
+routable replica is below its gate (so the router can place it). Counting admitted requests (not the replicas'
+in-flight counts) means a request granted but not yet sent still holds its slot, so a burst of releases never
+over-admits. Queued requests are dispatched on a release, on any replica-set change and every `queue.tick_s`
+(engine saturation changes without notice).
 A refusal costs one quota check and a few dict lookups: no engine is involved.
 """
 
@@ -31,7 +33,7 @@ from engine_pool.replica_set import ReplicaSet
 from gateway.admission.auth import Authenticator, Identity
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.local import LocalQuotaStore
-from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.metrics import AdmissionMetrics, TenantMetrics
 from gateway.admission.queue import DrainRate, FairQueue, QueueEntry
 from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
 from gateway.context import RequestContext
@@ -52,8 +54,9 @@ class Ticket:
     identity: Identity
     model: str
     prompt_estimate: int
-    lease: Lease | None
+    lease: Lease | None  # None once released
     quota: QuotaResult
+    stats: TenantMetrics | None  # None once counted as finished
     holds_slot: bool = False
 
 
@@ -78,7 +81,6 @@ class AdmissionController:
         self.reload_source = reload_source  # blocking loader (runs in a thread) for SIGHUP / empty admin reload
         self._queues: dict[str, FairQueue] = {}  # per model; models come from the replica set (bounded)
         self._active: dict[str, int] = {}  # model -> admitted requests holding a slot
-        self._tenant_active: dict[str, int] = {}
         self._defaulted: set[str] = set()  # replicas whose gate this controller set
         self.drain = DrainRate()
         self._lease_ids = IdSource()
@@ -144,7 +146,30 @@ class AdmissionController:
         body["cache_salt"] = f"{SALT_PREFIX}{salt}" + (f":{client}" if isinstance(client, str) and client else "")
         return True
 
+    def admit_now(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket | None:
+        """Admission without waiting (the common case): the ticket, or a refusal raised; None when the request has
+        to go through `admit` (a remote quota store to ask, or no free slot: the queue)."""
+        tenant = identity.tenant
+        tenant_cfg = self.config.tenant(tenant)
+        limits = tenant_cfg.limits
+        enabled = self.config.enabled
+        if not limits.unlimited and self._local is None:
+            return None
+        if enabled and not self._free_now(model):
+            return None
+        if limits.unlimited:
+            quota = _UNLIMITED
+        else:
+            assert self._local is not None
+            quota = self._local.check_now(tenant, limits, prompt_tokens, self._lease_ids.next())
+        ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
+        if enabled:
+            self._take(model)
+            ticket.holds_slot = True
+        return ticket
+
     async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
+        """Admission, waiting for a quota store's answer and in the model's queue when needed."""
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
         limits = tenant_cfg.limits
@@ -154,6 +179,21 @@ class AdmissionController:
             quota = self._local.check_now(tenant, limits, prompt_tokens, self._lease_ids.next())
         else:
             quota = await self.store.check(tenant, limits, prompt_tokens, self._lease_ids.next())
+        ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
+        try:
+            if self.config.enabled:
+                await self._acquire_slot(identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx)
+                ticket.holds_slot = True
+        except BaseException:
+            await self.finish(ticket, ctx, failed=True)
+            raise
+        return ticket
+
+    def _ticket(
+        self, identity: Identity, model: str, prompt_tokens: int, quota: QuotaResult, ctx: RequestContext
+    ) -> Ticket:
+        """The ticket of a quota check's grant (counted as the tenant's active request), or its refusal raised."""
+        tenant = identity.tenant
         if quota is not _UNLIMITED:
             ctx.extra_headers.update(quota.headers())
         if not quota.allowed:
@@ -168,50 +208,52 @@ class AdmissionController:
                 code="rate_limit_exceeded",
                 headers={"Retry-After": retry},
             )
-        ticket = Ticket(identity, model, prompt_tokens, quota.lease, quota)
-        self._tenant_add(tenant, 1)
-        try:
-            if self.config.enabled:
-                await self._acquire_slot(identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx)
-                ticket.holds_slot = True
-        except BaseException:
-            await self._release_quota(ticket, ctx, failed=True)
-            raise
-        return ticket
+        stats = self.metrics.tenant(tenant)
+        stats.active.value += 1
+        return Ticket(identity, model, prompt_tokens, quota.lease, quota, stats)
 
-    async def finish(self, ticket: Ticket, ctx: RequestContext) -> None:
+    def finish_now(self, ticket: Ticket, ctx: RequestContext, *, failed: bool = False) -> bool:
+        """Release the ticket's slot, count its tokens and release its lease; False (with the slot and the counts
+        done) when the lease is in a remote store: then `finish` must be awaited for it."""
         if ticket.holds_slot:
             ticket.holds_slot = False
             self._give_back(ticket.model)
-        await self._release_quota(ticket, ctx, failed=False)
+        stats = ticket.stats
+        if stats is not None:
+            ticket.stats = None
+            stats.active.value -= 1
+            prompt, cached, completion = ctx.prompt_tokens, ctx.cached_tokens, ctx.completion_tokens
+            if prompt:
+                stats.prompt.value += prompt
+            if cached:
+                stats.cached.value += cached
+            if completion:
+                stats.completion.value += completion
+        lease = ticket.lease
+        if lease is None:
+            return True
+        if self._local is None:
+            return False
+        ticket.lease = None
+        self._local.release_now(lease, self._cost(ticket, ctx, failed))
+        return True
 
-    async def _release_quota(self, ticket: Ticket, ctx: RequestContext, *, failed: bool) -> None:
-        tenant = ticket.identity.tenant
-        self._tenant_add(tenant, -1)
+    async def finish(self, ticket: Ticket, ctx: RequestContext, *, failed: bool = False) -> None:
+        if self.finish_now(ticket, ctx, failed=failed):
+            return
+        lease, ticket.lease = ticket.lease, None
+        if lease is not None:
+            await asyncio.shield(self.store.release(lease, self._cost(ticket, ctx, failed)))
+
+    def _cost(self, ticket: Ticket, ctx: RequestContext, failed: bool) -> int:
+        """Tokens charged for the request: as the engine reported them, else the estimate (nothing if it failed)."""
         prompt = ctx.prompt_tokens if ctx.prompt_tokens is not None else (0 if failed else ticket.prompt_estimate)
-        cached, completion = ctx.cached_tokens or 0, ctx.completion_tokens or 0
-        for kind, value in (
-            ("prompt", ctx.prompt_tokens),
-            ("cached", ctx.cached_tokens),
-            ("completion", ctx.completion_tokens),
-        ):
-            if value:
-                self.metrics.tokens.labels(tenant, kind).inc(value)
-        if ticket.lease is not None:
-            weight = self.config.tenant(tenant).limits.cached_token_weight
-            cost = token_cost(prompt, cached, completion, weight)
-            if self._local is not None:
-                self._local.release_now(ticket.lease, cost)
-            else:
-                await asyncio.shield(self.store.release(ticket.lease, cost))
+        weight = self.config.tenant(ticket.identity.tenant).limits.cached_token_weight
+        return token_cost(prompt, ctx.cached_tokens or 0, ctx.completion_tokens or 0, weight)
 
-    def _tenant_add(self, tenant: str, delta: int) -> None:
-        value = self._tenant_active.get(tenant, 0) + delta
-        if value > 0:
-            self._tenant_active[tenant] = value
-        else:
-            self._tenant_active.pop(tenant, None)
-        self.metrics.concurrency.labels(tenant).set(max(0, value))
+    def tenant_in_flight(self, tenant: str) -> int:
+        """Requests of the tenant this controller admitted and has not finished."""
+        return int(self.metrics.tenant(tenant).active.value)
 
     # --- capacity and queue ------------------------------------------------------------------------------------
     def capacity(self, model: str) -> tuple[int, int]:
@@ -228,8 +270,26 @@ class AdmissionController:
         return cap, ready
 
     def _has_slot(self, model: str) -> bool:
-        cap, _ = self.capacity(model)
-        return self._active.get(model, 0) < cap and self.router.has_capacity(model)
+        """A slot is free: fewer admitted requests than `capacity` and some routable replica below its gate (what
+        the router needs to place it), in one pass over the replicas that stops as soon as both hold."""
+        now, cap, gate_open = time.monotonic(), 0, False
+        active, threshold = self._active.get(model, 0), self.config.saturation_kv_usage
+        for r in self.replicas.for_model(model):
+            if not r.routable(now):
+                continue
+            gate = r.max_concurrency
+            gate_open = gate_open or gate is None or r.in_flight < gate
+            if r.metrics.waiting > 0 and saturated(r.snapshot(now), threshold):  # saturation needs waiting > 0
+                continue
+            cap += _UNBOUNDED if gate is None else gate
+            if gate_open and active < cap:
+                return True
+        return gate_open and active < cap
+
+    def _free_now(self, model: str) -> bool:
+        """Admit without queueing: nothing of the model is queued (they go first) and a slot is free."""
+        queue = self._queues.get(model)
+        return (queue is None or not len(queue)) and self._has_slot(model)
 
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -240,8 +300,7 @@ class AdmissionController:
     async def _acquire_slot(
         self, identity: Identity, weight: float, tenant_bound: int | None, model: str, ctx: RequestContext
     ) -> None:
-        queue = self._queues.get(model)
-        if (queue is None or not len(queue)) and self._has_slot(model):
+        if self._free_now(model):
             self._take(model)
             return
         qcfg, tenant = self.config.queue, identity.tenant

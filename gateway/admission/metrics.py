@@ -5,14 +5,32 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from gateway.fastmetrics import FastCounter, FastGauge, FastHistogram
+from gateway.fastmetrics import FastCounter, FastGauge, FastHistogram, Value
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class TenantMetrics:
+    """One tenant's children, resolved once: a request updates them without a label lookup each."""
+
+    __slots__ = ("_requests", "_tenant", "active", "cached", "completion", "prompt")
+
+    def __init__(self, metrics: AdmissionMetrics, tenant: str) -> None:
+        self.active = metrics.concurrency.labels(tenant)  # its value is the tenant's admitted request count
+        self.prompt = metrics.tokens.labels(tenant, "prompt")
+        self.cached = metrics.tokens.labels(tenant, "cached")
+        self.completion = metrics.tokens.labels(tenant, "completion")
+        self._requests = metrics.requests
+        self._tenant = tenant
+
+    def requests(self, status: str) -> Value:
+        return self._requests.labels(self._tenant, status)
 
 
 class AdmissionMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self._tenants: dict[str, TenantMetrics] = {}  # bounded: tenant names come from the config
         self.requests = FastCounter(
             "kvgate_tenant_requests", "Requests by tenant and final status.", ["tenant", "status"], r
         )
@@ -51,3 +69,9 @@ class AdmissionMetrics:
             ["policy"],
             r,
         )
+
+    def tenant(self, name: str) -> TenantMetrics:
+        found = self._tenants.get(name)
+        if found is None:
+            found = self._tenants[name] = TenantMetrics(self, name)
+        return found
