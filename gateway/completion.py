@@ -75,7 +75,7 @@ class CompletionService:
             if not self.replicas.for_model(model):  # metrics label only known models: bounded cardinality
                 raise NotFound(f"the model {model!r} does not exist", param="model")
             ctx.model, ctx.stream = model, parsed.stream
-            body_changed = admission.apply_cache_salt(identity, parsed.body)
+            salted = admission.apply_cache_salt(identity, parsed.body)
             session_key = headers.get(self._session_header)
             info = self.router.plain_info(model, tenant, session_key) or await self.router.request_info(
                 model=model, endpoint=endpoint, body=parsed.body, tenant=tenant, session_key=session_key
@@ -85,7 +85,7 @@ class CompletionService:
                 identity, model, prompt_estimate, ctx
             )
             try:
-                ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, body_changed=body_changed)
+                ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, salted=salted)
             finally:
                 if not admission.finish_now(ticket, ctx):
                     await admission.finish(ticket, ctx)

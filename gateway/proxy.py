@@ -29,7 +29,7 @@ from gateway.config import RetryConfig, TimeoutConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
-from gateway.request_parse import ParsedRequest
+from gateway.request_parse import ParsedRequest, upstream_body
 from gateway.responder import Responder
 from gateway.router import Router
 from gateway.upstream import UpstreamClient, UpstreamConnectionError, UpstreamResponse
@@ -68,13 +68,6 @@ class UpstreamProxy:
         self.metrics = metrics
         self.settings = settings
 
-    def _upstream_body(self, parsed: ParsedRequest) -> bytes:
-        body = parsed.body
-        if parsed.stream and not parsed.include_usage:
-            body = dict(body)
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        return json.dumps(body, separators=(",", ":")).encode()
-
     async def forward(
         self,
         out: Responder,
@@ -82,12 +75,11 @@ class UpstreamProxy:
         info: RequestInfo,
         ctx: RequestContext,
         raw_body: bytes,
-        body_changed: bool = False,
+        salted: bool = False,
     ) -> int:
         """Relay the request and write the engine's answer to `out`; returns the HTTP status sent."""
         timeouts = self.settings.timeouts
-        rewrite = body_changed or (parsed.stream and not parsed.include_usage)
-        data = self._upstream_body(parsed) if rewrite else raw_body
+        data = upstream_body(parsed, raw_body, salted)
         tried: list[str] = []
         last_error: GatewayError | None = None
         deadline = time.monotonic() + timeouts.total_s
@@ -224,7 +216,8 @@ class UpstreamProxy:
         ctx: RequestContext,
         deadline: float,
     ) -> None:
-        upstream.set_timeout(deadline - time.monotonic())
+        if not upstream.complete:  # usually the whole body came with the headers
+            upstream.set_timeout(deadline - time.monotonic())
         try:
             raw = await upstream.read()
         except TimeoutError:

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+
 from gateway.errors import BadRequest
 
 Endpoint = Literal["chat", "completions"]
@@ -23,6 +25,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool  # client asked for stream_options.include_usage
     max_tokens: int | None
+    stdlib_json: bool = False  # parsed by the standard library (orjson refused it: perhaps not UTF-8)
 
 
 def _check_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
@@ -63,10 +66,19 @@ def _check_prompt(prompt: Any) -> None:
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+    """The body parsed by orjson (about 10x the standard library's speed); what orjson refuses (UTF-16 bodies, a
+    byte order mark, NaN, lone surrogates) is read by the standard library, so nothing that parsed before is
+    refused now. The parsed body is for validation and routing: the engine gets the client's bytes
+    (`upstream_body`), so orjson reading an integer beyond 64 bits as a float changes nothing sent."""
+    stdlib = False
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        stdlib = True
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     model = body.get("model")
@@ -91,5 +103,27 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     max_completion = _check_int(body, "max_completion_tokens", 0)
     _check_int(body, "n", 1)
     return ParsedRequest(
-        endpoint, body, model, stream, include_usage, max_tokens if max_tokens is not None else max_completion
+        endpoint, body, model, stream, include_usage, max_tokens if max_tokens is not None else max_completion, stdlib
     )
+
+
+_USAGE_OPTION = b'"stream_options":{"include_usage":true},'
+
+
+def upstream_body(parsed: ParsedRequest, raw: bytes, salted: bool) -> bytes:
+    """The body sent to the engine: the client's bytes untouched, unless the gateway must ask for the usage chunk
+    of a stream (`stream_options.include_usage`) or set the tenant's `cache_salt` (`salted`). A stream option
+    alone is spliced in after the opening brace when the client sent no `stream_options` (UTF-8 bodies); otherwise
+    the body is re-read and re-written by the standard library, which keeps every value exactly as sent."""
+    wants_usage = parsed.stream and not parsed.include_usage
+    if not (wants_usage or salted):
+        return raw
+    if not salted and not parsed.stdlib_json and "stream_options" not in parsed.body:
+        start = raw.index(b"{") + 1
+        return raw[:start] + _USAGE_OPTION + raw[start:]
+    body = json.loads(raw)
+    if salted:
+        body["cache_salt"] = parsed.body["cache_salt"]
+    if wants_usage:
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(body, separators=(",", ":")).encode()
