@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
-from gateway.admission.controller import AdmissionController
+from gateway.admission.controller import AdmissionController, Ticket
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.errors import GatewayError, NotFound, render_error
 from gateway.metrics import GatewayMetrics
-from gateway.proxy import UpstreamProxy
-from gateway.request_parse import Endpoint, parse_request
+from gateway.proxy import Attempt, UpstreamProxy
+from gateway.request_parse import Endpoint, ParsedRequest, parse_request
 from gateway.responder import Responder
 from gateway.router import Router
 from policies.base import RequestInfo
@@ -29,6 +30,20 @@ from policies.prefix.state import CacheAwareState
 log = logging.getLogger("kvgate.gateway")
 
 ReadBody = Callable[[], Awaitable[bytes]]
+
+
+@dataclass(slots=True)
+class Begun:
+    """A request `CompletionService.begin_now` took as far as it could without a coroutine."""
+
+    ctx: RequestContext
+    parsed: ParsedRequest
+    info: RequestInfo
+    raw: bytes
+    salted: bool
+    ticket: Ticket | None = None  # admitted
+    first: Attempt | None = None  # its first attempt, started
+    error: GatewayError | None = None  # refused by admission, or admitted and no replica could take it
 
 
 class CompletionService:
@@ -52,6 +67,36 @@ class CompletionService:
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
 
+    def begin_now(self, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes, request_id: str) -> Begun | None:
+        """`handle`'s steps up to the first attempt, without a coroutine (the fast path's common case). None when
+        the request needs all of `handle` (a streamed request, cache hooks, a remote quota store, the queue, or an
+        error to answer before admission): nothing was done then. Otherwise the request is admitted and its first
+        attempt started (`Begun.first`), or admission refused it (`Begun.error`): `handle(begun=...)` goes on."""
+        ctx = RequestContext(request_id, endpoint, time.monotonic())
+        admission = self.admission
+        try:
+            identity = admission.identify(headers)
+            parsed = parse_request(endpoint, raw)
+            if parsed.stream or not self.replicas.for_model(parsed.model):
+                return None
+            salted = admission.apply_cache_salt(identity, parsed.body)
+        except GatewayError:
+            return None
+        ctx.tenant, ctx.model = identity.tenant, parsed.model
+        info = self.router.plain_info(parsed.model, identity.tenant, headers.get(self._session_header))
+        if info is None:
+            return None
+        begun = Begun(ctx, parsed, info, raw, salted)
+        try:
+            ticket = admission.admit_now(identity, parsed.model, len(raw) // 4, ctx)
+            if ticket is None:
+                return None
+            begun.ticket = ticket
+            begun.first = self.proxy.start(parsed, info, ctx, raw, salted)
+        except GatewayError as err:
+            begun.error = err
+        return begun
+
     async def handle(
         self,
         endpoint: Endpoint,
@@ -59,57 +104,75 @@ class CompletionService:
         body: bytes | ReadBody,
         request_id: str,
         out: Responder,
+        begun: Begun | None = None,
     ) -> None:
         """Answer one request through `out`; returns once the whole response was handed to the server.
         `headers` is looked up by lower-case name (aiohttp's case-insensitive headers, or the fast path's dict of
-        lower-case names); `body` is the request body, or a coroutine function reading it."""
-        ctx = RequestContext(request_id, endpoint, time.monotonic())
+        lower-case names); `body` is the request body, or a coroutine function reading it. `begun`: the request
+        as `begin_now` left it."""
+        ctx = RequestContext(request_id, endpoint, time.monotonic()) if begun is None else begun.ctx
         admission = self.admission
-        info: RequestInfo | None = None
+        info: RequestInfo | None = None if begun is None else begun.info
         try:
-            identity = admission.identify(headers)  # 401 before anything else when auth is on
-            ctx.tenant = tenant = identity.tenant
-            raw = body if isinstance(body, bytes) else await body()
-            parsed = parse_request(endpoint, raw)
-            model = parsed.model
-            if not self.replicas.for_model(model):  # metrics label only known models: bounded cardinality
-                raise NotFound(f"the model {model!r} does not exist", param="model")
-            ctx.model, ctx.stream = model, parsed.stream
-            salted = admission.apply_cache_salt(identity, parsed.body)
-            session_key = headers.get(self._session_header)
-            info = self.router.plain_info(model, tenant, session_key) or await self.router.request_info(
-                model=model, endpoint=endpoint, body=parsed.body, tenant=tenant, session_key=session_key
-            )
-            prompt_estimate = info.prompt_tokens or len(raw) // 4
-            ticket = admission.admit_now(identity, model, prompt_estimate, ctx) or await admission.admit(
-                identity, model, prompt_estimate, ctx
-            )
+            if begun is None:
+                identity = admission.identify(headers)  # 401 before anything else when auth is on
+                ctx.tenant = tenant = identity.tenant
+                raw = body if isinstance(body, bytes) else await body()
+                parsed = parse_request(endpoint, raw)
+                model = parsed.model
+                if not self.replicas.for_model(model):  # metrics label only known models: bounded cardinality
+                    raise NotFound(f"the model {model!r} does not exist", param="model")
+                ctx.model, ctx.stream = model, parsed.stream
+                salted = admission.apply_cache_salt(identity, parsed.body)
+                session_key = headers.get(self._session_header)
+                info = self.router.plain_info(model, tenant, session_key) or await self.router.request_info(
+                    model=model, endpoint=endpoint, body=parsed.body, tenant=tenant, session_key=session_key
+                )
+                prompt_estimate = info.prompt_tokens or len(raw) // 4
+                ticket = admission.admit_now(identity, model, prompt_estimate, ctx) or await admission.admit(
+                    identity, model, prompt_estimate, ctx
+                )
+                first = None
+            else:
+                parsed, raw, salted, first = begun.parsed, begun.raw, begun.salted, begun.first
+                if begun.ticket is None:
+                    assert begun.error is not None
+                    raise begun.error
+                ticket = begun.ticket
             try:
-                ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, salted=salted)
+                if first is None and begun is not None:
+                    assert begun.error is not None
+                    raise begun.error  # admitted, and then no replica could take it
+                assert info is not None
+                ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, salted, first)
             finally:
                 if not admission.finish_now(ticket, ctx):
                     await admission.finish(ticket, ctx)
         except GatewayError as err:
             await self._error(err, ctx, out)
         except ConnectionResetError:  # a write found the client gone
-            self._client_left(ctx)
+            self.client_left(ctx)
         except Exception:
             if out.started:
                 raise
             log.exception("unhandled error in %s (request %s)", endpoint, request_id)
             await self._error(GatewayError("internal gateway error"), ctx, out)
         except BaseException:  # cancelled: the client left (or shutdown)
-            self._client_left(ctx)
+            self.client_left(ctx)
             raise
         finally:
-            if ctx.status == 200 and info is not None and self.cache is not None:
-                self.cache.on_finished(info, ctx.replica, ctx.cached_tokens)
-            ctx.duration_s = time.monotonic() - ctx.started
-            self._observe(ctx)
-            if self._access_log != "off":
-                log_access(ctx, self._access_log)
+            self.done(ctx, info)
 
-    def _client_left(self, ctx: RequestContext) -> None:
+    def done(self, ctx: RequestContext, info: RequestInfo | None) -> None:
+        """A request's end, however it ended: the cache state learns what was cached, metrics, the access log."""
+        if ctx.status == 200 and info is not None and self.cache is not None:
+            self.cache.on_finished(info, ctx.replica, ctx.cached_tokens)
+        ctx.duration_s = time.monotonic() - ctx.started
+        self._observe(ctx)
+        if self._access_log != "off":
+            log_access(ctx, self._access_log)
+
+    def client_left(self, ctx: RequestContext) -> None:
         if ctx.delivered:  # the client had every event and left before the chunked terminator: a success
             ctx.status = 200
         else:

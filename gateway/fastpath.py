@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 from typing import cast
 
@@ -34,6 +35,7 @@ from gateway.completion import CompletionService
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, PayloadTooLarge, render_error
 from gateway.http1 import DateHeader, request_boundary, response_head
 from gateway.ids import IdSource
+from gateway.lane import Handler, Lane, dispatch
 from gateway.request_parse import Endpoint
 from gateway.responder import FastResponder
 
@@ -44,6 +46,7 @@ MAX_QUEUED = 8  # parsed requests waiting on one connection before reading pause
 MAX_HEADERS = 128  # as aiohttp's defaults
 MAX_HEAD_BYTES = 64 * 1024
 KEEPALIVE_S = 3630.0  # idle keep-alive connections close after this (aiohttp's default)
+CREATED = inspect.CORO_CREATED
 LINGER_S = 2.0  # after an error answer that closes the connection, input is discarded this long
 
 
@@ -125,7 +128,7 @@ class FastPathProtocol(asyncio.Protocol):
         self._raw: list[bytes] = []
         self._raw_msgs = 0
         self._queue: collections.deque[FastRequest] = collections.deque()
-        self._task: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | Lane | None = None  # the request running: in a task, or in the lane
         self._handover = False
         self._reject: GatewayError | None = None
         self._closing = False  # answer what is running, then close
@@ -178,7 +181,7 @@ class FastPathProtocol(asyncio.Protocol):
             self._timer.cancel()
         self._queue.clear()
         if self._task is not None:
-            self._task.cancel()  # the client left: the handler stops, the engine request is aborted
+            self._cancel_running()  # the client left: the handler stops, the engine request is aborted
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self.transport = None
@@ -269,17 +272,28 @@ class FastPathProtocol(asyncio.Protocol):
 
     # --- requests -----------------------------------------------------------------------------------------------
     def _start(self, request: FastRequest) -> None:
-        self._task = self.loop.create_task(self._serve(request))
-
-    async def _serve(self, request: FastRequest) -> None:
         server = self.server
         request_id = request.headers.get("x-request-id") or server.ids.next()
         out = FastResponder(self, request, request_id)
+        running = dispatch(server.service, request.endpoint, request.headers, request.body, request_id, out, self)
+        if isinstance(running, Lane):
+            self._task = running
+        else:
+            self.run_handler(running, out)
+
+    def run_handler(self, handler: Handler, out: FastResponder) -> None:
+        self._task = self.loop.create_task(self._serve(handler, out))
+
+    async def _serve(self, handler: Handler, out: FastResponder) -> None:
         try:
-            await server.service.handle(request.endpoint, request.headers, request.body, request_id, out)
+            await handler
         except Exception:
-            log.exception("fast path: request %s failed after its answer started", request_id)
+            log.exception("fast path: request %s failed after its answer started", out.request_id)
             out.complete = False
+        self.lane_done(out)
+
+    def lane_done(self, out: FastResponder) -> None:
+        """The running request was answered (by its lane or its task): close, or go on with the next one."""
         self._task = None
         if not out.complete or not out.keep_alive:
             self._close()
@@ -379,9 +393,20 @@ class FastPathProtocol(asyncio.Protocol):
             self._close()
 
     def abort(self) -> asyncio.Task[None] | None:
+        """Cancel the running request (a lane ends at once; a task is returned, to be awaited) and drop the
+        connection."""
         task = self._task
         if task is not None:
-            task.cancel()
+            self._cancel_running()
         if self.transport is not None:
             self.transport.abort()
-        return task
+        return task if isinstance(task, asyncio.Task) else None
+
+    def _cancel_running(self) -> None:
+        """Cancel the running request. A task that has not started yet is cancelled once it has: its handler may
+        hold what `begin_now` took (an admission slot, an engine request), released only by running it."""
+        task = self._task
+        if isinstance(task, asyncio.Task) and inspect.getcoroutinestate(cast(Handler, task.get_coro())) == CREATED:
+            self.loop.call_soon(task.cancel)  # after the task's first step, queued when it was created
+        elif task is not None:
+            task.cancel()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,19 @@ class _Retryable(Exception):
 
 
 @dataclass(slots=True)
+class Attempt:
+    """A request's first attempt, started without a coroutine (`UpstreamProxy.start`); `forward(first=...)` goes on
+    with it, or the fast lane answers it when the engine's whole answer is in (`gateway.lane`)."""
+
+    replica: Replica
+    decision: Decision
+    started: float  # `replica.begin()`'s time, for `replica.end`
+    data: bytes  # the body sent to the engine
+    deadline: float  # the request's total deadline (monotonic)
+    upstream: UpstreamResponse | None  # None: no idle kept-alive connection (then `forward` connects)
+
+
+@dataclass(slots=True)
 class ProxySettings:
     timeouts: TimeoutConfig
     retry: RetryConfig
@@ -68,6 +82,32 @@ class UpstreamProxy:
         self.metrics = metrics
         self.settings = settings
 
+    def start(
+        self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, raw_body: bytes, salted: bool
+    ) -> Attempt:
+        """Route the request and send it on an idle kept-alive connection, without a coroutine; raises Overloaded
+        when no replica can take it. `forward(first=...)` goes on with the attempt."""
+        data = upstream_body(parsed, raw_body, salted)
+        now = time.monotonic()
+        deadline = now + self.settings.timeouts.total_s
+        replica, decision = self._route(parsed, info, ctx, (), 0)
+        started = replica.begin()
+        pool = self.client.pool(replica.host, replica.port, replica.use_tls)
+        upstream = pool.request_idle("POST", replica.base_path + _PATHS[parsed.endpoint], data, self._ask_headers(ctx))
+        if upstream is not None:
+            upstream.set_timeout(min(self.settings.timeouts.first_byte_s, deadline - now))
+        return Attempt(replica, decision, started, data, deadline, upstream)
+
+    def _route(
+        self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, tried: Collection[str], attempt: int
+    ) -> tuple[Replica, Decision]:
+        replica, decision = self.router.choose(info, tried)
+        if attempt:
+            self.metrics.model(parsed.model).retries.value += 1
+        ctx.attempts = attempt + 1
+        ctx.replica, ctx.route_reason = replica.id, decision.reason
+        return replica, decision
+
     async def forward(
         self,
         out: Responder,
@@ -76,27 +116,30 @@ class UpstreamProxy:
         ctx: RequestContext,
         raw_body: bytes,
         salted: bool = False,
+        first: Attempt | None = None,
     ) -> int:
-        """Relay the request and write the engine's answer to `out`; returns the HTTP status sent."""
-        timeouts = self.settings.timeouts
-        data = upstream_body(parsed, raw_body, salted)
+        """Relay the request and write the engine's answer to `out`, going on with `first` when the first attempt
+        was started already (`start`); returns the HTTP status sent."""
+        if first is None:
+            data = upstream_body(parsed, raw_body, salted)
+            deadline = time.monotonic() + self.settings.timeouts.total_s
+        else:
+            data, deadline = first.data, first.deadline
         tried: list[str] = []
         last_error: GatewayError | None = None
-        deadline = time.monotonic() + timeouts.total_s
         for attempt in range(self.settings.retry.max_attempts):
-            try:
-                replica, decision = self.router.choose(info, tried)
-            except GatewayError:
-                if last_error is not None:
-                    raise last_error from None
-                raise
-            if attempt:
-                self.metrics.model(parsed.model).retries.value += 1
+            if first is not None:
+                replica, decision = first.replica, first.decision
+            else:
+                try:
+                    replica, decision = self._route(parsed, info, ctx, tried, attempt)
+                except GatewayError:
+                    if last_error is not None:
+                        raise last_error from None
+                    raise
             tried.append(replica.id)
-            ctx.attempts = attempt + 1
-            ctx.replica, ctx.route_reason = replica.id, decision.reason
             try:
-                return await self._attempt(out, parsed, replica, decision, ctx, data, deadline)
+                return await self._attempt(out, parsed, replica, decision, ctx, data, deadline, first)
             except _Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 if replica.record_failure(
@@ -104,6 +147,7 @@ class UpstreamProxy:
                 ):
                     self.replicas.breaker_changed()
                 last_error = exc.error
+            first = None
         assert last_error is not None
         raise last_error
 
@@ -114,25 +158,39 @@ class UpstreamProxy:
             headers["x-kvgate-route-reason"] = decision.reason
         return headers
 
+    @staticmethod
+    def _ask_headers(ctx: RequestContext) -> dict[str, str]:
+        return {"Content-Type": "application/json", "x-request-id": ctx.request_id}
+
     async def _send(
-        self, replica: Replica, path: str, data: bytes, ctx: RequestContext, deadline: float
+        self,
+        replica: Replica,
+        path: str,
+        data: bytes,
+        ctx: RequestContext,
+        deadline: float,
+        sent: UpstreamResponse | None = None,
     ) -> UpstreamResponse:
-        """POST and wait for the response headers; a kept-alive connection that turns out stale is replaced once."""
+        """POST (unless `sent` is the request already sent) and wait for the response headers; a kept-alive
+        connection that turns out stale is replaced once."""
         timeouts = self.settings.timeouts
         pool = self.client.pool(replica.host, replica.port, replica.use_tls)
-        headers = {"Content-Type": "application/json", "x-request-id": ctx.request_id}
+        headers = self._ask_headers(ctx)
         url = replica.base_path + path
         for fresh_retry in (False, True):
-            upstream = None
+            upstream = sent if not fresh_retry else None
             budget = min(timeouts.first_byte_s, deadline - time.monotonic())
             try:
-                upstream = pool.request_idle("POST", url, data, headers)
-                if upstream is None:  # a new connection (rare once warm): the budget covers connecting too
-                    started = time.monotonic()
-                    async with asyncio.timeout(budget):
-                        upstream = await pool.request("POST", url, data, headers, connect_timeout_s=timeouts.connect_s)
-                    budget -= time.monotonic() - started
-                upstream.set_timeout(budget)  # one timer on the response instead of a task timeout around the wait
+                if upstream is None:
+                    upstream = pool.request_idle("POST", url, data, headers)
+                    if upstream is None:  # a new connection (rare once warm): the budget covers connecting too
+                        started = time.monotonic()
+                        async with asyncio.timeout(budget):
+                            upstream = await pool.request(
+                                "POST", url, data, headers, connect_timeout_s=timeouts.connect_s
+                            )
+                        budget -= time.monotonic() - started
+                    upstream.set_timeout(budget)  # one timer on the response, not a task timeout around the wait
                 await upstream.headers_ready
                 return upstream
             except TimeoutError:
@@ -160,10 +218,13 @@ class UpstreamProxy:
         ctx: RequestContext,
         data: bytes,
         deadline: float,
+        first: Attempt | None,
     ) -> int:
-        started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
+        # the in-flight gauge is read from the replicas at scrape time
+        started = replica.begin() if first is None else first.started
         try:
-            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline)
+            sent = None if first is None else first.upstream
+            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline, sent)
             try:
                 if upstream.status >= 500:
                     raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
@@ -224,13 +285,17 @@ class UpstreamProxy:
             raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} timed out")) from None
         except ConnectionError as exc:
             raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
+        await out.send(upstream.status, self.whole_answer(raw, replica, decision, ctx), raw)
+
+    def whole_answer(self, raw: bytes, replica: Replica, decision: Decision, ctx: RequestContext) -> dict[str, str]:
+        """Account for an engine's whole (non-streamed) answer; returns the client's response headers."""
         replica.record_success()
         ctx.set_usage(_usage_of(raw))
         ctx.ttft_s = time.monotonic() - ctx.started
         ctx.delivered = True
         headers = self._headers(ctx, replica, decision)
         headers["Content-Type"] = "application/json"
-        await out.send(upstream.status, headers, raw)
+        return headers
 
     async def _relay_stream(
         self,

@@ -133,6 +133,10 @@ class FastResponder:
         return response_head(status, headers, self.conn.server.date.line(), f"{framing}{connection}\r\n")
 
     async def send(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self.send_now(status, headers, body)
+
+    def send_now(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        """`send` without a coroutine (the fast lane, `gateway.lane`)."""
         transport = self._transport()
         self.started = True
         transport.write(self._head(status, headers, f"Content-Length: {len(body)}\r\n") + body)

@@ -21,7 +21,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import cast
 
 import httptools
@@ -55,11 +55,16 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamConnectionError(f"bad response from upstream: {exc}"))
             self.abort()
+        resp = self.response
+        if resp is not None and resp.on_settled is not None and resp.headers_ready.done():
+            resp.settled()  # after the parser returned: the callback may release this connection
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.response is not None and not self.response.complete:
+        resp = self.response
+        if resp is not None and not resp.complete:
             self._fail(UpstreamConnectionError(f"upstream closed the connection: {exc or 'EOF'}"))
+            resp.settled()
 
     # --- httptools callbacks ------------------------------------------------------------------------------------
     def on_headers_complete(self) -> None:
@@ -124,6 +129,8 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self.deadline: float | None = None  # loop time; watched by the pool's DeadlineWatch
+        # called once, without a coroutine, when the headers arrived or the response failed (see `settled`)
+        self.on_settled: Callable[[], None] | None = None
 
     def set_timeout(self, delay_s: float) -> None:
         """Fail the response with TimeoutError in `delay_s` (at most `DeadlineWatch.tick_s` late) unless it is
@@ -144,6 +151,13 @@ class UpstreamResponse:
         if not self.headers_ready.done():
             self.headers_ready.set_exception(self.error)
         self.wake()
+        self.settled()
+
+    def settled(self) -> None:
+        """Run `on_settled` once: the headers are in (the body may be complete too) or the response failed."""
+        callback, self.on_settled = self.on_settled, None
+        if callback is not None:
+            callback()
 
     def wake(self) -> None:
         w = self._waiter
@@ -191,8 +205,17 @@ class UpstreamResponse:
                 raise self.error
             await self._wait()
 
+    def body_now(self) -> bytes:
+        """The whole body of a complete response, without waiting (what `read` returns then)."""
+        chunks = self.chunks
+        body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        return body
+
     def close(self) -> None:
         """Abort: the connection is closed (the engine sees the client leave) and never reused."""
+        self.on_settled = None
         self.clear_timeout()
         if not self._done:
             self._done = True
@@ -200,6 +223,7 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Return the connection to its pool when the response was read whole; abort it otherwise."""
+        self.on_settled = None
         self.clear_timeout()
         if self._done:
             return

@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import httptools
 import openai
 import pytest
+from aiohttp import web
 
 from engine_pool.sim import SimConfig
+from gateway.completion import CompletionService
+from gateway.fastpath import FastPathServer
 from gateway.http1 import request_boundary
+from gateway.ids import IdSource
 from gateway.keys import REPLICAS, UPSTREAM
+from gateway.responder import FastResponder
 from tests.conftest import gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", instant=True)
@@ -326,3 +331,25 @@ def test_request_boundary() -> None:
     assert request_boundary(raw, 2) == len(one) + len(get("/health"))
     assert request_boundary(raw, 3, step=7) == len(raw) - len(b"GET /partial HTTP/1.1\r\n")
     assert request_boundary(raw, 4) == -1
+
+
+async def test_a_request_task_cancelled_before_it_started_still_runs_its_handler() -> None:
+    """The client leaving before a request's task ran must not skip its handler: a request `begin_now` admitted
+    and sent upstream is only released by it."""
+    server = FastPathServer(cast(CompletionService, None), web.Server(lambda r: None), IdSource(), 1024)
+    conn = server()
+    steps: list[str] = []
+
+    async def handler() -> None:
+        steps.append("started")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            steps.append("cancelled")
+            raise
+
+    conn.run_handler(handler(), cast(FastResponder, None))
+    conn.connection_lost(None)  # before the task's first step
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert steps == ["started", "cancelled"]
