@@ -5,9 +5,12 @@ Side by side in one run, on the same engines:
   see the same machine state; reported as p50/p99 of each and their difference;
 - gateway CPU per request at high concurrency: kvgate's own process CPU seconds (from /proc) over N requests,
   streaming and not;
-- with the fast path (default) and without it (`server.fast_path: false`, aiohttp serves everything).
+- with the fast path (default) and without it (`server.fast_path: false`, aiohttp serves everything);
+- every mode measured once per round, over `--repeat` rounds, reported as medians and ranges (this machine's speed
+  drifts by 20-30% over minutes: only numbers taken side by side compare).
 kvgate runs as its own process (`kvgate serve`, uvloop), the engines as `kvgate sim-engine --instant`, and this
-script is the client. Rerun: `python bench/bench_gateway_overhead.py [--requests N] [--out docs/...md]`.
+script is the client. Rerun: `python bench/bench_gateway_overhead.py [--repeat N] [--out docs/...md]` (5 rounds:
+about 4 minutes).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -99,55 +102,62 @@ def fast_path_env(on: bool) -> Iterator[None]:
             os.environ[ENV_FAST_PATH] = old
 
 
-async def measure(args: argparse.Namespace) -> dict[str, object]:
-    results: dict[str, object] = {}
-    with sim_engine_processes(2, "--instant") as procs:
+MODES = ((True, "off"), (True, "plain"), (False, "off"))  # (fast path, access log)
+
+
+async def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    """Every mode's measurements, one per round: all gateways run at once and each round measures each of them
+    (and the engine alone) in turn, so slow and fast spells of the shared machine reach every mode alike."""
+    runs: dict[str, list[dict[str, float]]] = {}
+    with sim_engine_processes(2, "--instant") as procs, ExitStack() as stack:
         engines = [url for url, _ in procs]
-        for stream in (False, True):  # reference: what one plain aiohttp server (the engine itself) costs
-            ref = await cpu_per_request(procs[0][0], procs[0][1], args.requests, args.concurrency, stream)
-            results[f"engine alone, stream={stream}"] = {"engine_cpu_ms_per_request": ref["cpu_ms_per_request"]}
-            print(f"engine alone stream={stream}", json.dumps(ref), flush=True)
-        for fast_path, log_mode in ((True, "off"), (True, "plain"), (False, "off")):
-            with (
-                fast_path_env(fast_path),
-                kvgate(
-                    engines,
-                    "--policy",
-                    "least-load",
-                    "--access-log",
-                    log_mode,
-                    "--log-level",
-                    "WARNING" if log_mode == "off" else "INFO",
-                ) as (gw, pid),
-            ):
+        gateways = []
+        for fast_path, log_mode in MODES:
+            with fast_path_env(fast_path):
+                log_level = "WARNING" if log_mode == "off" else "INFO"
+                cm = kvgate(engines, "--policy", "least-load", "--access-log", log_mode, "--log-level", log_level)
+                gateways.append((fast_path, log_mode, *stack.enter_context(cm)))
+        for round_no in range(args.repeat):
+            for stream in (False, True):  # reference: what one plain aiohttp server (the engine itself) costs
+                ref = await cpu_per_request(procs[0][0], procs[0][1], args.requests, args.concurrency, stream)
+                runs.setdefault(f"engine alone, stream={stream}", []).append(ref)
+                print(f"round {round_no} engine alone stream={stream}", json.dumps(ref), flush=True)
+            for fast_path, log_mode, gw, pid in gateways:
                 for stream in (False, True):
                     key = f"fast_path={'on' if fast_path else 'off'} access_log={log_mode} stream={stream}"
                     lat = await latency(engines[0], gw, args.latency_requests, stream)
                     cpu = await cpu_per_request(gw, pid, args.requests, args.concurrency, stream)
-                    cpu["gateway_cpu_ms_per_request"] = cpu.pop("cpu_ms_per_request")
-                    results[key] = {**lat, **cpu}
-                    print(key, json.dumps({k: round(v, 4) for k, v in {**lat, **cpu}.items()}), flush=True)
-    return results
+                    runs.setdefault(key, []).append({**lat, **cpu})
+                    print(f"round {round_no} {key}", json.dumps({k: round(v, 4) for k, v in {**lat, **cpu}.items()}))
+    return runs
 
 
-def markdown(results: dict[str, object], args: argparse.Namespace) -> str:
+def markdown(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
+    def med(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    def spread(rows: list[dict[str, float]], key: str) -> str:
+        values = [r[key] for r in rows]
+        return f"{med(rows, key):.3f} ({min(values):.3f}-{max(values):.3f})"
+
     lines = [
-        "| mode | direct p50 ms | kvgate p50 ms | added p50 ms | added p99 ms | gateway CPU ms/req | req/s |",
+        "| mode | direct p50 ms | kvgate p50 ms | added p50 ms (range) | added p99 ms | CPU ms/req (range) | req/s |",
         "|---|---|---|---|---|---|---|",
     ]
-    for key, r in results.items():
-        assert isinstance(r, dict)
-        if "engine_cpu_ms_per_request" in r:
-            lines.append(f"| {key} (reference) | | | | | {r['engine_cpu_ms_per_request']:.3f} | |")
+    for key, rows in runs.items():
+        if key.startswith("engine alone"):
+            lines.append(f"| {key} (reference) | | | | | {spread(rows, 'cpu_ms_per_request')} | |")
             continue
         lines.append(
-            f"| {key} | {r['direct_p50_ms']:.3f} | {r['kvgate_p50_ms']:.3f} | {r['added_p50_ms']:.3f} | "
-            f"{r['added_p99_ms']:.3f} | {r['gateway_cpu_ms_per_request']:.3f} | {r['requests_per_s']:.0f} |"
+            f"| {key} | {med(rows, 'direct_p50_ms'):.3f} | {med(rows, 'kvgate_p50_ms'):.3f} | "
+            f"{spread(rows, 'added_p50_ms')} | {med(rows, 'added_p99_ms'):.3f} | "
+            f"{spread(rows, 'cpu_ms_per_request')} | {med(rows, 'requests_per_s'):.0f} |"
         )
     lines.append(
-        f"\n{platform.machine()}, {platform.python_version()}; latency: {args.latency_requests} alternating pairs at "
-        f"concurrency 1; CPU: {args.requests} requests at concurrency {args.concurrency}; engines: 2 x "
-        "`kvgate sim-engine --instant`; kvgate as its own process (uvloop), this client in a third."
+        f"\n{platform.machine()}, {platform.python_version()}; medians (and ranges) over {args.repeat} rounds, each "
+        f"measuring every mode in turn; latency: {args.latency_requests} alternating pairs at concurrency 1; CPU: "
+        f"{args.requests} requests at concurrency {args.concurrency}; engines: 2 x `kvgate sim-engine --instant`; "
+        "each kvgate as its own process (uvloop), this client in another."
     )
     return "\n".join(lines)
 
@@ -157,6 +167,7 @@ def main() -> None:
     p.add_argument("--latency-requests", type=int, default=1000)
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=5, help="rounds; the table shows medians and ranges")
     p.add_argument("--out", type=Path, help="write the markdown table here")
     args = p.parse_args()
     results = asyncio.run(measure(args))

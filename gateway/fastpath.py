@@ -33,7 +33,7 @@ from aiohttp import web
 
 from gateway.completion import CompletionService
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, PayloadTooLarge, render_error
-from gateway.http1 import DateHeader, request_boundary, response_head
+from gateway.http1 import DateHeader, RawHeaders, request_boundary, response_head
 from gateway.ids import IdSource
 from gateway.lane import Handler, Lane, dispatch
 from gateway.request_parse import Endpoint
@@ -60,9 +60,7 @@ class FastRequest:
 
     __slots__ = ("body", "endpoint", "headers", "http10", "keep_alive")
 
-    def __init__(
-        self, endpoint: Endpoint, headers: dict[str, str], body: bytes, keep_alive: bool, http10: bool
-    ) -> None:
+    def __init__(self, endpoint: Endpoint, headers: RawHeaders, body: bytes, keep_alive: bool, http10: bool) -> None:
         self.endpoint = endpoint
         self.headers = headers
         self.body = body
@@ -117,9 +115,8 @@ class FastPathProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         # the request being parsed
         self._url = b""
-        self._headers: dict[str, str] = {}
-        self._n_headers = 0
-        self._head_bytes = 0
+        self._headers = RawHeaders(b"")
+        self._head_done = False
         self._endpoint: Endpoint = "chat"
         self._body: list[bytes] = []
         self._body_len = 0
@@ -167,8 +164,15 @@ class FastPathProtocol(asyncio.Protocol):
         if not self._in_msg:
             self._raw.clear()
             self._raw_msgs = 0
-        elif self._raw_msgs >= MAX_QUEUED:
-            self._compact()
+        else:
+            if not self._head_done and sum(map(len, self._raw)) > MAX_HEAD_BYTES + 1024:
+                self._reject = HeadersTooLarge("request line or headers too large")  # a head that never ends
+                self._pause_reading()
+                if self._task is None:
+                    self._advance()
+                return
+            if self._raw_msgs >= MAX_QUEUED:
+                self._compact()
         if len(self._queue) >= MAX_QUEUED:
             self._pause_reading()
 
@@ -208,31 +212,38 @@ class FastPathProtocol(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._in_msg = True
         self._url = b""
-        self._headers = {}
-        self._n_headers = 0
-        self._head_bytes = 0
+        self._head_done = False
         self._body = []
         self._body_len = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
-        self._head_bytes += len(url)
-        if self._head_bytes > MAX_HEAD_BYTES:
+        if len(self._url) > MAX_HEAD_BYTES:
             self._reject = HeadersTooLarge("request line or headers too large")
             raise _Stop
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-        self._n_headers += 1
-        self._head_bytes += len(name) + len(value)
-        if self._head_bytes > MAX_HEAD_BYTES or self._n_headers > MAX_HEADERS:
-            self._reject = HeadersTooLarge("request line or headers too large")
-            raise _Stop
+    # no on_header: httptools then skips a callback per header; the few headers needed are looked up in the raw
+    # head instead (`RawHeaders`)
+
+    def _header_block(self) -> bytes:
+        """The current request's headers, from the bytes received since the last request boundary."""
+        raw = self._raw
+        data = raw[0] if len(raw) == 1 else b"".join(raw)
+        start = request_boundary(data, self._raw_msgs) if self._raw_msgs else 0
+        while data.startswith(b"\r\n", start):  # blank lines before a request are allowed
+            start += 2
+        end = data.find(b"\r\n\r\n", start)
+        return data[data.find(b"\r\n", start) : end]
 
     def on_headers_complete(self) -> None:
+        self._head_done = True
+        block = self._header_block()
+        if len(block) > MAX_HEAD_BYTES or block.count(b"\r\n") > MAX_HEADERS:
+            self._reject = HeadersTooLarge("request line or headers too large")
+            raise _Stop
         parser = self.parser
         endpoint = HOT_PATHS.get(self._url) if parser.get_method() == b"POST" else None
-        headers = self._headers
+        headers = self._headers = RawHeaders(block)
         expect = headers.get("expect")
         if (
             endpoint is None

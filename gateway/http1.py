@@ -9,7 +9,7 @@ needs it when a connection is handed to aiohttp while earlier pipelined requests
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
 from types import MappingProxyType
@@ -43,6 +43,42 @@ def response_head(status: int, headers: Mapping[str, str], date: str, tail: str)
     parts.append(date)
     parts.append(tail)
     return "".join(parts).encode("latin-1")
+
+
+class RawHeaders(Mapping[str, str]):
+    """A request's header block, looked up by lower-case name without parsing every header: one lower-cased copy,
+    then one `find` per lookup (a request needs about five). The first of repeated headers wins, as aiohttp's
+    `get`. `block` is the head after the request line, starting with CRLF and without the final blank line."""
+
+    __slots__ = ("_block", "_lower")
+
+    def __init__(self, block: bytes) -> None:
+        self._block = block
+        self._lower = block.lower()
+
+    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        at = self._lower.find(b"\r\n" + name.encode("latin-1") + b":")
+        if at < 0:
+            return default
+        start = at + len(name) + 3
+        end = self._block.find(b"\r\n", start)
+        return self._block[start : end if end >= 0 else None].strip(b" \t").decode("latin-1")
+
+    def __getitem__(self, name: str) -> str:
+        value = self.get(name.lower())
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name.lower()) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        names = (line.partition(b":")[0].decode("latin-1") for line in self._lower.split(b"\r\n")[1:])
+        return iter(dict.fromkeys(names))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class _Count:

@@ -15,7 +15,7 @@ The client leaving cancels the lane like a task: the engine request is aborted a
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any, Protocol
 
 from gateway.completion import Begun, CompletionService
@@ -41,7 +41,7 @@ class Lane:
     __slots__ = ("begun", "ended", "headers", "host", "out", "service")
 
     def __init__(
-        self, service: CompletionService, begun: Begun, out: FastResponder, host: LaneHost, headers: dict[str, str]
+        self, service: CompletionService, begun: Begun, out: FastResponder, host: LaneHost, headers: Mapping[str, str]
     ) -> None:
         self.service = service
         self.begun = begun
@@ -105,7 +105,7 @@ class Lane:
 def dispatch(
     service: CompletionService,
     endpoint: Endpoint,
-    headers: dict[str, str],
+    headers: Mapping[str, str],
     body: bytes,
     request_id: str,
     out: FastResponder,

@@ -16,7 +16,7 @@ from aiohttp import web
 from engine_pool.sim import SimConfig
 from gateway.completion import CompletionService
 from gateway.fastpath import FastPathServer
-from gateway.http1 import request_boundary
+from gateway.http1 import RawHeaders, request_boundary
 from gateway.ids import IdSource
 from gateway.keys import REPLICAS, UPSTREAM
 from gateway.responder import FastResponder
@@ -353,3 +353,13 @@ async def test_a_request_task_cancelled_before_it_started_still_runs_its_handler
     for _ in range(3):
         await asyncio.sleep(0)
     assert steps == ["started", "cancelled"]
+
+
+def test_raw_headers_lookup() -> None:
+    block = b"\r\nHost: x\r\nX-Request-Id:  abc \r\nx-request-id: second\r\nAuthorization: Bearer k\r\nX-Empty:"
+    headers = RawHeaders(block)
+    assert headers.get("x-request-id") == "abc"  # names match whatever their case; the first wins; OWS stripped
+    assert headers.get("authorization") == "Bearer k" and headers.get("x-empty") == ""
+    assert headers.get("request-id") is None and headers.get("host") == "x"  # whole names only
+    assert "Upgrade" not in headers and "HOST" in headers and headers["Authorization"] == "Bearer k"
+    assert list(headers) == ["host", "x-request-id", "authorization", "x-empty"] and len(headers) == 4
