@@ -45,6 +45,9 @@ def response_head(status: int, headers: Mapping[str, str], date: str, tail: str)
     return "".join(parts).encode("latin-1")
 
 
+_SEARCH: dict[str, bytes] = {}  # header name -> what `RawHeaders.get` searches for
+
+
 class RawHeaders(Mapping[str, str]):
     """A request's header block, looked up by lower-case name without parsing every header: one lower-cased copy,
     then one `find` per lookup (a request needs about five). The first of repeated headers wins, as aiohttp's
@@ -57,10 +60,15 @@ class RawHeaders(Mapping[str, str]):
         self._lower = block.lower()
 
     def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        at = self._lower.find(b"\r\n" + name.encode("latin-1") + b":")
+        key = _SEARCH.get(name)
+        if key is None:
+            key = b"\r\n" + name.encode("latin-1") + b":"
+            if len(_SEARCH) < 256:  # names come from the code and the config
+                _SEARCH[name] = key
+        at = self._lower.find(key)
         if at < 0:
             return default
-        start = at + len(name) + 3
+        start = at + len(key)
         end = self._block.find(b"\r\n", start)
         return self._block[start : end if end >= 0 else None].strip(b" \t").decode("latin-1")
 

@@ -1,7 +1,7 @@
 """least-load: fewest in-flight requests as counted by the gateway, then fewest engine-reported waiting, then
 running requests; ties rotate with the decision sequence number so equal replicas share the load.
 
-O(n log n) for n candidates.
+O(n) for n candidates, plus O(t log t) to order t tied ones.
 """
 
 from __future__ import annotations
@@ -25,15 +25,18 @@ class LeastLoad:
             raise ValueError(f"least-load takes no parameters, got {sorted(params)}")
 
     def decide(self, view: RoutingView) -> Decision:
-        candidates = routable(view.replicas)
-        if len(candidates) <= 1:
-            if not candidates:
-                raise NoCandidate()
-            return Decision(candidates[0].id, "least-load")
-        candidates.sort(key=_by_id)
-        keys = [load_key(r) for r in candidates]
-        best = min(keys)
-        tied = [r for r, key in zip(candidates, keys, strict=True) if key == best]
+        best: tuple[int, int, int] | None = None
+        tied: list[ReplicaState] = []
+        for replica in routable(view.replicas):  # one pass: the least loaded, and those tied with it
+            key = load_key(replica)
+            if best is None or key < best:
+                best, tied = key, [replica]
+            elif key == best:
+                tied.append(replica)
+        if not tied:
+            raise NoCandidate()
+        if len(tied) > 1:
+            tied.sort(key=_by_id)  # the rotation among equals must not depend on how the view was assembled
         return Decision(tied[view.seq % len(tied)].id, "least-load")
 
 
