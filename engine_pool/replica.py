@@ -82,7 +82,7 @@ class Replica:
         return now < self.breaker_open_until
 
     def routable(self, now: float) -> bool:
-        return self.healthy and self.warm and not self.draining and not self.breaker_open(now)
+        return self.healthy and self.warm and not self.draining and now >= self.breaker_open_until
 
     def snapshot(self, now: float) -> ReplicaState:
         m, stale = self.metrics, self.finished_since_scrape

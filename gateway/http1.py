@@ -38,11 +38,8 @@ class DateHeader:
 
 def response_head(status: int, headers: Mapping[str, str], date: str, tail: str) -> bytes:
     """Status line, `headers`, the Date line and `tail` (framing and Connection lines, ending with a blank line)."""
-    parts = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n"]
-    parts += [f"{name}: {value}\r\n" for name, value in headers.items()]
-    parts.append(date)
-    parts.append(tail)
-    return "".join(parts).encode("latin-1")
+    fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    return f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\n{fields}{date}{tail}".encode("latin-1")
 
 
 _SEARCH: dict[str, bytes] = {}  # header name -> what `RawHeaders.get` searches for

@@ -24,6 +24,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.config import RetryConfig, TimeoutConfig
@@ -376,13 +378,24 @@ _DECODER = json.JSONDecoder()
 
 
 def _usage_of(raw: bytes) -> object:
-    """The `usage` object of a completion response, parsing only that object rather than the whole body."""
+    """The `usage` object of a completion response, parsing only that object rather than the whole body: its end
+    is the brace that closes it (usage holds numbers and nested objects of numbers; anything else is read by the
+    standard library's decoder from the object's start)."""
     idx = raw.rfind(b'"usage"')
     if idx < 0:
         return None
     start = raw.find(b"{", idx)
     if start < 0:
         return None
+    end = raw.find(b"}", start)
+    nested = raw.find(b"{", start + 1, end)
+    while nested >= 0 and end >= 0:  # a nested object closes first: the usage object ends at a later brace
+        nested = raw.find(b"{", nested + 1, end)
+        end = raw.find(b"}", end + 1)
+    try:
+        return orjson.loads(raw[start : end + 1])
+    except orjson.JSONDecodeError:
+        pass
     try:
         usage, _ = _DECODER.raw_decode(raw[start:].decode("utf-8", "replace"))
     except ValueError:

@@ -289,11 +289,10 @@ class UpstreamPool:
         self.max_idle = max_idle
         self.idle_timeout_s = idle_timeout_s  # below uvicorn's 5 s keep-alive, so vLLM never closes one under us
         self._idle: list[_Conn] = []
-        self._host_header = f"{host}:{port}".encode()
+        self._host = f"{host}:{port}"
 
     def put(self, conn: _Conn) -> None:
-        if len(self._idle) < self.max_idle:
-            conn.parser = httptools.HttpResponseParser(conn)
+        if len(self._idle) < self.max_idle:  # its parser goes on with the next response (llhttp resets itself)
             conn.idle_since = time.monotonic()
             conn.reused = True
             self._idle.append(conn)
@@ -337,19 +336,10 @@ class UpstreamPool:
     def _send(self, conn: _Conn, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         resp = UpstreamResponse(conn, reused=conn.reused)
         conn.response = resp
-        head = [
-            f"{method} {path} HTTP/1.1\r\n".encode(),
-            b"Host: ",
-            self._host_header,
-            b"\r\nContent-Length: ",
-            str(len(body)).encode(),
-            b"\r\n",
-        ]
-        for name, value in headers.items():
-            head.append(f"{name}: {value}\r\n".encode("latin-1"))
-        head.append(b"\r\n")
+        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        head = f"{method} {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Length: {len(body)}\r\n{fields}\r\n"
         assert conn.transport is not None
-        conn.transport.write(b"".join(head) + body)
+        conn.transport.write(head.encode("latin-1") + body)
         return resp
 
     def close(self) -> None:

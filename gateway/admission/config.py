@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from functools import cached_property
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -34,7 +35,7 @@ class LimitsConfig(_Strict):
     tokens_per_day: int | None = Field(None, ge=1)  # optional daily budget
     cached_token_weight: float = Field(1.0, ge=0.0, le=1.0)  # charge for a prompt token that hit the cache
 
-    @property
+    @cached_property
     def unlimited(self) -> bool:
         """No limit to check: admission takes no lease and leaves the quota store alone."""
         return (
