@@ -1,0 +1,73 @@
+"""Reading and writing request and response bodies on the hot path: orjson with the standard library's behaviour
+kept (`parse_request`, `upstream_body`) and the usage object read without parsing the whole answer (`_usage_of`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.proxy import _usage_of
+from gateway.request_parse import parse_request, upstream_body
+
+BIG = 1180591620717411303424  # beyond 64 bits: orjson reads it as a float
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'\xef\xbb\xbf{"model":"m","prompt":"x"}',  # a byte order mark
+        '{"model":"m","prompt":"x"}'.encode("utf-16"),
+        b'{"model":"m","prompt":"x","temperature":NaN}',
+        b'{"model":"m","prompt":"\\ud800"}',  # a lone surrogate
+    ],
+)
+def test_what_orjson_refuses_the_standard_library_reads(raw: bytes) -> None:
+    parsed = parse_request("completions", raw)
+    assert parsed.stdlib_json and parsed.model == "m"
+
+
+def test_invalid_json_is_still_a_400() -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_request("completions", b'{"model": "m",')
+    assert info.value.code == "invalid_json"
+
+
+def test_the_engine_gets_the_clients_bytes_unless_the_gateway_changes_a_field() -> None:
+    raw = b'{"model":"m","prompt":"x","seed":%d}' % BIG
+    assert upstream_body(parse_request("completions", raw), raw, salted=False) is raw
+
+
+def test_a_streams_usage_option_is_spliced_in() -> None:
+    raw = b' {"model":"m","prompt":"x","stream":true,"seed":%d}' % BIG
+    sent = json.loads(upstream_body(parse_request("completions", raw), raw, salted=False))
+    assert sent["stream_options"] == {"include_usage": True} and sent["seed"] == BIG
+
+
+def test_a_rewrite_keeps_every_value_exactly() -> None:
+    raw = b'{"model":"m","prompt":"x","stream":true,"stream_options":{"x":1},"seed":%d}' % BIG
+    parsed = parse_request("completions", raw)
+    parsed.body["cache_salt"] = "kvgate:abc"
+    sent = json.loads(upstream_body(parsed, raw, salted=True))
+    assert sent["seed"] == BIG and sent["cache_salt"] == "kvgate:abc"
+    assert sent["stream_options"] == {"x": 1, "include_usage": True}
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"id": "c", "usage": {"prompt_tokens": 20, "prompt_tokens_details": {"cached_tokens": 16}}, "kv": None},
+        {"usage": {"prompt_tokens": 2, "prompt_tokens_details": None, "completion_tokens": 1}},
+        {"usage": {"a": {"b": {"c": 1}}, "d": {"e": 2}, "prompt_tokens": 3}, "after": {"f": {}}},
+        {"usage": {}},
+        {"usage": {"note": "}{", "prompt_tokens": 5}},  # braces in a string: the fallback reads it
+    ],
+)
+def test_the_usage_object_is_read_whole(answer: dict[str, object]) -> None:
+    assert _usage_of(json.dumps(answer).encode()) == answer["usage"]
+
+
+def test_no_usage_or_a_truncated_one_reads_as_none() -> None:
+    assert _usage_of(b'{"id":"c"}') is None
+    assert _usage_of(b'{"usage":{"prompt_tokens":2') is None
