@@ -19,6 +19,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, Protocol
 
 from gateway.completion import Begun, CompletionService
+from gateway.proxy import usage_of
 from gateway.request_parse import Endpoint
 from gateway.responder import FastResponder
 
@@ -65,14 +66,14 @@ class Lane:
         self.ended = True
         service, ctx, replica = self.service, begun.ctx, first.replica
         raw = upstream.body_now()
-        headers = service.proxy.whole_answer(raw, replica, first.decision, ctx)
-        upstream.release()
-        replica.end(first.started)
-        try:
-            out.send_now(upstream.status, headers, raw)
-            ctx.status = upstream.status
+        try:  # the answer first: the bookkeeping below is off its path
+            out.send_now(upstream.status, service.proxy.answer_headers(replica, first.decision, ctx), raw)
+            ctx.status, ctx.delivered = upstream.status, True
         except ConnectionResetError:
             service.client_left(ctx)
+        ctx.set_usage(usage_of(raw))
+        upstream.release()
+        replica.end(first.started)
         self._finish()
 
     def cancel(self) -> None:

@@ -287,14 +287,17 @@ class UpstreamProxy:
             raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} timed out")) from None
         except ConnectionError as exc:
             raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
-        await out.send(upstream.status, self.whole_answer(raw, replica, decision, ctx), raw)
-
-    def whole_answer(self, raw: bytes, replica: Replica, decision: Decision, ctx: RequestContext) -> dict[str, str]:
-        """Account for an engine's whole (non-streamed) answer; returns the client's response headers."""
-        replica.record_success()
-        ctx.set_usage(_usage_of(raw))
-        ctx.ttft_s = time.monotonic() - ctx.started
+        try:
+            await out.send(upstream.status, self.answer_headers(replica, decision, ctx), raw)
+        finally:
+            ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
         ctx.delivered = True
+
+    def answer_headers(self, replica: Replica, decision: Decision, ctx: RequestContext) -> dict[str, str]:
+        """The client's response headers for an engine's whole (non-streamed) answer, which is about to be sent;
+        the usage in it is read after sending (`usage_of`), off the answer's path."""
+        replica.record_success()
+        ctx.ttft_s = time.monotonic() - ctx.started
         headers = self._headers(ctx, replica, decision)
         headers["Content-Type"] = "application/json"
         return headers
@@ -377,7 +380,7 @@ class UpstreamProxy:
 _DECODER = json.JSONDecoder()
 
 
-def _usage_of(raw: bytes) -> object:
+def usage_of(raw: bytes) -> object:
     """The `usage` object of a completion response, parsing only that object rather than the whole body: its end
     is the brace that closes it (usage holds numbers and nested objects of numbers; anything else is read by the
     standard library's decoder from the object's start)."""

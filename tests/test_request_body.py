@@ -1,5 +1,5 @@
 """Reading and writing request and response bodies on the hot path: orjson with the standard library's behaviour
-kept (`parse_request`, `upstream_body`) and the usage object read without parsing the whole answer (`_usage_of`)."""
+kept (`parse_request`, `upstream_body`) and the usage object read without parsing the whole answer (`usage_of`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.proxy import _usage_of
+from gateway.proxy import usage_of
 from gateway.request_parse import parse_request, upstream_body
 
 BIG = 1180591620717411303424  # beyond 64 bits: orjson reads it as a float
@@ -65,9 +65,9 @@ def test_a_rewrite_keeps_every_value_exactly() -> None:
     ],
 )
 def test_the_usage_object_is_read_whole(answer: dict[str, object]) -> None:
-    assert _usage_of(json.dumps(answer).encode()) == answer["usage"]
+    assert usage_of(json.dumps(answer).encode()) == answer["usage"]
 
 
 def test_no_usage_or_a_truncated_one_reads_as_none() -> None:
-    assert _usage_of(b'{"id":"c"}') is None
-    assert _usage_of(b'{"usage":{"prompt_tokens":2') is None
+    assert usage_of(b'{"id":"c"}') is None
+    assert usage_of(b'{"usage":{"prompt_tokens":2') is None
