@@ -4,7 +4,7 @@ server protocol + kvgate's upstream client, no routing, admission or metrics), (
 with its fast path and with `server.fast_path: false` (aiohttp serving everything); and for (2) and (3) the latency
 they add at concurrency 1 (p50 of alternating direct / proxied requests, as `bench_gateway_overhead.py` measures).
 Shows how much of kvgate's per-request cost is the HTTP server and its own logic rather than sockets and hops.
-Rerun: `python bench/bench_proxy_floor.py [--requests N] [--pairs N]` (about 2 minutes).
+Rerun: `python bench/bench_proxy_floor.py [--repeat N] [--requests N] [--pairs N]` (3 rounds: about 3 minutes).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
@@ -22,7 +24,7 @@ import httptools
 import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, free_port, kvgate, sim_engine_processes, wait_http
+from _procs import cpu_seconds, free_port, kvgate, sim_engine_processes
 from bench_gateway_overhead import latency
 
 
@@ -103,31 +105,34 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--pairs", type=int, default=1000, help="direct/proxied request pairs for the added latency")
+    p.add_argument("--repeat", type=int, default=3, help="rounds, each measuring every process in turn")
     args = p.parse_args()
-    with sim_engine_processes(1, "--instant") as [(engine_url, engine_pid)]:
-        alone = cpu_ms_per_request(engine_url, engine_pid, args.requests, args.concurrency)
-        rows: list[tuple[str, tuple[float, float | None]]] = [("engine alone (aiohttp server)", (alone, None))]
+    rows: dict[str, list[tuple[float, float | None]]] = {}
+    with sim_engine_processes(1, "--instant") as [(engine_url, engine_pid)], ExitStack() as stack:
         port = free_port()
         proxy = subprocess.Popen([sys.executable, __file__, "--serve", str(port), engine_url.rsplit(":", 1)[1]])
-        try:
-            time.sleep(1.0)
-            wait_http(engine_url + "/health")
-            minimal = measure(engine_url, f"http://127.0.0.1:{port}", proxy.pid, args)
-            rows.append(("minimal proxy (httptools server + kvgate upstream client)", minimal))
-        finally:
-            proxy.terminate()
-            proxy.wait()
+        stack.callback(proxy.wait)
+        stack.callback(proxy.terminate)
+        time.sleep(1.0)
+        procs = [("minimal proxy (httptools server + kvgate upstream client)", f"http://127.0.0.1:{port}", proxy.pid)]
         for fast_path in (True, False):
             os.environ["KVGATE__SERVER__FAST_PATH"] = "true" if fast_path else "false"  # inherited by the child
-            with kvgate([engine_url], "--access-log", "off", "--log-level", "WARNING") as (gw, pid):
-                name = "fast path (default)" if fast_path else "server.fast_path=false: aiohttp server"
-                rows.append(
-                    (f"kvgate serve, {name} (least-load, admission defaults)", measure(engine_url, gw, pid, args))
-                )
+            gw, pid = stack.enter_context(kvgate([engine_url], "--access-log", "off", "--log-level", "WARNING"))
+            name = "fast path (default)" if fast_path else "server.fast_path=false: aiohttp server"
+            procs.append((f"kvgate serve, {name} (least-load, admission defaults)", gw, pid))
         os.environ.pop("KVGATE__SERVER__FAST_PATH", None)
+        for _ in range(args.repeat):
+            alone = cpu_ms_per_request(engine_url, engine_pid, args.requests, args.concurrency)
+            rows.setdefault("engine alone (aiohttp server)", []).append((alone, None))
+            for name, url, pid in procs:
+                rows.setdefault(name, []).append(measure(engine_url, url, pid, args))
+    print(f"medians (ranges) over {args.repeat} rounds, each measuring every process in turn")
     print("| process | CPU ms per request | added p50 ms |\n|---|---|---|")
-    for name, (cpu, added) in rows:
-        print(f"| {name} | {cpu:.3f} | {'' if added is None else f'{added:.3f}'} |")
+    for name, values in rows.items():
+        cpu = [c for c, _ in values]
+        added = [a for _, a in values if a is not None]
+        cells = [f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" if v else "" for v in (cpu, added)]
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":
