@@ -4,6 +4,8 @@ Per request: identify the tenant (401) -> read and validate the body (400/404/41
 for routing -> admission (429/503) -> forward with retries (`gateway.proxy`) -> usage, metrics, access log.
 Every answer, errors included, goes out through a `Responder`; errors are rendered by `gateway.errors`.
 The client leaving cancels the task running `handle` (both servers do this), which aborts the engine request.
+`begin_now` is the same flow up to the first attempt without a coroutine, for the fast lane (`gateway.lane`);
+`handle(begun=...)` takes over from wherever it stopped.
 """
 
 from __future__ import annotations

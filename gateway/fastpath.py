@@ -2,8 +2,10 @@
 `POST /v1/completions`; every other request is handed, with its connection, to aiohttp.
 
 Per connection, an asyncio Protocol feeds received bytes to httptools (llhttp). A complete hot request (body
-buffered, at most `server.max_body_bytes`) is answered by `CompletionService.handle` in its own task, one at a time,
-so pipelined requests are answered in order; up to `MAX_QUEUED` parsed requests wait, then reading pauses.
+buffered, at most `server.max_body_bytes`) goes to `gateway.lane.dispatch`: answered by the fast lane (no task) or
+by `CompletionService.handle` in its own task; one at a time, so pipelined requests are answered in order; up to
+`MAX_QUEUED` parsed requests wait, then reading pauses. Headers are not parsed one by one: the few a request needs
+are looked up in its raw head (`http1.RawHeaders`).
 A request that is not a hot POST (other path or method, a query string, Upgrade, an Expect other than
 100-continue or sent behind queued requests) stops the parser; once the requests before it are answered, the
 connection is handed to a fresh aiohttp `RequestHandler` (`web.Server()`), with the bytes from that request on,
@@ -13,10 +15,11 @@ Errors of the fast path's own: malformed HTTP -> 400, a body over the limit -> 4
 the received part exceeds it, a head over `MAX_HEAD_BYTES` / `MAX_HEADERS` -> 431; each OpenAI-shaped, after the
 earlier requests' answers, then the connection closes (after a short linger that discards input, so the client
 reads the answer instead of a reset).
-The client leaving cancels the running task at once. Writes respect pause_writing/resume_writing (a stream awaits the
-drain). `FastPathServer.shutdown` closes idle connections and lets running requests finish within the grace time.
-Cost per request: one parser feed per received segment, one header map, one task, one transport.write per answer
-(streams: one per relayed chunk).
+The client leaving cancels the running lane or task at once. Writes respect pause_writing/resume_writing (a stream
+awaits the drain). `FastPathServer.shutdown` closes idle connections and lets running requests finish within the
+grace time.
+Cost per request: one parser feed per received segment, one lower-cased copy of the head, one transport.write per
+answer (streams: one per relayed chunk, and a task).
 """
 
 from __future__ import annotations
