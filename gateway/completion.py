@@ -82,7 +82,7 @@ class CompletionService:
             if parsed.stream or not self.replicas.for_model(parsed.model):
                 return None
             salted = admission.apply_cache_salt(identity, parsed.body)
-        except GatewayError:
+        except Exception:  # an error to answer: `handle` meets it again and answers it
             return None
         ctx.tenant, ctx.model = identity.tenant, parsed.model
         info = self.router.plain_info(parsed.model, identity.tenant, headers.get(self._session_header))
@@ -97,6 +97,9 @@ class CompletionService:
             begun.first = self.proxy.start(parsed, info, ctx, raw, salted)
         except GatewayError as err:
             begun.error = err
+        except Exception:  # a bug: the request still ends as `handle` ends it, with a 500
+            log.exception("unhandled error starting %s (request %s)", endpoint, request_id)
+            begun.error = GatewayError("internal gateway error")
         return begun
 
     async def handle(
@@ -109,8 +112,8 @@ class CompletionService:
         begun: Begun | None = None,
     ) -> None:
         """Answer one request through `out`; returns once the whole response was handed to the server.
-        `headers` is looked up by lower-case name (aiohttp's case-insensitive headers, or the fast path's dict of
-        lower-case names); `body` is the request body, or a coroutine function reading it. `begun`: the request
+        `headers` is looked up by lower-case name (aiohttp's case-insensitive headers, or the fast path's
+        `RawHeaders`); `body` is the request body, or a coroutine function reading it. `begun`: the request
         as `begin_now` left it."""
         ctx = RequestContext(request_id, endpoint, time.monotonic()) if begun is None else begun.ctx
         admission = self.admission

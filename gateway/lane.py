@@ -15,13 +15,18 @@ The client leaving cancels the lane like a task: the engine request is aborted a
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Coroutine, Mapping
 from typing import Any, Protocol
 
 from gateway.completion import Begun, CompletionService
+from gateway.errors import GatewayError, render_error
 from gateway.proxy import usage_of
 from gateway.request_parse import Endpoint
 from gateway.responder import FastResponder
+
+log = logging.getLogger("kvgate.lane")
 
 Handler = Coroutine[Any, Any, None]
 
@@ -65,16 +70,21 @@ class Lane:
             return
         self.ended = True
         service, ctx, replica = self.service, begun.ctx, first.replica
-        raw = upstream.body_now()
-        try:  # the answer first: the bookkeeping below is off its path
-            out.send_now(upstream.status, service.proxy.answer_headers(replica, first.decision, ctx), raw)
-            ctx.status, ctx.delivered = upstream.status, True
-        except ConnectionResetError:
-            service.client_left(ctx)
-        ctx.set_usage(usage_of(raw))
-        upstream.release()
-        replica.end(first.started)
-        self._finish()
+        try:
+            raw = upstream.body_now()
+            try:  # the answer first: the bookkeeping below is off its path
+                out.send_now(upstream.status, service.proxy.answer_headers(replica, first.decision, ctx), raw)
+                ctx.status, ctx.delivered = upstream.status, True
+            except ConnectionResetError:
+                service.client_left(ctx)
+            ctx.set_usage(usage_of(raw))
+        except Exception:  # a bug: answer 500 if nothing went out yet, as `handle` does
+            log.exception("fast lane: request %s failed", out.request_id)
+            self._internal_error()
+        finally:
+            upstream.release()
+            replica.end(first.started)
+            self._finish()
 
     def cancel(self) -> None:
         """The client left (or shutdown): abort the engine request and end the request as a task would."""
@@ -88,13 +98,28 @@ class Lane:
         self.service.client_left(self.begun.ctx)
         self._finish()
 
+    def _internal_error(self) -> None:
+        out, ctx = self.out, self.begun.ctx
+        if out.started:
+            out.complete = False  # the connection closes: the client sees a truncated answer, not a hang
+            return
+        err = GatewayError("internal gateway error")
+        ctx.status, ctx.error = err.status, err.code
+        status, headers, body = render_error(err, request_id=ctx.request_id)
+        with contextlib.suppress(ConnectionResetError):
+            out.send_now(status, headers, body)
+
     def _finish(self) -> None:
+        """Release the admission ticket, record the request, and give the connection its next request; the
+        connection moves on even if the bookkeeping fails."""
         begun, service = self.begun, self.service
         assert begun.ticket is not None
-        finished = service.admission.finish_now(begun.ticket, begun.ctx)
-        assert finished, "a lane's ticket holds no remote lease (admit_now hands out none)"
-        service.done(begun.ctx, begun.info)
-        self.host.lane_done(self.out)
+        try:
+            finished = service.admission.finish_now(begun.ticket, begun.ctx)
+            assert finished, "a lane's ticket holds no remote lease (admit_now hands out none)"
+            service.done(begun.ctx, begun.info)
+        finally:
+            self.host.lane_done(self.out)
 
     def _handler(self) -> Handler:
         begun = self.begun

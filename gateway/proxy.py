@@ -94,10 +94,15 @@ class UpstreamProxy:
         deadline = now + self.settings.timeouts.total_s
         replica, decision = self._route(parsed, info, ctx, (), 0)
         started = replica.begin()
-        pool = self.client.pool(replica.host, replica.port, replica.use_tls)
-        upstream = pool.request_idle("POST", replica.base_path + _PATHS[parsed.endpoint], data, self._ask_headers(ctx))
-        if upstream is not None:
-            upstream.set_timeout(min(self.settings.timeouts.first_byte_s, deadline - now))
+        try:
+            pool = self.client.pool(replica.host, replica.port, replica.use_tls)
+            path = replica.base_path + _PATHS[parsed.endpoint]
+            upstream = pool.request_idle("POST", path, data, self._ask_headers(ctx))
+            if upstream is not None:
+                upstream.set_timeout(min(self.settings.timeouts.first_byte_s, deadline - now))
+        except BaseException:
+            replica.end(started)
+            raise
         return Attempt(replica, decision, started, data, deadline, upstream)
 
     def _route(

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from engine_pool.sim import Faults, SimConfig
 from gateway.http1 import DateHeader
@@ -141,3 +142,24 @@ async def test_cancelling_a_lane_aborts_the_engine_request_and_ends_the_request(
         assert replica.in_flight == 0 and gw.app[ADMISSION].tenant_in_flight("anonymous") == 0
         metrics = await (await http.get(gw.url + "/metrics")).text()
         assert 'kvgate_client_disconnects_total{model="sim"} 1.0' in metrics
+
+
+async def test_a_bug_in_the_lane_is_a_500_and_the_request_still_ends(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        await _warm(http, gw.url, 1)
+        proxy = gw.app[COMPLETIONS].proxy
+
+        def broken(*args: object) -> dict[str, str]:
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(proxy, "answer_headers", broken)
+        conn = _Connection()
+        running = _dispatch(gw, conn, {"model": "sim", "prompt": "x"})
+        assert isinstance(running, Lane)
+        await asyncio.wait_for(conn.answered.wait(), 10)  # the connection moves on
+        assert conn.status() == 500 and conn.json()["error"]["type"] == "internal_error"
+        replica = next(iter(gw.app[REPLICAS]))
+        assert replica.in_flight == 0 and gw.app[ADMISSION].tenant_in_flight("anonymous") == 0
+        assert "fast lane: request req-1 failed" in caplog.text
