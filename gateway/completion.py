@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
+from gateway.admission.auth import Identity
 from gateway.admission.controller import AdmissionController, Ticket
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
@@ -39,10 +40,11 @@ class Begun:
     """A request `CompletionService.begin_now` took as far as it could without a coroutine."""
 
     ctx: RequestContext
+    identity: Identity
     parsed: ParsedRequest
-    info: RequestInfo
     raw: bytes
     salted: bool
+    info: RequestInfo | None = None  # None: the cache hooks compute it (a coroutine)
     ticket: Ticket | None = None  # admitted
     first: Attempt | None = None  # its first attempt, started
     error: GatewayError | None = None  # refused by admission, or admitted and no replica could take it
@@ -70,31 +72,31 @@ class CompletionService:
         self._access_log = config.server.access_log
 
     def begin_now(self, endpoint: Endpoint, headers: Mapping[str, str], raw: bytes, request_id: str) -> Begun | None:
-        """`handle`'s steps up to the first attempt, without a coroutine (the fast path's common case). None when
-        the request needs all of `handle` (a streamed request, cache hooks, a remote quota store, the queue, or an
-        error to answer before admission): nothing was done then. Otherwise the request is admitted and its first
-        attempt started (`Begun.first`), or admission refused it (`Begun.error`): `handle(begun=...)` goes on."""
+        """`handle`'s steps without a coroutine, as far as they go (the fast path's common case: all of them up to
+        the first attempt). None when the request has an error to answer before admission: nothing was done then,
+        and `handle` meets the error again. Otherwise `handle(begun=...)` goes on from where this stopped: the
+        prefix info to compute (cache hooks), admission to wait for (`Begun.ticket` None: the queue or a remote quota
+        store), or the first attempt, started (`Begun.first`); `Begun.error` when admission refused the request or no
+        replica could take it."""
         ctx = RequestContext(request_id, endpoint, time.monotonic())
         admission = self.admission
         try:
             identity = admission.identify(headers)
             parsed = parse_request(endpoint, raw)
-            if parsed.stream or not self.replicas.for_model(parsed.model):
+            if not self.replicas.for_model(parsed.model):
                 return None
             salted = admission.apply_cache_salt(identity, parsed.body)
         except Exception:  # an error to answer: `handle` meets it again and answers it
             return None
-        ctx.tenant, ctx.model = identity.tenant, parsed.model
-        info = self.router.plain_info(parsed.model, identity.tenant, headers.get(self._session_header))
+        ctx.tenant, ctx.model, ctx.stream = identity.tenant, parsed.model, parsed.stream
+        begun = Begun(ctx, identity, parsed, raw, salted)
+        begun.info = info = self.router.plain_info(parsed.model, identity.tenant, headers.get(self._session_header))
         if info is None:
-            return None
-        begun = Begun(ctx, parsed, info, raw, salted)
+            return begun
         try:
-            ticket = admission.admit_now(identity, parsed.model, len(raw) // 4, ctx)
-            if ticket is None:
-                return None
-            begun.ticket = ticket
-            begun.first = self.proxy.start(parsed, info, ctx, raw, salted)
+            begun.ticket = admission.admit_now(identity, parsed.model, len(raw) // 4, ctx)
+            if begun.ticket is not None:
+                begun.first = self.proxy.start(parsed, info, ctx, raw, salted)
         except GatewayError as err:
             begun.error = err
         except Exception:  # a bug: the request still ends as `handle` ends it, with a 500
@@ -121,34 +123,33 @@ class CompletionService:
         try:
             if begun is None:
                 identity = admission.identify(headers)  # 401 before anything else when auth is on
-                ctx.tenant = tenant = identity.tenant
+                ctx.tenant = identity.tenant
                 raw = body if isinstance(body, bytes) else await body()
                 parsed = parse_request(endpoint, raw)
-                model = parsed.model
-                if not self.replicas.for_model(model):  # metrics label only known models: bounded cardinality
-                    raise NotFound(f"the model {model!r} does not exist", param="model")
-                ctx.model, ctx.stream = model, parsed.stream
+                if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
+                    raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
+                ctx.model, ctx.stream = parsed.model, parsed.stream
                 salted = admission.apply_cache_salt(identity, parsed.body)
+                ticket, first = None, None
+            else:
+                identity, parsed, raw, salted = begun.identity, begun.parsed, begun.raw, begun.salted
+                ticket, first = begun.ticket, begun.first
+                if begun.error is not None and ticket is None:
+                    raise begun.error  # refused by admission
+            model = parsed.model
+            if info is None:
                 session_key = headers.get(self._session_header)
-                info = self.router.plain_info(model, tenant, session_key) or await self.router.request_info(
-                    model=model, endpoint=endpoint, body=parsed.body, tenant=tenant, session_key=session_key
+                info = self.router.plain_info(model, identity.tenant, session_key) or await self.router.request_info(
+                    model=model, endpoint=endpoint, body=parsed.body, tenant=identity.tenant, session_key=session_key
                 )
+            if ticket is None:
                 prompt_estimate = info.prompt_tokens or len(raw) // 4
                 ticket = admission.admit_now(identity, model, prompt_estimate, ctx) or await admission.admit(
                     identity, model, prompt_estimate, ctx
                 )
-                first = None
-            else:
-                parsed, raw, salted, first = begun.parsed, begun.raw, begun.salted, begun.first
-                if begun.ticket is None:
-                    assert begun.error is not None
-                    raise begun.error
-                ticket = begun.ticket
             try:
-                if first is None and begun is not None:
-                    assert begun.error is not None
+                if begun is not None and begun.error is not None:
                     raise begun.error  # admitted, and then no replica could take it
-                assert info is not None
                 ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, salted, first)
             finally:
                 if not admission.finish_now(ticket, ctx):

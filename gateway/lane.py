@@ -5,9 +5,10 @@ an idle kept-alive connection: all synchronous in the common case) and then wait
 the upstream response (`UpstreamResponse.on_settled`) instead of a task. When the engine's whole answer is in and
 it is a success, `Lane.settled` writes it to the client and ends the request right there, inside the upstream
 socket's read callback. Everything else goes to `CompletionService.handle` in a task, which takes over from where
-the lane stopped: a request `begin_now` cannot take (streamed, cache-aware routing, a remote quota store, the
-queue, an invalid request) from the start; an admission refusal, no replica, no idle connection, an engine error,
-a timeout or a body still arriving after the headers from the first attempt on (retries included).
+`begin_now` or the lane stopped: an invalid request from the start; cache-aware routing at its prefix info; the
+queue or a remote quota store at admission; a stream, no idle connection, an admission refusal or no replica after
+them; an engine error, a timeout or a body still arriving after the headers from the first attempt on (retries
+included).
 Saves per request, against `handle` in a task: the task and its scheduling (one loop iteration before anything
 is sent upstream), five coroutines, and the loop iteration between the engine's answer and the reply.
 The client leaving cancels the lane like a task: the engine request is aborted at once.
@@ -142,7 +143,7 @@ def dispatch(
     if begun is None:
         return service.handle(endpoint, headers, body, request_id, out)
     first = begun.first
-    if first is None or first.upstream is None:
+    if first is None or first.upstream is None or begun.parsed.stream:  # streams relay in a task
         return service.handle(endpoint, headers, body, request_id, out, begun)
     lane = Lane(service, begun, out, host, headers)
     first.upstream.on_settled = lane.settled

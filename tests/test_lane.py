@@ -11,9 +11,11 @@ import aiohttp
 import pytest
 
 from engine_pool.sim import Faults, SimConfig
+from gateway import completion
 from gateway.http1 import DateHeader
 from gateway.keys import ADMISSION, COMPLETIONS, REPLICAS
 from gateway.lane import Handler, Lane, dispatch
+from gateway.request_parse import Endpoint, ParsedRequest, parse_request
 from gateway.responder import FastResponder
 from tests.conftest import gateway_over_sims, wait_for
 
@@ -163,3 +165,24 @@ async def test_a_bug_in_the_lane_is_a_500_and_the_request_still_ends(
         replica = next(iter(gw.app[REPLICAS]))
         assert replica.in_flight == 0 and gw.app[ADMISSION].tenant_in_flight("anonymous") == 0
         assert "fast lane: request req-1 failed" in caplog.text
+
+
+async def test_a_stream_is_parsed_once_and_sent_upstream_before_its_task_runs(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        await _warm(http, gw.url, 1)
+        parses: list[bytes] = []
+
+        def counting_parse(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+            parses.append(raw)
+            return parse_request(endpoint, raw)
+
+        monkeypatch.setattr(completion, "parse_request", counting_parse)
+        conn = _Connection()
+        running = _dispatch(gw, conn, {"model": "sim", "prompt": "x", "stream": True})
+        assert not isinstance(running, Lane)
+        await wait_for(lambda: sims[0].engine.stats.started == 2, what="the engine has the stream, no task yet")
+        await running
+        assert conn.status() == 200 and b"data: [DONE]" in conn.transport.data
+        assert len(parses) == 1
