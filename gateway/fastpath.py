@@ -58,8 +58,7 @@ class _Stop(Exception):
 
 
 class FastRequest:
-    """A parsed hot request. `headers` is a plain dict keyed by lower-case names (the completion logic looks headers
-    up by lower-case name; for a repeated header the last value wins)."""
+    """A parsed hot request. `headers` is its raw head, looked up by lower-case name (`http1.RawHeaders`)."""
 
     __slots__ = ("body", "endpoint", "headers", "http10", "keep_alive")
 

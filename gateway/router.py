@@ -77,7 +77,9 @@ class Router:
         session_key: str | None,
     ) -> RequestInfo:
         if self.cache is None:
-            return RequestInfo(model=model, tenant=tenant, session_key=session_key)
+            info = self.plain_info(model, tenant, session_key)
+            assert info is not None
+            return info
         return await self.cache.request_info(
             model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key
         )

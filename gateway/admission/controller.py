@@ -31,7 +31,7 @@ from typing import Any
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.auth import Authenticator, Identity
-from gateway.admission.config import AdmissionConfig
+from gateway.admission.config import AdmissionConfig, LimitsConfig
 from gateway.admission.local import LocalQuotaStore
 from gateway.admission.metrics import AdmissionMetrics, TenantMetrics
 from gateway.admission.queue import DrainRate, FairQueue, QueueEntry
@@ -149,19 +149,14 @@ class AdmissionController:
     def admit_now(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket | None:
         """Admission without waiting (the common case): the ticket, or a refusal raised; None when the request has
         to go through `admit` (a remote quota store to ask, or no free slot: the queue)."""
-        tenant = identity.tenant
-        tenant_cfg = self.config.tenant(tenant)
-        limits = tenant_cfg.limits
+        limits = self.config.tenant(identity.tenant).limits
         enabled = self.config.enabled
         if not limits.unlimited and self._local is None:
             return None
         if enabled and not self._free_now(model):
             return None
-        if limits.unlimited:
-            quota = _UNLIMITED
-        else:
-            assert self._local is not None
-            quota = self._local.check_now(tenant, limits, prompt_tokens, self._lease_ids.next())
+        quota = self._quota_now(identity.tenant, limits, prompt_tokens)
+        assert quota is not None
         ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
         if enabled:
             self._take(model)
@@ -173,11 +168,8 @@ class AdmissionController:
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
         limits = tenant_cfg.limits
-        if limits.unlimited:
-            quota = _UNLIMITED
-        elif self._local is not None:
-            quota = self._local.check_now(tenant, limits, prompt_tokens, self._lease_ids.next())
-        else:
+        quota = self._quota_now(tenant, limits, prompt_tokens)
+        if quota is None:
             quota = await self.store.check(tenant, limits, prompt_tokens, self._lease_ids.next())
         ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
         try:
@@ -188,6 +180,14 @@ class AdmissionController:
             await self.finish(ticket, ctx, failed=True)
             raise
         return ticket
+
+    def _quota_now(self, tenant: str, limits: LimitsConfig, prompt_tokens: int) -> QuotaResult | None:
+        """The quota check when it needs no round trip (no limits, or the in-process store); None otherwise."""
+        if limits.unlimited:
+            return _UNLIMITED
+        if self._local is not None:
+            return self._local.check_now(tenant, limits, prompt_tokens, self._lease_ids.next())
+        return None
 
     def _ticket(
         self, identity: Identity, model: str, prompt_tokens: int, quota: QuotaResult, ctx: RequestContext
