@@ -5,6 +5,12 @@
 - stdout and stderr go through one pipe to an asyncio reader task that writes them to `<log_dir>/<id>.log`, rotated
   by size (`log_max_bytes`, `log_backups` older files `<id>.log.1` ...). File writes and rotation run in a worker
   thread (`asyncio.to_thread`), never on the event loop; reads are at most 64 KiB at a time, so memory is bounded.
+- CPU placement: when the launch names CPUs (a CPU replica's `cpu_bind`), the child is pinned to them the moment it
+  exists, before it has started a thread, so every process and thread of the engine inherits its own cores. vLLM's
+  OpenMP binding (`OMP_PLACES` from `VLLM_CPU_OMP_THREADS_BIND`) is then a no-op instead of a migration off a core
+  that another replica keeps busy (a restarted replica used to hang in the kernel's `sched_setaffinity` there).
+- Progress: `cpu_seconds()` sums user+system time over the live processes of the group (from /proc), so the
+  supervisor can tell a slow start from a stalled one.
 - Stop: SIGTERM to the group, wait `timeout_s`, then SIGKILL to the group. After the main process exits for any
   reason the group is SIGKILLed once more, so a child of a crashed engine cannot outlive it.
 """
@@ -17,12 +23,35 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("kvgate.pool.launcher")
 
 _READ_CHUNK = 64 * 1024
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def group_cpu_seconds(pgid: int) -> float | None:
+    """User + system CPU seconds of the live processes in process group `pgid`; None where /proc is missing."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    total = 0
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+        if len(fields) > 12 and int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / _CLOCK_TICKS
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,6 +107,15 @@ class RotatingLog:
         self._fh.close()
 
 
+@dataclass(frozen=True, slots=True)
+class LaunchCommand:
+    """How to start one engine: argv, environment, and the CPUs to pin it to (None: not pinned)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cpus: frozenset[int] | None = None
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> bool:
     try:
         os.killpg(pgid, sig)
@@ -109,6 +147,7 @@ class EngineProcess:
         backups: int,
         name: str,
         cwd: str | None = None,
+        cpus: Collection[int] | None = None,
     ) -> EngineProcess:
         log_file = await asyncio.to_thread(RotatingLog, log_path, max_bytes, backups)
         header = f"=== kvgate: starting {name}: {' '.join(argv)}\n".encode()
@@ -126,12 +165,21 @@ class EngineProcess:
         except BaseException:  # OSError, or cancelled while starting: the log must not leak
             log_file.close()
             raise
+        if cpus:
+            try:  # the child has just exec'd its interpreter: no thread of it exists yet to miss the mask
+                os.sched_setaffinity(proc.pid, cpus)
+            except OSError as exc:  # a CPU outside this process's cpuset: start unpinned, vLLM binds its threads
+                log.warning("could not pin %s to CPUs %s: %s", name, sorted(cpus), exc)
         log.info("started %s (pid %d), log %s", name, proc.pid, log_path)
         return cls(proc, log_file, name)
 
     @property
     def returncode(self) -> int | None:
         return self._proc.returncode
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time used so far by the engine's live processes (None where it cannot be read)."""
+        return group_cpu_seconds(self.pgid)
 
     async def _pump(self) -> None:
         stream = self._proc.stdout

@@ -25,11 +25,11 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from engine_pool.degradation import DegradationWatcher, ErrorSource
-from engine_pool.launcher import free_port
+from engine_pool.launcher import LaunchCommand, free_port
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import PoolError, PoolMetrics, Slot, SlotState, UnknownReplica
-from engine_pool.spec import ModelPoolConfig, PoolConfig
+from engine_pool.spec import ModelPoolConfig, PoolConfig, parse_cpu_list
 from engine_pool.supervisor import Supervisor
 from engine_pool.vllm_command import Device, EngineLaunchSpec, detect_device, vllm_argv, vllm_env
 
@@ -248,9 +248,10 @@ class EnginePool:
             self._on_replica(replica)
         return slot
 
-    def _command(self, slot: Slot) -> tuple[list[str], dict[str, str]]:
+    def _command(self, slot: Slot) -> LaunchCommand:
         m, host = slot.model, self.config.host
         env = {**self.base_env, **m.env}
+        assign = m.device_for(slot.index)
         if m.kind == "sim":
             argv = [
                 sys.executable,
@@ -274,9 +275,8 @@ class EnginePool:
             ):
                 if value is not None:
                     argv += [flag, str(value)]
-            return argv + list(m.extra_args), env
+            return LaunchCommand(argv + list(m.extra_args), env, parse_cpu_list(assign.cpu_bind or ""))
         device = self._devices.get(m.name, "cpu")
-        assign = m.device_for(slot.index)
         spec = EngineLaunchSpec(
             model=self._model_paths[m.name],
             port=slot.port,
@@ -299,4 +299,5 @@ class EnginePool:
             extra_args=tuple(m.extra_args),
             extra_env=dict(m.env),
         )
-        return vllm_argv(spec), vllm_env(spec, self.base_env)
+        cpus = parse_cpu_list(assign.cpu_bind or "") if device == "cpu" else None
+        return LaunchCommand(vllm_argv(spec), vllm_env(spec, self.base_env), cpus)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -33,10 +33,36 @@ class _Strict(BaseModel):
 
 
 class DeviceAssignment(_Strict):
-    """Where one replica runs: GPU ids (CUDA_VISIBLE_DEVICES) or the CPU cores its OpenMP threads bind to."""
+    """Where one replica runs: GPU ids (CUDA_VISIBLE_DEVICES) or the CPU cores it runs on (CPU): its processes are
+    pinned to them at launch and vLLM's OpenMP threads bind to them (VLLM_CPU_OMP_THREADS_BIND)."""
 
     cuda_visible_devices: str | None = None  # "0", "2,3" (GPU)
-    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0-3", "nobind" (CPU)
+    cpu_bind: str | None = None  # "0", "1", "0-3", "0,2", or "nobind" (CPU)
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _cpu_list(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpu_list(value)
+        return value
+
+
+def parse_cpu_list(text: str) -> frozenset[int] | None:
+    """CPU ids of a `cpu_bind` value ("0", "1,3", "0-3", "0-1,4"); None for "nobind"/"auto" or an empty value.
+    Raises ValueError on anything else."""
+    text = text.strip()
+    if text in ("", "nobind", "auto"):
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (expected e.g. '0', '0-3', '0,2')")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"not a CPU list: {text!r} (range {part!r} runs backwards)")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
 
 
 class LivenessConfig(_Strict):
@@ -88,6 +114,9 @@ class ModelPoolConfig(_Strict):
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_deadline_s: float = Field(600.0, gt=0)  # launch -> /health 200 and warm-up done
+    # while starting: less than 1 CPU-second used by the replica's processes in this many seconds -> stalled,
+    # killed and restarted with backoff (None: only the deadline applies)
+    startup_stall_s: float | None = Field(120.0, gt=0)
     warmup_prompt: str = "Hello"
     warmup_max_tokens: int = Field(4, ge=1)
     liveness: LivenessConfig = Field(default_factory=LivenessConfig)

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from engine_pool.launcher import EngineProcess
+from engine_pool.launcher import EngineProcess, LaunchCommand
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import After, PoolError, PoolMetrics, Slot, SlotState
@@ -38,8 +38,37 @@ from engine_pool.spec import PoolConfig
 
 log = logging.getLogger("kvgate.pool")
 
-CommandFn = Callable[["Slot"], tuple[list[str], dict[str, str]]]
+CommandFn = Callable[["Slot"], LaunchCommand]
 ReplicaFactory = Callable[["Slot"], Replica]
+
+
+class _StallWatch:
+    """Start-up progress: a starting engine that used less than `_STALL_MIN_CPU_S` of CPU over `window_s` (summed
+    over its process group) is stalled, whatever its deadline says. A healthy start keeps at least one core busy
+    (imports, weights, KV allocation, warm-up); a process blocked in the kernel does not."""
+
+    def __init__(self, window_s: float | None, read_cpu: Callable[[], float | None]) -> None:
+        self.window_s = window_s
+        self.read_cpu = read_cpu
+        self._mark_at = time.monotonic()
+        self._mark_cpu = read_cpu() if window_s else None
+
+    def stalled(self) -> bool:
+        if not self.window_s or self._mark_cpu is None:
+            return False
+        cpu, now = self.read_cpu(), time.monotonic()
+        if cpu is None:
+            return False
+        if cpu - self._mark_cpu >= _STALL_MIN_CPU_S:
+            self._mark_at, self._mark_cpu = now, cpu
+            return False
+        return now - self._mark_at > self.window_s
+
+    def describe(self) -> str:
+        return f"less than {_STALL_MIN_CPU_S:.0f} CPU-second used in {self.window_s:.0f} s"
+
+
+_STALL_MIN_CPU_S = 1.0
 
 
 # --- commands ---------------------------------------------------------------------------------------------------
@@ -193,17 +222,18 @@ class Supervisor:
             slot.attempts = 0
         slot.gen += 1
         slot.replica.draining = False
-        argv, env = self.command_for(slot)
+        command = self.command_for(slot)
         log_path = Path(self.config.log_dir) / f"{slot.id}.log"
         slot.started_at = time.monotonic()
         try:
             slot.process = await EngineProcess.start(
-                argv,
-                env,
+                command.argv,
+                command.env,
                 log_path,
                 max_bytes=self.config.log_max_bytes,
                 backups=self.config.log_backups,
                 name=slot.id,
+                cpus=command.cpus,
             )
         except OSError as exc:
             slot.process = None
@@ -213,7 +243,7 @@ class Supervisor:
         self._set_state(slot, SlotState.STARTING, f"pid {slot.process.pid}")
         gen, proc = slot.gen, slot.process
         self._spawn(slot, self._watch_exit(slot, gen, proc), "exit")
-        self._spawn(slot, self._readiness(slot, gen), "ready")
+        self._spawn(slot, self._readiness(slot, gen, proc), "ready")
 
     def _on_stop(self, slot: Slot, cmd: _Stop) -> None:
         if slot.state in (SlotState.STOPPED, SlotState.FAILED, SlotState.BACKOFF):
@@ -371,11 +401,15 @@ class Supervisor:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             return f"warm-up failed: {exc!r}"
 
-    async def _readiness(self, slot: Slot, gen: int) -> None:
+    async def _readiness(self, slot: Slot, gen: int, proc: EngineProcess) -> None:
         deadline = slot.started_at + slot.model.startup_deadline_s
         probe_timeout = slot.model.liveness.timeout_s
         why = "no /health answer"
+        stall = _StallWatch(slot.model.startup_stall_s, proc.cpu_seconds)
         while (left := deadline - time.monotonic()) > 0:
+            if stall.stalled():
+                self._post(slot, gen, "start_failed", f"start-up stalled: {stall.describe()}")
+                return
             if await self._get_ok(f"{slot.replica.url}/health", min(probe_timeout, left)):
                 left = deadline - time.monotonic()
                 error = await self._warm_up(slot, max(0.1, left))

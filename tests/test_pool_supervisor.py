@@ -161,3 +161,52 @@ async def test_start_up_deadline(tmp_path: Path) -> None:
         gen = slot.gen
         assert await pool.restart("m-0") is SlotState.FAILED
         assert slot.gen == gen + 2
+
+
+async def test_replica_is_pinned_to_its_cpus_from_launch(tmp_path: Path) -> None:
+    """A CPU replica's processes start on the cores of its `cpu_bind` (a restart too), not wherever the gateway
+    runs: nothing has to migrate them later."""
+    cpu = max(os.sched_getaffinity(0))
+    registry = CollectorRegistry()
+    async with sim_pool(tmp_path, registry, devices=[{"cpu_bind": str(cpu)}]) as pool:
+        await pool.wait_ready(timeout_s=60)
+        slot = pool.slot("m-0")
+        assert slot.process is not None
+        assert os.sched_getaffinity(slot.process.pid) == {cpu}
+        gen = slot.gen
+        os.kill(slot.process.pid, signal.SIGKILL)
+        assert await pool.supervisor.wait_for("m-0", {SlotState.READY}, newer_than=gen, timeout_s=60) is SlotState.READY
+        assert slot.process is not None and os.sched_getaffinity(slot.process.pid) == {cpu}
+
+
+async def test_start_up_that_stops_progressing_is_restarted_before_its_deadline(tmp_path: Path) -> None:
+    """A starting engine that uses no CPU (blocked) is declared stalled after `startup_stall_s`, long before the
+    deadline, and relaunched with backoff."""
+    registry = CollectorRegistry()
+    async with sim_pool(
+        tmp_path,
+        registry,
+        extra_args=["--fail-health"],  # starts, then idles forever without answering /health
+        startup_deadline_s=600,
+        startup_stall_s=3,
+        restart={"backoff_base_s": 0.05, "crash_loop_limit": 2},
+    ) as pool:
+        assert await pool.supervisor.wait_for("m-0", {SlotState.FAILED}, timeout_s=90) is SlotState.FAILED
+        slot = pool.slot("m-0")
+        assert slot.last_error is not None and "start-up stalled" in slot.last_error, slot.last_error
+        assert (
+            registry.get_sample_value(
+                "kvgate_pool_restarts_total", {"replica": "m-0", "model": "m", "reason": "startup"}
+            )
+            == 2
+        )
+
+
+def test_cpu_bind_is_checked_at_load() -> None:
+    with pytest.raises(ValueError, match=r"not a CPU list"):
+        PoolConfig.model_validate({"models": [{"name": "m", "devices": [{"cpu_bind": "zero"}]}]})
+    with pytest.raises(ValueError, match=r"runs backwards"):
+        PoolConfig.model_validate({"models": [{"name": "m", "devices": [{"cpu_bind": "3-1"}]}]})
+    devices = [{"cpu_bind": "0-1,3"}, {"cpu_bind": "nobind"}]
+    ok = PoolConfig.model_validate({"models": [{"name": "m", "devices": devices}]})
+    assert ok.models[0].devices[0].cpu_bind == "0-1,3"
