@@ -14,7 +14,7 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.errors import Overloaded
 from gateway.metrics import GatewayMetrics
-from policies.base import EMPTY_MAPPING, Decision, NoCandidate, Policy, RequestInfo, RoutingView
+from policies.base import EMPTY_MAPPING, Decision, Footprint, NoCandidate, Policy, RequestInfo, RoutingView
 
 
 class CacheHooks(Protocol):
@@ -33,6 +33,8 @@ class CacheHooks(Protocol):
     def overlap(self, info: RequestInfo, replica_ids: Sequence[str]) -> dict[str, int]: ...
 
     def session_replica(self, info: RequestInfo) -> str | None: ...
+
+    def footprint(self, replica_ids: Sequence[str]) -> Mapping[str, Footprint]: ...
 
     def on_routed(self, info: RequestInfo, decision: Decision) -> None: ...
 
@@ -91,13 +93,16 @@ class Router:
             replicas = [r for r in replicas if r.id not in exclude]
         snaps = tuple([r.snapshot(now) for r in replicas])
         overlap: Mapping[str, int] = EMPTY_MAPPING
+        footprint: Mapping[str, Footprint] = EMPTY_MAPPING
         session = None
         if self.cache is not None:
             if info.block_hashes:
-                overlap = self.cache.overlap(info, [s.id for s in snaps])
+                ids = [s.id for s in snaps]
+                overlap = self.cache.overlap(info, ids)
+                footprint = self.cache.footprint(ids)
             session = self.cache.session_replica(info)
         self._seq += 1
-        return RoutingView(info, snaps, overlap, session, self._seq)
+        return RoutingView(info, snaps, overlap, session, self._seq, footprint)
 
     def choose(self, info: RequestInfo, exclude: Collection[str] = ()) -> tuple[Replica, Decision]:
         """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it."""

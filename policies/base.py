@@ -59,6 +59,13 @@ class RequestInfo:
     tenant: str = "default"
 
 
+class Footprint(NamedTuple):
+    """A replica's hot working set (distinct blocks routed there recently) against its KV capacity, in blocks."""
+
+    hot_blocks: int
+    capacity_blocks: int
+
+
 EMPTY_MAPPING: Mapping[str, Any] = MappingProxyType({})  # the empty default of the mapping fields below
 
 
@@ -73,6 +80,8 @@ class RoutingView(NamedTuple):
     session_replica: str | None = None
     # monotonically increasing per decision; policies use it instead of hidden counters or unseeded randomness
     seq: int = 0
+    # replica id -> its hot footprint and capacity (cache-aware placement); absent = unknown
+    footprint: Mapping[str, Footprint] = EMPTY_MAPPING
 
 
 class Decision(NamedTuple):

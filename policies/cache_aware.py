@@ -10,8 +10,17 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
                + queued_request_cost * load(r)
                + waiting_request_cost * waiting(r)
                + kv_pressure_cost    * max(0, kv_usage(r) - kv_usage_threshold) / (1 - kv_usage_threshold)
+               + prefill_token_cost  * block_size * eviction_cost * evicted_hot_blocks(r)
+               + prefill_token_cost  * placement_cost * new_tokens(r) * hot_blocks(r) / capacity_blocks(r)
    where uncached_tokens = prompt_tokens - overlap(r) x block_size (overlap = leading prompt blocks believed
    cached there, `view.overlap`) and load = max(gateway in-flight, engine running + waiting).
+   The last two terms place the working set in the pool's cache (`view.footprint`: per replica the distinct blocks
+   routed there within the hot window, and its KV capacity): new_tokens = the prompt's blocks not cached there, in
+   tokens; evicted_hot_blocks = max(0, hot_blocks + new blocks - capacity_blocks), the hot blocks this request
+   would push out, each a future miss of one block's prefill. So a cold prefix goes where it fits (the replica
+   with room, before any replica evicts), a hot prefix is copied to a second replica only when the queue it
+   leaves costs more than the prefill and the evictions the copy causes, and on a full pool a request stays where
+   its prefix is. Without a footprint (no index) both terms are 0.
    waiting = `expected_waiting(r)`: the engine-reported queue (vllm:num_requests_waiting), or, when the replica's
    batch slots are known (`max_num_seqs`: the pool's spec, or `engines[].max_num_seqs`), the queue the gateway's
    own fresh in-flight count implies, in_flight + 1 - max_num_seqs (this request included), whichever is larger;
@@ -40,6 +49,8 @@ Parameters (all optional; an unknown name or a bad value raises ValueError):
   kv_pressure_cost     float >= 0  default 2048.0  (penalty at 100% KV usage)
   session_max_gap      int >= 0    default 4
   session_max_ratio    float >= 1  default 1.5
+  eviction_cost        float >= 0  default 1.0     (future misses per hot block a placement evicts)
+  placement_cost       float >= 0  default 1.0     (weight of the destination's cache occupancy on new tokens)
 
 Tuning history (bench/bench_routing.py, docs/routing.md):
 - v1 (this): `waiting_request_cost` added (was implicitly 0): a holder whose engine queues stops attracting its
@@ -47,6 +58,9 @@ Tuning history (bench/bench_routing.py, docs/routing.md):
   max_num_seqs ~16 a gap of 8 is half a batch; the prefix overlap already keeps a session's history where it is,
   so the session rule only has to hold while loads are close. Measured effect: docs/routing.md (within noise on
   the shared 2-core machine; see there).
+- v3: the footprint terms (eviction and placement): on real vLLM with a working set that fits the pool's cache
+  only when partitioned, load alone put 70/10 of the requests on one replica, which then evicted what it had
+  just been sent.
 - v2: the waiting term predicts the slot queue from the gateway's in-flight count when the engine's batch slots
   are known (field note: routers that do not model capacity pile a hot prefix onto a full replica).
 
@@ -73,6 +87,8 @@ class CacheAwareParams:
     kv_pressure_cost: float = 2048.0
     session_max_gap: int = 4
     session_max_ratio: float = 1.5
+    eviction_cost: float = 1.0
+    placement_cost: float = 1.0
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> CacheAwareParams:
@@ -98,6 +114,8 @@ class CacheAwareParams:
             (p.kv_pressure_cost >= 0, "kv_pressure_cost must be >= 0"),
             (p.session_max_gap >= 0, "session_max_gap must be >= 0"),
             (p.session_max_ratio >= 1, "session_max_ratio must be >= 1"),
+            (p.eviction_cost >= 0, "eviction_cost must be >= 0"),
+            (p.placement_cost >= 0, "placement_cost must be >= 0"),
         )
         for ok, message in checks:
             if not ok:
@@ -127,14 +145,26 @@ class CacheAware:
     def cost(self, view: RoutingView, r: ReplicaState) -> float:
         p = self.params
         req = view.request
-        cached = min(view.overlap.get(r.id, 0) * req.block_size, req.prompt_tokens)
+        held = view.overlap.get(r.id, 0)
+        cached = min(held * req.block_size, req.prompt_tokens)
         pressure = max(0.0, r.kv_usage - p.kv_usage_threshold) / (1.0 - p.kv_usage_threshold)
-        return (
+        cost = (
             p.prefill_token_cost * (req.prompt_tokens - cached)
             + p.queued_request_cost * r.load
             + p.waiting_request_cost * expected_waiting(r)
             + p.kv_pressure_cost * min(pressure, 1.0)
         )
+        fp = view.footprint.get(r.id)
+        if fp is not None and fp.capacity_blocks > 0:
+            new_blocks = max(0, len(req.block_hashes) - held)
+            evicted = max(0, fp.hot_blocks + new_blocks - fp.capacity_blocks)
+            occupancy = min(1.0, fp.hot_blocks / fp.capacity_blocks)
+            cost += (
+                p.prefill_token_cost
+                * req.block_size
+                * (p.eviction_cost * evicted + p.placement_cost * new_blocks * occupancy)
+            )
+        return cost
 
     def _session_overloaded(self, bound: ReplicaState, candidates: list[ReplicaState]) -> bool:
         min_load = min(r.load for r in candidates)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from policies.base import Decision, NoCandidate, ReplicaState, RequestInfo, RoutingView
+from policies.base import Decision, Footprint, NoCandidate, ReplicaState, RequestInfo, RoutingView
 from policies.cache_aware import CacheAware, expected_waiting
 from policies.registry import build_policy
 
@@ -184,3 +184,45 @@ def test_params_change_the_tradeoff() -> None:
 def test_bad_params_rejected(params: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="cache-aware"):
         CacheAware(params)
+
+
+# --- placement by cache capacity (view.footprint) ------------------------------------------------------------------
+def decide_fp(
+    replicas: list[ReplicaState],
+    footprint: dict[str, tuple[int, int]],
+    overlap: dict[str, int] | None = None,
+    *,
+    request: RequestInfo | None = None,
+    **params: Any,
+) -> Decision:
+    fp = {rid: Footprint(hot, cap) for rid, (hot, cap) in footprint.items()}
+    view = RoutingView(request or req(20), tuple(replicas), overlap or {}, None, 0, fp)
+    return CacheAware(params).decide(view)
+
+
+def test_cold_prefix_goes_where_it_fits_not_only_where_load_is_lowest() -> None:
+    # a holds 150 of 160 blocks of hot prefixes, b 40: a 20-block cold prompt fits on b without evicting anything,
+    # on a it would push 10 hot blocks out; one request more in flight on b does not outweigh that
+    d = decide_fp([rep("a", 1), rep("b", 2)], {"a": (150, 160), "b": (40, 160)})
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+    # without footprints the same snapshot goes to the less loaded replica
+    assert decide([rep("a", 1), rep("b", 2)], request=req(20)).replica == "a"
+
+
+def test_hot_prefix_is_not_copied_onto_a_full_replica() -> None:
+    # a holds the prompt's 20 blocks and is 2 requests busier: without footprints the prefix spreads to b;
+    # with b's cache full of other hot prefixes, copying it there evicts 20 of them: it stays on a
+    spread = decide([rep("a", 2), rep("b", 0)], {"a": 20}, request=req(20))
+    assert (spread.replica, spread.reason) == ("b", "spread-hot-prefix")
+    d = decide_fp([rep("a", 2), rep("b", 0)], {"a": (100, 160), "b": (160, 160)}, {"a": 20})
+    assert (d.replica, d.reason) == ("a", "cache-hit")
+    # with room on b, the copy costs no eviction and the spread happens as before
+    d = decide_fp([rep("a", 2), rep("b", 0)], {"a": (100, 160), "b": (0, 160)}, {"a": 20})
+    assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
+
+
+def test_footprint_terms_can_be_turned_off() -> None:
+    d = decide_fp([rep("a", 1), rep("b", 2)], {"a": (150, 160), "b": (40, 160)}, eviction_cost=0, placement_cost=0)
+    assert d.replica == "a"
+    with pytest.raises(ValueError, match="eviction_cost"):
+        CacheAware({"eviction_cost": -1})

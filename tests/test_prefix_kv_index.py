@@ -144,3 +144,62 @@ def test_clear_and_remove_replica() -> None:
 def test_rejects_bad_capacity() -> None:
     with pytest.raises(ValueError):
         KvIndex().add_replica("a", capacity_blocks=0)
+
+
+# --- learning from reported cached tokens (replicas without KV events) ---------------------------------------------
+def test_a_reported_miss_drops_what_an_lru_engine_evicted_and_estimates_its_capacity() -> None:
+    """The engine holds 40 blocks (LRU); kvgate assumed 1000. Ten 8-block prompts go to the replica; the first
+    is asked for again: the engine reports nothing cached. kvgate drops what is as old as that and older, and
+    its capacity estimate comes down from 1000 to the age at which blocks went missing."""
+    idx = KvIndex()
+    idx.add_replica("r", capacity_blocks=1000, capacity_known=False)
+    prompts = [[1000 * p + b for b in range(8)] for p in range(10)]
+    for hashes in prompts:
+        idx.record_routed("r", hashes)
+    first = prompts[0]
+    predicted = idx.overlap(first, ["r"])["r"]
+    assert predicted == 8  # kvgate believes it is still there
+    ages = idx.ages("r", first, predicted, None)
+    assert ages[0] == 72  # 72 new blocks came after it
+    dropped = idx.observe("r", predicted, 0, ages)
+    assert dropped >= 8 and idx.overlap(first, ["r"])["r"] == 0
+    assert idx.overlap(prompts[-1], ["r"])["r"] == 8  # recent prompts are kept
+    assert idx.capacities()["r"] == (72, False)
+
+
+def test_a_miss_on_blocks_still_in_prefill_is_no_eviction() -> None:
+    idx = KvIndex()
+    idx.add_replica("r", capacity_blocks=1000, capacity_known=False)
+    idx.record_routed("r", [1, 2, 3])  # request A, still in flight (its blocks are not yet in the engine)
+    settled_before = idx.inserts("r") - 3  # A was routed when the index had taken 0 blocks
+    ages = idx.ages("r", [1, 2, 3], 3, settled_before)
+    assert ages == (-1, -1, -1)
+    assert idx.observe("r", 3, 0, ages) == 0
+    assert idx.capacities()["r"] == (1000, False) and idx.overlap([1, 2, 3], ["r"])["r"] == 3
+
+
+def test_a_known_capacity_is_not_re_estimated_and_event_replicas_are_left_to_events() -> None:
+    idx = KvIndex()
+    idx.add_replica("known", capacity_blocks=100)
+    idx.add_replica("events", capacity_blocks=100, precise=True)
+    for rid in ("known", "events"):
+        idx.record_routed(rid, list(range(50)))
+        idx.record_routed(rid, list(range(100, 130)))
+    ages = idx.ages("known", list(range(50)), 50, None)
+    assert idx.observe("known", 50, 0, ages) > 0  # stale entries dropped
+    assert idx.capacities()["known"] == (100, True)
+    assert idx.ages("events", list(range(50)), 50, None) == ()
+    assert idx.observe("events", 50, 0, ()) == 0
+
+
+def test_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
+    now = [0.0]
+    idx = KvIndex(hot_window_s=10, clock=lambda: now[0])
+    idx.add_replica("r", capacity_blocks=100)
+    idx.record_routed("r", [1, 2, 3])
+    idx.record_routed("r", [1, 2, 4])
+    assert idx.footprint(["r", "unknown"]) == {"r": (4, 100)}
+    now[0] = 5.0
+    idx.record_routed("r", [1, 5])
+    now[0] = 12.0  # blocks 2, 3, 4 were last routed at 0 s
+    assert idx.footprint(["r"]) == {"r": (2, 100)}

@@ -22,7 +22,16 @@ class CacheConfig(BaseModel):
         2.0, ge=0, description="routed-but-unconfirmed blocks expire after this on replicas with KV events; 0 = never"
     )
     max_blocks_per_replica: int = Field(
-        65_536, gt=0, description="index capacity of a replica whose num_gpu_blocks is unknown"
+        65_536,
+        gt=0,
+        description="starting index capacity of a replica whose num_gpu_blocks is unknown; lowered online from the "
+        "cached tokens it reports",
+    )
+    hot_window_s: float = Field(
+        60.0,
+        gt=0,
+        description="a replica's hot footprint counts the distinct blocks routed there within this window; "
+        "placement weighs it against the replica's capacity",
     )
     kv_events: bool = Field(True, description="subscribe to replicas' KV events when they publish them")
     kv_events_topic: str = Field("kv-events", description="ZMQ topic prefix to subscribe to")

@@ -1,26 +1,35 @@
 """Per-replica index of the KV blocks each replica is believed to hold, keyed by kvgate's chained block hashes.
 
-Structure: per replica an `OrderedDict[kvgate_hash, expiry]` in LRU order, bounded by the replica's capacity in
-blocks (vLLM's `num_gpu_blocks`); inserting past capacity evicts the least recently used entry. `expiry` is
-`inf` for confirmed entries (from KV events, or from routing when the replica publishes no events) and
-`now + speculative_ttl_s` for speculative entries recorded at routing time on a replica that publishes events: if
-its events do not confirm the blocks within the TTL, the entries stop counting (they are dropped lazily).
+Structure, per replica:
+- `blocks`: `OrderedDict[kvgate_hash, insert_seq]` in LRU order, bounded by the replica's capacity in blocks
+  (vLLM's `num_gpu_blocks`, or the online estimate below); inserting past capacity evicts the least recently used
+  entry. `insert_seq` is the replica's count of new blocks at the block's last use, so `inserts - insert_seq` is
+  how many new blocks the replica has taken since: the block's LRU age, which is what pushes it out.
+- `speculative`: `kvgate_hash -> expiry` for blocks recorded at routing time on a replica that publishes KV events;
+  if its events do not confirm them within `speculative_ttl_s` they stop counting (dropped lazily).
+- `recent`: `OrderedDict[kvgate_hash, last_routed_time]`, the blocks requests routed there used within
+  `hot_window_s`: the replica's hot footprint (its working set), which placement weighs against capacity.
 
-Two sources:
+Sources:
 - approximate: `record_routed(replica, hashes)` when a request is sent there (the engine will cache its prompt);
 - precise: KV events. vLLM's block hashes differ from kvgate's, so a `BlockStored` is re-hashed from its
   `token_ids` with kvgate's chain, starting at the kvgate hash of its `parent_block_hash` (looked up in a bounded
   per-replica map engine_hash -> kvgate_hash) or at the context seed for a root block. `BlockRemoved` carries only
   engine hashes; the same map translates them. A stored event whose parent is unknown (evicted from the map, or
   published before kvgate subscribed) cannot be placed in the chain and is skipped (counted by the caller).
+- feedback: `observe(...)` with the engine's reported `cached_tokens` of a finished request. Blocks kvgate believed
+  cached beyond what the engine reports are dropped (the engine evicted them). When the replica's capacity is not
+  known, the LRU age of the first missing block (at routing time) is a sample of that capacity: an LRU of C blocks
+  evicts a block once C new blocks came after it. The estimate is an exponential mean of those samples, never
+  below the largest age seen still cached; the index's bound follows it.
 
 LRU order: a routed prompt's blocks are inserted tail first, so its head is the most recently used and, under
 capacity pressure, a prefix is forgotten from its end, as vLLM evicts (it frees a request's blocks tail first).
 
 Complexity: `overlap` is O(blocks of the prompt) per replica and stops at the first miss (C-level iteration; the
 per-block Python loop only runs when a speculative entry in the run may have expired); inserts, removals and
-evictions are O(1) per block. Memory: at most `capacity` entries per replica in the index plus at most
-`2 * capacity` entries in the engine-hash map.
+evictions are O(1) per block; `footprint` is O(blocks that left the window). Memory: at most `capacity` entries per
+replica in `blocks` and `speculative`, `2 * capacity` in `recent` and in the engine-hash map.
 """
 
 from __future__ import annotations
@@ -30,36 +39,64 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import takewhile
+from itertools import repeat, takewhile
 
+from policies.base import Footprint
 from policies.prefix.hashing import chain_hashes
 
 EngineHash = Hashable  # vLLM publishes int (low 64 bits) or bytes hashes
 
-_CONFIRMED = math.inf
+_CONFIRMED = math.inf  # the expiry of a confirmed block
 
 
 @dataclass(slots=True)
 class _ReplicaBlocks:
     capacity: int
+    capacity_known: bool  # from the engine (num_gpu_blocks); else estimated online from feedback
     precise: bool  # the replica publishes KV events: routed inserts are speculative and expire
-    blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    bound: int = 0  # the configured or default capacity: an estimate never exceeds it
+    blocks: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    speculative: dict[int, float] = field(default_factory=dict)
+    recent: OrderedDict[int, float] = field(default_factory=OrderedDict)
     engine_to_kvgate: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
+    inserts: int = 0  # new blocks taken so far (the LRU age clock)
+    age_estimate: float | None = None  # exponential mean of the LRU ages of blocks found evicted
+    oldest_hit_age: int = 0  # the largest LRU age seen still cached (a floor under the estimate)
 
-    def insert_all(self, hashes: Iterable[int], expiry: float) -> None:
+    def insert_all(self, hashes: Iterable[int], expiry: float | None) -> None:
         """Insert or refresh each block in turn (the last one ends up most recent), evicting past capacity.
+        `expiry` None: confirmed; else speculative until then (a confirmed block stays confirmed).
         The hot loop of routing: every block of every routed request passes here, hence the local names."""
-        blocks, move_to_end, capacity = self.blocks, self.blocks.move_to_end, self.capacity
+        blocks, move_to_end, capacity, spec = self.blocks, self.blocks.move_to_end, self.capacity, self.speculative
+        inserts = self.inserts
         for h in hashes:
-            old = blocks.get(h)
-            if old is not None:
+            if h in blocks:
                 move_to_end(h)
-                if expiry > old:
-                    blocks[h] = expiry
+                if expiry is None:
+                    spec.pop(h, None)
+                elif h in spec and expiry > spec[h]:
+                    spec[h] = expiry
             else:
-                blocks[h] = expiry
-                if len(blocks) > capacity:
-                    blocks.popitem(last=False)
+                inserts += 1
+                if expiry is not None:
+                    spec[h] = expiry
+                if len(blocks) >= capacity:
+                    spec.pop(blocks.popitem(last=False)[0], None)
+            blocks[h] = inserts
+        self.inserts = inserts
+
+    def drop(self, hashes: Iterable[int]) -> int:
+        n = 0
+        for h in hashes:
+            if self.blocks.pop(h, None) is not None:
+                self.speculative.pop(h, None)
+                n += 1
+        return n
+
+    def shrink_to(self, capacity: int) -> None:
+        self.capacity = capacity
+        while len(self.blocks) > capacity:
+            self.speculative.pop(self.blocks.popitem(last=False)[0], None)
 
     def map_engine(self, engine_hash: EngineHash, h: int) -> None:
         m = self.engine_to_kvgate
@@ -80,18 +117,37 @@ class StoredBlocks:
     block_size: int
 
 
+# The weight of each new sample in the capacity estimate, and the fewest blocks an estimate may shrink an index to.
+_ESTIMATE_WEIGHT = 0.2
+_MIN_CAPACITY = 16
+# LRU ages remembered per routed request (its first blocks): enough to place any miss in the first 256 blocks.
+_MAX_AGES = 256
+
+
 class KvIndex:
-    def __init__(self, *, speculative_ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        *,
+        speculative_ttl_s: float | None = None,
+        hot_window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._ttl = speculative_ttl_s if speculative_ttl_s and speculative_ttl_s > 0 else None
+        self._hot_window_s = hot_window_s
         self._clock = clock
         self._replicas: dict[str, _ReplicaBlocks] = {}
 
     # --- membership -------------------------------------------------------------------------------------------
-    def add_replica(self, replica_id: str, *, capacity_blocks: int, precise: bool = False) -> None:
-        """Register (or re-register, emptied) a replica with room for `capacity_blocks` blocks."""
+    def add_replica(
+        self, replica_id: str, *, capacity_blocks: int, precise: bool = False, capacity_known: bool = True
+    ) -> None:
+        """Register (or re-register, emptied) a replica with room for `capacity_blocks` blocks; with
+        `capacity_known=False` that is a starting bound the index lowers from feedback (`observe`)."""
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
-        self._replicas[replica_id] = _ReplicaBlocks(capacity=capacity_blocks, precise=precise)
+        self._replicas[replica_id] = _ReplicaBlocks(
+            capacity=capacity_blocks, capacity_known=capacity_known, precise=precise, bound=capacity_blocks
+        )
 
     def remove_replica(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
@@ -101,6 +157,7 @@ class KvIndex:
         r = self._replicas.get(replica_id)
         if r is not None:
             r.blocks.clear()
+            r.speculative.clear()
             r.engine_to_kvgate.clear()
 
     def __contains__(self, replica_id: object) -> bool:
@@ -117,6 +174,10 @@ class KvIndex:
         r = self._replicas.get(replica_id)
         return len(r.blocks) if r is not None else 0
 
+    def capacities(self) -> dict[str, tuple[int, bool]]:
+        """Per replica, the index's bound in blocks and whether it came from the engine (False: estimated)."""
+        return {rid: (r.capacity, r.capacity_known) for rid, r in self._replicas.items()}
+
     # --- lookup -----------------------------------------------------------------------------------------------
     def overlap(self, hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """Per replica, the number of leading blocks of `hashes` it is believed to hold (0 for unknown replicas).
@@ -128,20 +189,52 @@ class KvIndex:
             if r is None:
                 out[rid] = 0
                 continue
-            blocks = r.blocks
+            blocks, spec = r.blocks, r.speculative
             # the leading run of present blocks, counted in C (takewhile), then the expiry check in C (min) only
-            # when that run holds a speculative entry that may have lapsed; the Python loop is the rare fallback.
-            # A replica without KV events only ever holds confirmed entries: no expiry check at all.
+            # when the replica holds speculative entries; the Python loop is the rare fallback when one lapsed.
             n = len(list(takewhile(blocks.__contains__, hashes)))
-            if n and r.precise and min(map(blocks.__getitem__, hashes[:n])) < now:
+            if n and spec and min(map(spec.get, hashes[:n], repeat(_CONFIRMED, n))) < now:
                 n = 0
                 for h in hashes:
-                    expiry = blocks.get(h)
-                    if expiry is None or expiry < now:
+                    if h not in blocks or spec.get(h, _CONFIRMED) < now:
                         break
                     n += 1
             out[rid] = n
         return out
+
+    def footprint(self, replica_ids: Iterable[str]) -> dict[str, Footprint]:
+        """Per replica, the distinct blocks routed there within the hot window, and its capacity."""
+        horizon = self._clock() - self._hot_window_s
+        out: dict[str, Footprint] = {}
+        for rid in replica_ids:
+            r = self._replicas.get(rid)
+            if r is None:
+                continue
+            recent = r.recent
+            while recent and next(iter(recent.values())) < horizon:
+                recent.popitem(last=False)
+            out[rid] = Footprint(len(recent), r.capacity)
+        return out
+
+    def ages(self, replica_id: str, hashes: Sequence[int], n: int, settled_before: int | None) -> tuple[int, ...]:
+        """The LRU ages (new blocks taken since) of the first min(n, 256) of `hashes` on the replica, -1 for a
+        block whose last use is not settled: used at insert count `settled_before` or later, by a request that may
+        still be in prefill (the engine may not hold it yet, so missing it is no eviction); `settled_before` None:
+        every block is settled. Empty on a replica with KV events (they keep its entries exact)."""
+        r = self._replicas.get(replica_id)
+        if r is None or r.precise or n <= 0:
+            return ()
+        inserts, blocks = r.inserts, r.blocks
+        limit = inserts + 1 if settled_before is None else settled_before
+        out = []
+        for h in hashes[: min(n, _MAX_AGES)]:
+            seq = blocks.get(h, limit)
+            out.append(inserts - seq if seq < limit else -1)
+        return tuple(out)
+
+    def inserts(self, replica_id: str) -> int:
+        r = self._replicas.get(replica_id)
+        return r.inserts if r is not None else 0
 
     # --- approximate source -----------------------------------------------------------------------------------
     def record_routed(self, replica_id: str, hashes: Sequence[int]) -> None:
@@ -150,8 +243,43 @@ class KvIndex:
         r = self._replicas.get(replica_id)
         if r is None:
             return
-        expiry = self._clock() + self._ttl if (r.precise and self._ttl is not None) else _CONFIRMED
+        now = self._clock()
+        expiry = now + self._ttl if (r.precise and self._ttl is not None) else None
         r.insert_all(reversed(hashes), expiry)  # the head ends up most recent: a prefix loses its tail first
+        recent, move_to_end = r.recent, r.recent.move_to_end
+        for h in hashes:
+            recent[h] = now
+            move_to_end(h)
+        while len(recent) > 2 * r.capacity:
+            recent.popitem(last=False)
+
+    # --- feedback ---------------------------------------------------------------------------------------------
+    def observe(self, replica_id: str, predicted: int, reported: int, ages: Sequence[int]) -> int:
+        """A request routed with `predicted` leading blocks believed cached (their LRU ages at routing time in
+        `ages`, from `ages()`) finished with `reported` blocks cached by the engine. On a replica without KV
+        events, a settled block found missing was evicted, and so was everything older in an LRU: those entries
+        are dropped, and where the capacity is not known the age is a sample of it (a block seen cached at some
+        age is a floor). Returns the number of entries dropped."""
+        r = self._replicas.get(replica_id)
+        if r is None or r.precise:
+            return 0
+        if 0 < reported <= len(ages) and ages[reported - 1] >= 0:
+            r.oldest_hit_age = max(r.oldest_hit_age, ages[reported - 1])
+        if not reported < predicted or reported >= len(ages) or ages[reported] < 0:
+            return 0
+        age = ages[reported]
+        if age < r.oldest_hit_age:
+            return 0  # an LRU keeps every block younger than one it kept: not an eviction (a race)
+        if not r.capacity_known:
+            prev = r.age_estimate
+            r.age_estimate = age if prev is None else prev + _ESTIMATE_WEIGHT * (age - prev)
+            r.capacity = max(int(r.age_estimate), r.oldest_hit_age + 1, _MIN_CAPACITY)
+        cutoff, blocks, spec = r.inserts - age, r.blocks, r.speculative
+        before = len(blocks)
+        while blocks and next(iter(blocks.values())) <= cutoff:
+            spec.pop(blocks.popitem(last=False)[0], None)
+        r.shrink_to(min(r.capacity, r.bound))
+        return before - len(blocks)
 
     # --- precise source (KV events) ---------------------------------------------------------------------------
     def apply_stored(self, replica_id: str, event: StoredBlocks, root_seed: int) -> int:
@@ -171,7 +299,7 @@ class KvIndex:
         n = min(len(event.block_hashes), len(ours))
         for engine_hash, h in zip(event.block_hashes, ours[:n], strict=False):
             r.map_engine(engine_hash, h)
-        r.insert_all(ours[:n], _CONFIRMED)
+        r.insert_all(ours[:n], None)
         return n
 
     def apply_removed(self, replica_id: str, engine_hashes: Iterable[EngineHash]) -> int:
@@ -179,9 +307,4 @@ class KvIndex:
         r = self._replicas.get(replica_id)
         if r is None:
             return 0
-        n = 0
-        for engine_hash in engine_hashes:
-            h = r.engine_to_kvgate.pop(engine_hash, None)
-            if h is not None and r.blocks.pop(h, None) is not None:
-                n += 1
-        return n
+        return r.drop(h for e in engine_hashes if (h := r.engine_to_kvgate.pop(e, None)) is not None)

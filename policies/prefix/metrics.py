@@ -16,8 +16,14 @@ _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 3
 class _SizeCollector(Collector):
     """Index and session sizes, read when scraped (no per-replica gauge children to add and remove)."""
 
-    def __init__(self, index_sizes: Callable[[], Mapping[str, int]], sessions: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        index_sizes: Callable[[], Mapping[str, int]],
+        capacities: Callable[[], Mapping[str, tuple[int, bool]]],
+        sessions: Callable[[], int],
+    ) -> None:
         self._index_sizes = index_sizes
+        self._capacities = capacities
         self._sessions = sessions
 
     def collect(self) -> Iterator[Metric]:
@@ -28,6 +34,15 @@ class _SizeCollector(Collector):
         for rid, n in sorted(sizes.items()):
             per_replica.add_metric([rid], n)
         yield per_replica
+        capacity = GaugeMetricFamily(
+            "kvgate_prefix_index_capacity_blocks",
+            "the index's bound per replica in blocks: the engine's num_gpu_blocks (source=engine) or the estimate "
+            "learned from reported cached tokens (source=estimated)",
+            labels=["replica", "source"],
+        )
+        for rid, (blocks, known) in sorted(self._capacities().items()):
+            capacity.add_metric([rid, "engine" if known else "estimated"], blocks)
+        yield capacity
         yield GaugeMetricFamily(
             "kvgate_prefix_index_entries", "entries in the prefix index, all replicas", value=sum(sizes.values())
         )
@@ -40,6 +55,7 @@ class PrefixMetrics:
         registry: CollectorRegistry,
         *,
         index_sizes: Callable[[], Mapping[str, int]],
+        capacities: Callable[[], Mapping[str, tuple[int, bool]]],
         sessions: Callable[[], int],
     ) -> None:
         r = registry
@@ -94,4 +110,10 @@ class PrefixMetrics:
             ["replica", "reason"],
             r,
         )
-        registry.register(_SizeCollector(index_sizes, sessions))
+        self.corrections = FastCounter(
+            "kvgate_prefix_index_corrections",
+            "index entries dropped because a replica reported fewer cached tokens than kvgate believed (no events)",
+            ["replica"],
+            r,
+        )
+        registry.register(_SizeCollector(index_sizes, capacities, sessions))

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from policies.base import Decision, RequestInfo
+from policies.base import Decision, Footprint, RequestInfo
 from policies.prefix.config import CacheConfig
 from policies.prefix.hashing import context_seed, prompt_block_hashes
 from policies.prefix.kv_events import (
@@ -106,15 +106,24 @@ class CacheAwareState:
     def __init__(self, config: CacheConfig, registry: CollectorRegistry) -> None:
         self.config = config
         self.registry = registry
-        self.index = KvIndex(speculative_ttl_s=config.speculative_ttl_s)
+        self.index = KvIndex(speculative_ttl_s=config.speculative_ttl_s, hot_window_s=config.hot_window_s)
         self.sessions = SessionTable(ttl_s=config.session_ttl_s, max_entries=config.session_max_entries)
-        self.metrics = PrefixMetrics(registry, index_sizes=self.index.sizes, sessions=lambda: len(self.sessions))
+        self.metrics = PrefixMetrics(
+            registry,
+            index_sizes=self.index.sizes,
+            capacities=self.index.capacities,
+            sessions=lambda: len(self.sessions),
+        )
         self._replicas: dict[str, _Replica] = {}
         self._tokenizers: OrderedDict[str, PromptTokenizer] = OrderedDict()
         self._tokenizer_locks: dict[str, asyncio.Lock] = {}
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
         self._ids = itertools.count(1)
-        self._pending: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        # routed request id -> (replica, predicted blocks, their LRU ages at routing): for on_finished
+        self._pending: OrderedDict[int, tuple[str, int, tuple[int, ...]]] = OrderedDict()
+        # replica -> {routed request id: the index's insert count when it was routed}, for requests not finished
+        self._in_flight: dict[str, dict[int, int]] = {}
+        self._preloads: set[asyncio.Task[PromptTokenizer]] = set()
         self._last_overlap: tuple[int, dict[str, int]] = (0, {})
         self._parity: dict[str, deque[tuple[int, int]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
@@ -127,6 +136,8 @@ class CacheAwareState:
             self._zmq = zmq.asyncio.Context()
         for rid, r in self._replicas.items():
             self._start_subscriber(rid, r)
+        for spec in {*self.config.tokenizers.values(), *(r.tokenizer for r in self._replicas.values())}:
+            self._preload(spec)
 
     async def stop(self) -> None:
         for r in self._replicas.values():
@@ -168,14 +179,37 @@ class CacheAwareState:
             replay_endpoint=kv_events_replay_endpoint,
         )
         self._replicas[replica_id] = r
-        capacity = num_blocks if num_blocks and num_blocks > 0 else self.config.max_blocks_per_replica
-        self.index.add_replica(replica_id, capacity_blocks=capacity, precise=r.events_endpoint is not None)
+        known = bool(num_blocks and num_blocks > 0)
+        capacity = num_blocks if num_blocks and known else self.config.max_blocks_per_replica
+        self.index.add_replica(
+            replica_id, capacity_blocks=capacity, precise=r.events_endpoint is not None, capacity_known=known
+        )
+        self._in_flight[replica_id] = {}
         if self._zmq is not None:
             self._start_subscriber(replica_id, r)
+        self._preload(spec)
+
+    def _preload(self, spec: str) -> None:
+        """Load a tokenizer (and chat template) now, in the background, so no request waits for it."""
+        if spec in self._tokenizers:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
+        except RuntimeError:  # no loop yet: `start` preloads
+            return
+        self._preloads.add(task)
+        task.add_done_callback(self._preloads.discard)
+
+    async def wait_tokenizers(self) -> None:
+        """Until every tokenizer being preloaded has loaded (or fallen back to `chars`)."""
+        while self._preloads:
+            await asyncio.gather(*self._preloads, return_exceptions=True)
 
     def remove_replica(self, replica_id: str) -> None:
         r = self._replicas.pop(replica_id, None)
         self.index.remove_replica(replica_id)
+        for request_id in self._in_flight.pop(replica_id, {}):
+            self._pending.pop(request_id, None)
         self.sessions.drop_replica(replica_id)
         if r is not None and r.subscriber is not None:
             task = r.subscriber.cancel()
@@ -286,6 +320,9 @@ class CacheAwareState:
             approximate=tok.approximate,
         )
 
+    def footprint(self, replica_ids: Iterable[str]) -> dict[str, Footprint]:
+        return self.index.footprint(replica_ids)
+
     def overlap(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, int]:
         result = self.index.overlap(info.block_hashes, replica_ids)
         if isinstance(info, PrefixRequestInfo):
@@ -308,9 +345,15 @@ class CacheAwareState:
             predicted = last[rid] if last_id == info.request_id and rid in last else None
             if predicted is None:
                 predicted = self.index.overlap(info.block_hashes, (rid,))[rid]
-            self._pending[info.request_id] = (rid, predicted)
-            while len(self._pending) > _MAX_PENDING:
-                self._pending.popitem(last=False)
+            in_flight = self._in_flight.get(rid)
+            if in_flight is not None:
+                settled_before = min(in_flight.values()) if in_flight else None
+                ages = self.index.ages(rid, info.block_hashes, predicted, settled_before)
+                self._pending[info.request_id] = (rid, predicted, ages)
+                in_flight[info.request_id] = self.index.inserts(rid)
+                while len(self._pending) > _MAX_PENDING:
+                    old_id, (old_rid, _, _) = self._pending.popitem(last=False)
+                    self._in_flight.get(old_rid, {}).pop(old_id, None)
         self.index.record_routed(rid, info.block_hashes)
         key = self._session_key(info)
         if key is not None and rid in self._replicas:
@@ -321,12 +364,20 @@ class CacheAwareState:
         if not isinstance(info, PrefixRequestInfo):
             return
         pending = self._pending.pop(info.request_id, None)
-        if pending is None or pending[0] != replica_id or reported_cached_tokens is None:
+        if pending is None:
+            return
+        routed_to, predicted_blocks, ages = pending
+        self._in_flight.get(routed_to, {}).pop(info.request_id, None)
+        if routed_to != replica_id or reported_cached_tokens is None:
             return
         bs = info.block_size
         # vLLM always computes the last prompt token, so a fully cached prompt reports one block less
         max_blocks = max(info.prompt_tokens - 1, 0) // bs if bs else 0
-        predicted = min(pending[1], max_blocks) * bs
+        predicted = min(predicted_blocks, max_blocks) * bs
+        if bs and not info.approximate:
+            dropped = self.index.observe(replica_id, predicted // bs, reported_cached_tokens // bs, ages)
+            if dropped:
+                self.metrics.corrections.labels(replica_id).inc(dropped)
         self.metrics.predicted.labels(info.model).inc(predicted)
         self.metrics.reported.labels(info.model).inc(reported_cached_tokens)
         gap = abs(predicted - reported_cached_tokens)
