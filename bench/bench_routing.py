@@ -184,7 +184,7 @@ def run_workload(
     }
     specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
     gw_cpus, other_cpus = split_cpus(args.pin)
-    with sim_pool(args.replicas, costs, w.num_blocks, MODEL, other_cpus) as sims:
+    with sim_pool(args.replicas, costs, w.num_blocks, MODEL, other_cpus, args.hide_capacity) as sims:
         for arrival_name in args.arrivals:
             runs: dict[str, list[Row]] = {p: [] for p in args.policies}
             for rep in range(args.repeat):
@@ -219,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hide-slots", action="store_true", help="attach the engines without telling kvgate their max_num_seqs"
+    )
+    p.add_argument(
+        "--hide-capacity",
+        action="store_true",
+        help="engines publish no vllm:cache_config_info: kvgate knows neither their block size nor KV capacity",
     )
     p.add_argument(
         "--pin",

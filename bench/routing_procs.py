@@ -95,12 +95,18 @@ def split_cpus(pin: bool) -> tuple[set[int] | None, set[int] | None]:
 
 @contextmanager
 def sim_pool(
-    n: int, costs: SimCosts, num_blocks: int, model: str = "sim", cpus: set[int] | None = None
+    n: int,
+    costs: SimCosts,
+    num_blocks: int,
+    model: str = "sim",
+    cpus: set[int] | None = None,
+    hide_cache_config: bool = False,
 ) -> Iterator[list[str]]:
     ports = [free_port() for _ in range(n)]
+    hide = ["--hide-cache-config"] if hide_cache_config else []
     specs = [
         (
-            ["gateway.cli", "sim-engine", "--port", str(p), "--model", model, *costs.flags(num_blocks)],
+            ["gateway.cli", "sim-engine", "--port", str(p), "--model", model, *costs.flags(num_blocks), *hide],
             [f"http://127.0.0.1:{p}/health"],
         )
         for p in ports

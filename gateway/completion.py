@@ -171,8 +171,8 @@ class CompletionService:
 
     def done(self, ctx: RequestContext, info: RequestInfo | None) -> None:
         """A request's end, however it ended: the cache state learns what was cached, metrics, the access log."""
-        if ctx.status == 200 and info is not None and self.cache is not None:
-            self.cache.on_finished(info, ctx.replica, ctx.cached_tokens)
+        if info is not None and self.cache is not None:
+            self.cache.on_finished(info, ctx.replica, ctx.cached_tokens if ctx.status == 200 else None)
         ctx.duration_s = time.monotonic() - ctx.started
         self._observe(ctx)
         if self._access_log != "off":

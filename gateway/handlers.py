@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission.admin import reload_admission
 from gateway.errors import PayloadTooLarge
-from gateway.keys import COMPLETIONS, METRICS, REGISTRY, REPLICAS, REQUEST_ID
+from gateway.keys import CACHE, COMPLETIONS, METRICS, REGISTRY, REPLICAS, REQUEST_ID
 from gateway.request_parse import Endpoint
 from gateway.responder import AiohttpResponder
 
@@ -72,7 +72,12 @@ def readiness(request: web.Request) -> dict[str, Any]:
             "in_flight": replica.in_flight,
         }
     ready = bool(models) and all(m["ready"] > 0 for m in models.values())
-    return {"ready": ready, "models": models}
+    cache = request.app.get(CACHE)
+    loading = cache.tokenizers_loading() if cache is not None else []
+    state: dict[str, Any] = {"ready": ready and not loading, "models": models}
+    if loading:  # the first cache-aware request would wait for them
+        state["tokenizers_loading"] = loading
+    return state
 
 
 async def ready(request: web.Request) -> web.Response:

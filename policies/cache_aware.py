@@ -43,7 +43,7 @@ Scores in the decision: per candidate `(1 + min_cost) / (1 + cost)`, in (0, 1], 
 
 Parameters (all optional; an unknown name or a bad value raises ValueError):
   prefill_token_cost   float > 0   default 1.0
-  queued_request_cost  float >= 0  default 256.0   (token equivalents per outstanding request)
+  queued_request_cost  float >= 0  default 64.0    (token equivalents per outstanding request: its decode work)
   waiting_request_cost float >= 0  default 1024.0  (extra per request the engine reports waiting for a slot)
   kv_usage_threshold   0 <= x < 1  default 0.9     (KV usage above which a replica is penalised)
   kv_pressure_cost     float >= 0  default 2048.0  (penalty at 100% KV usage)
@@ -58,9 +58,10 @@ Tuning history (bench/bench_routing.py, docs/routing.md):
   max_num_seqs ~16 a gap of 8 is half a batch; the prefix overlap already keeps a session's history where it is,
   so the session rule only has to hold while loads are close. Measured effect: docs/routing.md (within noise on
   the shared 2-core machine; see there).
-- v3: the footprint terms (eviction and placement): on real vLLM with a working set that fits the pool's cache
-  only when partitioned, load alone put 70/10 of the requests on one replica, which then evicted what it had
-  just been sent.
+- v3: the footprint terms (eviction and placement), and `queued_request_cost` 256 -> 64:
+  on real vLLM with a working set that fits the pool's cache only when partitioned, load alone put 70/10 of the
+  requests on one replica, which then evicted what it had just been sent, and a load gap of three requests that
+  all hit their cache (256 each) outweighed a 600-token hit and copied hot prefixes onto full replicas.
 - v2: the waiting term predicts the slot queue from the gateway's in-flight count when the engine's batch slots
   are known (field note: routers that do not model capacity pile a hot prefix onto a full replica).
 
@@ -81,7 +82,7 @@ from policies.filters import routable
 @dataclass(frozen=True, slots=True)
 class CacheAwareParams:
     prefill_token_cost: float = 1.0
-    queued_request_cost: float = 256.0
+    queued_request_cost: float = 64.0
     waiting_request_cost: float = 1024.0
     kv_usage_threshold: float = 0.9
     kv_pressure_cost: float = 2048.0

@@ -63,7 +63,7 @@ def test_hit_goes_to_best_overlap_despite_somewhat_more_load() -> None:
 
 
 def test_hot_prefix_spreads_when_holder_is_overloaded() -> None:
-    d = decide([rep("a", 5), rep("b", 0)], {"a": 64, "b": 0})  # 5 x 256 > 1024 saved
+    d = decide([rep("a", 17), rep("b", 0)], {"a": 64, "b": 0})  # 17 x 64 > 1024 saved
     assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
 
 
@@ -95,8 +95,8 @@ def test_session_sticks_to_bound_replica() -> None:
 
 
 def test_session_leaves_an_overloaded_replica() -> None:
-    # gap 10 > 4 and 10 > 1.5 x 0: overloaded, falls back to cost
-    d = decide([rep("a", 10), rep("b", 0)], {"a": 64}, session="a")
+    # gap 20 > 4 and 20 > 1.5 x 0: overloaded, falls back to cost (20 x 64 > 1024 saved)
+    d = decide([rep("a", 20), rep("b", 0)], {"a": 64}, session="a")
     assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
     # gap 9 > 4 but 30 <= 1.5 x 21: not overloaded by ratio
     d = decide([rep("a", 30), rep("b", 21)], {}, session="a")
@@ -189,13 +189,13 @@ def test_bad_params_rejected(params: dict[str, Any]) -> None:
 # --- placement by cache capacity (view.footprint) ------------------------------------------------------------------
 def decide_fp(
     replicas: list[ReplicaState],
-    footprint: dict[str, tuple[int, int]],
+    footprint: dict[str, tuple[int, ...]],
     overlap: dict[str, int] | None = None,
     *,
     request: RequestInfo | None = None,
     **params: Any,
 ) -> Decision:
-    fp = {rid: Footprint(hot, cap) for rid, (hot, cap) in footprint.items()}
+    fp = {rid: Footprint(*values) for rid, values in footprint.items()}
     view = RoutingView(request or req(20), tuple(replicas), overlap or {}, None, 0, fp)
     return CacheAware(params).decide(view)
 
@@ -210,14 +210,14 @@ def test_cold_prefix_goes_where_it_fits_not_only_where_load_is_lowest() -> None:
 
 
 def test_hot_prefix_is_not_copied_onto_a_full_replica() -> None:
-    # a holds the prompt's 20 blocks and is 2 requests busier: without footprints the prefix spreads to b;
+    # a holds the prompt's 20 blocks and is 6 requests busier: without footprints the prefix spreads to b;
     # with b's cache full of other hot prefixes, copying it there evicts 20 of them: it stays on a
-    spread = decide([rep("a", 2), rep("b", 0)], {"a": 20}, request=req(20))
+    spread = decide([rep("a", 6), rep("b", 0)], {"a": 20}, request=req(20))
     assert (spread.replica, spread.reason) == ("b", "spread-hot-prefix")
-    d = decide_fp([rep("a", 2), rep("b", 0)], {"a": (100, 160), "b": (160, 160)}, {"a": 20})
+    d = decide_fp([rep("a", 6), rep("b", 0)], {"a": (100, 160), "b": (160, 160)}, {"a": 20})
     assert (d.replica, d.reason) == ("a", "cache-hit")
     # with room on b, the copy costs no eviction and the spread happens as before
-    d = decide_fp([rep("a", 2), rep("b", 0)], {"a": (100, 160), "b": (0, 160)}, {"a": 20})
+    d = decide_fp([rep("a", 6), rep("b", 0)], {"a": (100, 160), "b": (0, 160)}, {"a": 20})
     assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
 
 

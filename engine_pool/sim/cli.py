@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="served model name")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV capacity in blocks")
+    p.add_argument(
+        "--hide-cache-config", action="store_true", help="publish no vllm:cache_config_info (capacity unknown)"
+    )
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting)

@@ -36,6 +36,9 @@ class SimConfig(BaseModel):
     # capacity
     block_size: int = Field(default=16, ge=1)
     num_blocks: int = Field(default=8192, ge=1)  # KV capacity in blocks (vLLM's num_gpu_blocks)
+    # publish no vllm:cache_config_info (block size and capacity unknown to a router): another engine, an older
+    # vLLM, a proxy in between
+    hide_cache_config: bool = False
     max_model_len: int = Field(default=8192, ge=2)
     max_num_seqs: int = Field(default=64, ge=1)  # concurrent running requests
     max_waiting: int = Field(default=10_000, ge=0)  # queued requests beyond this get 503

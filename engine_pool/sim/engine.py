@@ -69,7 +69,9 @@ class SimEngine:
         self.config = config
         self.faults: Faults = config.faults
         self.cache = PrefixCache(config.num_blocks, config.block_size, config.model)
-        self.metrics = SimMetrics(config.model, config.block_size, config.num_blocks)
+        self.metrics = SimMetrics(
+            config.model, config.block_size, config.num_blocks, cache_config=not config.hide_cache_config
+        )
         self.stats = SimStats()
         self.publisher: KVEventPublisher | None = None
         self.in_flight = 0  # HTTP generation requests being handled (GET /load)

@@ -22,7 +22,7 @@ _LABELS = ["model_name", "engine"]
 
 
 class SimMetrics:
-    def __init__(self, model: str, block_size: int, num_blocks: int) -> None:
+    def __init__(self, model: str, block_size: int, num_blocks: int, *, cache_config: bool = True) -> None:
         self.registry = CollectorRegistry()
         values = (model, "0")
         reg = self.registry
@@ -85,9 +85,9 @@ class SimMetrics:
             "cache_dtype": "auto",
             "engine": "0",
         }
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info), registry=reg).labels(
-            **info
-        ).set(1)
+        if cache_config:
+            doc = "Information of the LLMEngine CacheConfig"
+            Gauge("vllm:cache_config_info", doc, list(info), registry=reg).labels(**info).set(1)
 
     def render(self, running: int, waiting: int, kv_usage: float) -> bytes:
         """Prometheus text exposition, with the scheduler gauges set to the given values."""

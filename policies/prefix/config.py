@@ -33,6 +33,12 @@ class CacheConfig(BaseModel):
         description="a replica's hot footprint counts the distinct blocks routed there within this window; "
         "placement weighs it against the replica's capacity",
     )
+    chat_prefix_cache_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=0,
+        description="bound of the cache of tokenized conversation prefixes (a growing chat tokenizes only its new "
+        "messages); 0 = off",
+    )
     kv_events: bool = Field(True, description="subscribe to replicas' KV events when they publish them")
     kv_events_topic: str = Field("kv-events", description="ZMQ topic prefix to subscribe to")
     kv_events_replay_timeout_s: float = Field(1.0, gt=0, description="deadline of a replay request after a gap")

@@ -110,6 +110,14 @@ class PrefixMetrics:
             ["replica", "reason"],
             r,
         )
+        self.chat_prefix = FastCounter(
+            "kvgate_prefix_chat_cache",
+            "chat prompts by incremental tokenization outcome: hit (a cached conversation prefix reused), miss, "
+            "unsafe (a boundary the tokenizer could merge across), rewritten (the template changed earlier text), "
+            "full (no generation prompt)",
+            ["outcome"],
+            r,
+        )
         self.corrections = FastCounter(
             "kvgate_prefix_index_corrections",
             "index entries dropped because a replica reported fewer cached tokens than kvgate believed (no events)",

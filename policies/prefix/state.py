@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from policies.base import Decision, Footprint, RequestInfo
 from policies.prefix.config import CacheConfig
 from policies.prefix.hashing import context_seed, prompt_block_hashes
+from policies.prefix.incremental import ChatPrefixCache
 from policies.prefix.kv_events import (
     AllBlocksClearedEvent,
     BlockRemovedEvent,
@@ -41,8 +42,9 @@ from policies.prefix.kv_events import (
 )
 from policies.prefix.kv_index import KvIndex, StoredBlocks
 from policies.prefix.metrics import PrefixMetrics
+from policies.prefix.routed import Routed, RoutedRequests
 from policies.prefix.sessions import SessionTable
-from policies.prefix.tokenizers import CharsPromptTokenizer, PromptTokenizer, build_tokenizer
+from policies.prefix.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +85,19 @@ def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
     return len(prompt) if isinstance(prompt, str | list) else 0
 
 
+def _chat_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    if body.get("continue_final_message"):
+        kwargs["continue_final_message"] = True
+    if body.get("tools"):
+        kwargs["tools"] = body["tools"]
+    return kwargs
+
+
 def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> list[int]:
     if endpoint == "chat":
-        kwargs = dict(body.get("chat_template_kwargs") or {})
-        if body.get("continue_final_message"):
-            kwargs["continue_final_message"] = True
-        if body.get("tools"):
-            kwargs["tools"] = body["tools"]
         add_generation_prompt = body.get("add_generation_prompt", True)
-        return tok.tokenize_chat(body["messages"], bool(add_generation_prompt), kwargs)
+        return tok.tokenize_chat(body["messages"], bool(add_generation_prompt), _chat_kwargs(body))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: route by its first prompt
@@ -119,11 +125,11 @@ class CacheAwareState:
         self._tokenizer_locks: dict[str, asyncio.Lock] = {}
         self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
         self._ids = itertools.count(1)
-        # routed request id -> (replica, predicted blocks, their LRU ages at routing): for on_finished
-        self._pending: OrderedDict[int, tuple[str, int, tuple[int, ...]]] = OrderedDict()
-        # replica -> {routed request id: the index's insert count when it was routed}, for requests not finished
-        self._in_flight: dict[str, dict[int, int]] = {}
-        self._preloads: set[asyncio.Task[PromptTokenizer]] = set()
+        self.routed = RoutedRequests(_MAX_PENDING)
+        self.chat_prefixes = ChatPrefixCache(
+            config.chat_prefix_cache_bytes, on_outcome=lambda o: self.metrics.chat_prefix.labels(o).inc()
+        )
+        self._preloads: dict[str, asyncio.Task[PromptTokenizer]] = {}  # spec -> its load, while it runs
         self._last_overlap: tuple[int, dict[str, int]] = (0, {})
         self._parity: dict[str, deque[tuple[int, int]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
@@ -140,6 +146,10 @@ class CacheAwareState:
             self._preload(spec)
 
     async def stop(self) -> None:
+        preloads = list(self._preloads.values())
+        for preload in preloads:
+            preload.cancel()
+        await asyncio.gather(*preloads, return_exceptions=True)
         for r in self._replicas.values():
             if r.subscriber is not None:
                 task = r.subscriber.cancel()
@@ -184,32 +194,34 @@ class CacheAwareState:
         self.index.add_replica(
             replica_id, capacity_blocks=capacity, precise=r.events_endpoint is not None, capacity_known=known
         )
-        self._in_flight[replica_id] = {}
         if self._zmq is not None:
             self._start_subscriber(replica_id, r)
         self._preload(spec)
 
     def _preload(self, spec: str) -> None:
         """Load a tokenizer (and chat template) now, in the background, so no request waits for it."""
-        if spec in self._tokenizers:
+        if spec in self._tokenizers or spec in self._preloads:
             return
         try:
             task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
         except RuntimeError:  # no loop yet: `start` preloads
             return
-        self._preloads.add(task)
-        task.add_done_callback(self._preloads.discard)
+        self._preloads[spec] = task
+        task.add_done_callback(lambda _: self._preloads.pop(spec, None))
 
     async def wait_tokenizers(self) -> None:
         """Until every tokenizer being preloaded has loaded (or fallen back to `chars`)."""
         while self._preloads:
-            await asyncio.gather(*self._preloads, return_exceptions=True)
+            await asyncio.gather(*self._preloads.values(), return_exceptions=True)
+
+    def tokenizers_loading(self) -> list[str]:
+        """The tokenizer specs being loaded now (a request for their models would wait)."""
+        return sorted(self._preloads)
 
     def remove_replica(self, replica_id: str) -> None:
         r = self._replicas.pop(replica_id, None)
         self.index.remove_replica(replica_id)
-        for request_id in self._in_flight.pop(replica_id, {}):
-            self._pending.pop(request_id, None)
+        self.routed.drop_replica(replica_id)
         self.sessions.drop_replica(replica_id)
         if r is not None and r.subscriber is not None:
             task = r.subscriber.cancel()
@@ -288,6 +300,12 @@ class CacheAwareState:
         salt = salt if isinstance(salt, str) else None
 
         def work() -> tuple[int, list[int]]:
+            if endpoint == "chat" and isinstance(tok, HfPromptTokenizer):  # exact, and only the new tokens encoded
+                add_generation_prompt = bool(body.get("add_generation_prompt", True))
+                return self.chat_prefixes.tokens_and_hashes(
+                    tok, body["messages"], add_generation_prompt, _chat_kwargs(body),
+                    block_size=block_size, seed=context_seed(model, None, salt),
+                )  # fmt: skip
             tokens = _tokenize(tok, endpoint, body)
             return len(tokens), prompt_block_hashes(tokens, block_size, model=model, cache_salt=salt)
 
@@ -345,31 +363,23 @@ class CacheAwareState:
             predicted = last[rid] if last_id == info.request_id and rid in last else None
             if predicted is None:
                 predicted = self.index.overlap(info.block_hashes, (rid,))[rid]
-            in_flight = self._in_flight.get(rid)
-            if in_flight is not None:
-                settled_before = min(in_flight.values()) if in_flight else None
-                ages = self.index.ages(rid, info.block_hashes, predicted, settled_before)
-                self._pending[info.request_id] = (rid, predicted, ages)
-                in_flight[info.request_id] = self.index.inserts(rid)
-                while len(self._pending) > _MAX_PENDING:
-                    old_id, (old_rid, _, _) = self._pending.popitem(last=False)
-                    self._in_flight.get(old_rid, {}).pop(old_id, None)
+            if rid in self._replicas:
+                ages = self.index.ages(rid, info.block_hashes, predicted, self.routed.settled_before(rid))
+                self.routed.add(info.request_id, Routed(rid, predicted, ages, self.index.inserts(rid)))
         self.index.record_routed(rid, info.block_hashes)
         key = self._session_key(info)
         if key is not None and rid in self._replicas:
             self.sessions.bind(key, rid)
 
-    def on_finished(self, info: RequestInfo, replica_id: str, reported_cached_tokens: int | None) -> None:
-        """Live parity: what kvgate predicted the replica had cached vs what the engine reported."""
+    def on_finished(self, info: RequestInfo, replica_id: str | None, reported_cached_tokens: int | None) -> None:
+        """A routed request ended (`reported_cached_tokens` None: it failed or reported none). With a report, the
+        index learns from it and live parity compares it with the prediction."""
         if not isinstance(info, PrefixRequestInfo):
             return
-        pending = self._pending.pop(info.request_id, None)
-        if pending is None:
+        routed = self.routed.pop(info.request_id)
+        if routed is None or routed.replica != replica_id or reported_cached_tokens is None:
             return
-        routed_to, predicted_blocks, ages = pending
-        self._in_flight.get(routed_to, {}).pop(info.request_id, None)
-        if routed_to != replica_id or reported_cached_tokens is None:
-            return
+        predicted_blocks, ages = routed.predicted_blocks, routed.ages
         bs = info.block_size
         # vLLM always computes the last prompt token, so a fully cached prompt reports one block less
         max_blocks = max(info.prompt_tokens - 1, 0) // bs if bs else 0

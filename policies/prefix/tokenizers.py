@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+import orjson
 import xxhash
 
 from policies.prefix.chat_render import ContentFormat, detect_content_format, normalize_conversation
@@ -65,6 +66,11 @@ class HfPromptTokenizer:
         template = getattr(self._tok, "chat_template", None)
         self._template: str | None = template if isinstance(template, str) else None
         self._format: ContentFormat = detect_content_format(self._template) if self._template else "string"
+        self.template_id = f"{path}\0{self._template or ''}"
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        specials = {t.content for t in added.values() if getattr(t, "special", False)}
+        self.special_tokens: tuple[str, ...] = tuple(sorted(specials | set(self._tok.all_special_tokens)))
+        self._suffixes: dict[bytes, str] = {}
 
     @property
     def content_format(self) -> ContentFormat:
@@ -76,13 +82,37 @@ class HfPromptTokenizer:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_KWARGS}
+        _, text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs or {})
+        return self.encode(text)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, kwargs: Mapping[str, Any]
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The normalized conversation and the text the engine's chat template renders for it."""
+        kwargs = {k: v for k, v in kwargs.items() if k not in _RESERVED_KWARGS}
         if kwargs.get("continue_final_message"):
             add_generation_prompt = False
         conversation = normalize_conversation(messages, self._format, self._template)
-        text = self._tok.apply_chat_template(
+        text: str = self._tok.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
+        return conversation, text
+
+    def generation_suffix(self, kwargs: Mapping[str, Any]) -> str:
+        """What the generation prompt appends after the last message ("" when it is not a plain suffix)."""
+        key = orjson.dumps(kwargs, default=str, option=orjson.OPT_SORT_KEYS)
+        suffix = self._suffixes.get(key)
+        if suffix is None:
+            probe = [{"role": "user", "content": "kvgate probe"}]
+            _, without = self.render_chat(probe, False, kwargs)
+            _, with_prompt = self.render_chat(probe, True, kwargs)
+            suffix = with_prompt[len(without) :] if with_prompt.startswith(without) else ""
+            if len(self._suffixes) < 64:
+                self._suffixes[key] = suffix
+        return suffix
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered chat text (the template emits the special tokens itself)."""
         ids: list[int] = self._tok.encode(text, add_special_tokens=False)
         return ids
 

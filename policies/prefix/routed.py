@@ -1,0 +1,54 @@
+"""Requests between routing and their end, per replica: what was predicted for them.
+
+Each routed request is registered (`add`) with its replica, the leading blocks kvgate believed cached there, those
+blocks' LRU ages (for the index's capacity estimate) and the index's insert count at that moment. It leaves (`pop`)
+when it ends, however it ended; a request retried on another replica is re-registered there and leaves the first.
+`settled_before(replica)`: the index's insert count when the oldest unfinished request there was routed: blocks
+last used before it were used by finished requests, so the engine held them (see `KvIndex.ages`).
+
+Bounds: at most `max_entries` requests (the oldest forgotten first, e.g. after lost `pop` calls). Cost: O(1) per
+add and pop; `settled_before` O(unfinished requests on that replica).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+
+class Routed(NamedTuple):
+    replica: str
+    predicted_blocks: int
+    ages: tuple[int, ...]
+    inserts_at: int
+
+
+class RoutedRequests:
+    def __init__(self, max_entries: int = 65_536) -> None:
+        self.max_entries = max_entries
+        self._requests: OrderedDict[int, Routed] = OrderedDict()
+        self._by_replica: dict[str, dict[int, Routed]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request_id: int, routed: Routed) -> None:
+        self.pop(request_id)  # a retry: it left the replica of its previous attempt
+        self._requests[request_id] = routed
+        self._by_replica.setdefault(routed.replica, {})[request_id] = routed
+        while len(self._requests) > self.max_entries:
+            self.pop(next(iter(self._requests)))
+
+    def pop(self, request_id: int) -> Routed | None:
+        routed = self._requests.pop(request_id, None)
+        if routed is not None:
+            self._by_replica.get(routed.replica, {}).pop(request_id, None)
+        return routed
+
+    def drop_replica(self, replica: str) -> None:
+        for request_id in list(self._by_replica.pop(replica, {})):
+            self._requests.pop(request_id, None)
+
+    def settled_before(self, replica: str) -> int | None:
+        requests = self._by_replica.get(replica)
+        return min(r.inserts_at for r in requests.values()) if requests else None

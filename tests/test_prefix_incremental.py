@@ -1,0 +1,149 @@
+"""Incremental chat tokenization: a growing conversation, tokenized turn by turn through the prefix cache, gives the
+same token count and block hashes as a full tokenization, for the tiny model's template and for templates whose
+boundaries are unsafe or that rewrite earlier text (those fall back, counted)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies.prefix.hashing import chain_hashes, context_seed
+from policies.prefix.incremental import ChatPrefixCache
+from policies.prefix.tokenizers import HfPromptTokenizer
+
+BS = 4
+SEED = context_seed("m", None, "salt")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_pool.tiny_model import _build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    _build_tokenizer(out, 1 << 20)
+    return out
+
+
+def with_template(src: Path, dst: Path, template: str) -> HfPromptTokenizer:
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return HfPromptTokenizer(str(dst))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> HfPromptTokenizer:
+    return HfPromptTokenizer(str(tiny_dir))
+
+
+def full(tok: HfPromptTokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[int, list[int]]:
+    tokens = tok.tokenize_chat(messages, True, kwargs)
+    return len(tokens), chain_hashes(tokens, BS, SEED)
+
+
+def grow(tok: HfPromptTokenizer, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> Counter[str]:
+    """Send every prefix of the conversation that ends with a user message, in order, as an agent would; each
+    must equal the full tokenization. Returns the outcomes counted."""
+    outcomes: Counter[str] = Counter()
+    cache = ChatPrefixCache(1 << 24, on_outcome=lambda outcome: outcomes.update([outcome]))
+    for end in range(1, len(conversation) + 1):
+        if conversation[end - 1]["role"] != "user":
+            continue
+        messages = conversation[:end]
+        got = cache.tokens_and_hashes(tok, messages, True, kwargs, block_size=BS, seed=SEED)
+        assert got == full(tok, messages, kwargs), f"turn {end}"
+    return outcomes
+
+
+text = st.text(alphabet=st.sampled_from("ab cdé\n日<|>{}x.!"), min_size=0, max_size=40)
+content = st.one_of(
+    text,
+    st.lists(
+        st.one_of(
+            st.builds(lambda t: {"type": "text", "text": t}, text),
+            st.just({"type": "image_url", "image_url": {"url": "http://x/i.png"}}),
+        ),
+        max_size=3,
+    ),
+)
+turn = st.tuples(content, content)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=st.one_of(st.none(), content), turns=st.lists(turn, min_size=1, max_size=6))
+def test_incremental_equals_full_on_random_conversations(
+    tiny: HfPromptTokenizer, system: Any, turns: list[tuple[Any, Any]]
+) -> None:
+    conversation: list[dict[str, Any]] = [] if system is None else [{"role": "system", "content": system}]
+    for user, assistant in turns:
+        conversation += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    outcomes = grow(tiny, conversation, {})
+    users = sum(m["role"] == "user" for m in conversation)
+    assert outcomes["hit"] == users - 1  # every turn after the first reuses the one before
+    assert outcomes["miss"] == 1
+
+
+def test_a_long_history_is_encoded_once(tiny: HfPromptTokenizer) -> None:
+    conversation = [{"role": "system", "content": "rules " * 200}]
+    encoded: list[int] = []
+    real_encode = tiny.encode
+
+    def counting(t: str) -> list[int]:
+        encoded.append(len(t))
+        return real_encode(t)
+
+    cache = ChatPrefixCache(1 << 24)
+    tiny.encode = counting  # type: ignore[method-assign]
+    try:
+        for i in range(10):
+            conversation.append({"role": "user", "content": f"question {i} " * 50})
+            cache.tokens_and_hashes(tiny, conversation, True, {}, block_size=BS, seed=SEED)
+            conversation.append({"role": "assistant", "content": f"answer {i} " * 50})
+    finally:
+        del tiny.encode
+    total_text = len(tiny.render_chat(conversation, False, {})[1])
+    assert sum(encoded) < 1.1 * total_text  # each character encoded about once over ten turns
+
+
+def test_unsafe_boundaries_and_rewriting_templates_fall_back_exactly(tiny_dir: Path, tmp_path: Path) -> None:
+    plain = with_template(tiny_dir, tmp_path / "plain", (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    ))  # fmt: skip
+    counting = with_template(tiny_dir, tmp_path / "counting", (
+        "{{ bos_token }}{{ messages | length }} messages<|eot_id|>{% for m in messages %}<|start_header_id|>"
+        "{{ m['role'] }}<|end_header_id|>{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+    ))  # fmt: skip
+    conversation = []
+    for i in range(4):
+        conversation += [{"role": "user", "content": f"u{i} text"}, {"role": "assistant", "content": f"a{i}"}]
+    assert grow(plain, conversation, {}) == Counter(unsafe=4)
+    assert grow(counting, conversation, {}) == Counter(miss=1, rewritten=3)
+
+
+def test_template_kwargs_and_salt_are_part_of_the_key(tiny: HfPromptTokenizer) -> None:
+    cache = ChatPrefixCache(1 << 24)
+    first = [{"role": "user", "content": "hello there"}]
+    second = [*first, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+    cache.tokens_and_hashes(tiny, first, True, {}, block_size=BS, seed=SEED)
+    other_seed = context_seed("m", None, "another tenant")
+    got = cache.tokens_and_hashes(tiny, second, True, {}, block_size=BS, seed=other_seed)
+    tokens = tiny.tokenize_chat(second, True, {})
+    assert got == (len(tokens), chain_hashes(tokens, BS, other_seed))
+
+
+def test_the_cache_is_bounded_by_bytes(tiny: HfPromptTokenizer) -> None:
+    cache = ChatPrefixCache(4096)
+    for i in range(50):
+        cache.tokens_and_hashes(tiny, [{"role": "user", "content": f"{i} " * 40}], True, {}, block_size=BS, seed=SEED)
+    assert 0 < len(cache) < 50 and cache.bytes <= 4096
