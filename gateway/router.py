@@ -34,7 +34,7 @@ class CacheHooks(Protocol):
 
     def session_replica(self, info: RequestInfo) -> str | None: ...
 
-    def footprint(self, replica_ids: Sequence[str]) -> Mapping[str, Footprint]: ...
+    def footprint(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, Footprint]: ...
 
     def on_routed(self, info: RequestInfo, decision: Decision) -> None: ...
 
@@ -99,7 +99,7 @@ class Router:
             if info.block_hashes:
                 ids = [s.id for s in snaps]
                 overlap = self.cache.overlap(info, ids)
-                footprint = self.cache.footprint(ids)
+                footprint = self.cache.footprint(info, ids)
             session = self.cache.session_replica(info)
         self._seq += 1
         return RoutingView(info, snaps, overlap, session, self._seq, footprint)

@@ -15,12 +15,14 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
    where uncached_tokens = prompt_tokens - overlap(r) x block_size (overlap = leading prompt blocks believed
    cached there, `view.overlap`) and load = max(gateway in-flight, engine running + waiting).
    The last two terms place the working set in the pool's cache (`view.footprint`: per replica the distinct blocks
-   routed there within the hot window, and its KV capacity): new_tokens = the prompt's blocks not cached there, in
+   routed there within the hot window, its KV capacity, and how many leading prompt blocks are in that window):
+   new blocks = the prompt's blocks that are neither cached there nor part of its hot set, new_tokens the same in
    tokens; evicted_hot_blocks = max(0, hot_blocks + new blocks - capacity_blocks), the hot blocks this request
    would push out, each a future miss of one block's prefill. So a cold prefix goes where it fits (the replica
    with room, before any replica evicts), a hot prefix is copied to a second replica only when the queue it
    leaves costs more than the prefill and the evictions the copy causes, and on a full pool a request stays where
-   its prefix is. Without a footprint (no index) both terms are 0.
+   its prefix is. A prefix the engine evicted but that was routed there recently is no new footprint there: it
+   goes back where it was placed, and the partition holds. Without a footprint (no index) both terms are 0.
    waiting = `expected_waiting(r)`: the engine-reported queue (vllm:num_requests_waiting), or, when the replica's
    batch slots are known (`max_num_seqs`: the pool's spec, or `engines[].max_num_seqs`), the queue the gateway's
    own fresh in-flight count implies, in_flight + 1 - max_num_seqs (this request included), whichever is larger;
@@ -157,7 +159,7 @@ class CacheAware:
         )
         fp = view.footprint.get(r.id)
         if fp is not None and fp.capacity_blocks > 0:
-            new_blocks = max(0, len(req.block_hashes) - held)
+            new_blocks = max(0, len(req.block_hashes) - max(held, fp.hot_overlap))
             evicted = max(0, fp.hot_blocks + new_blocks - fp.capacity_blocks)
             occupancy = min(1.0, fp.hot_blocks / fp.capacity_blocks)
             cost += (

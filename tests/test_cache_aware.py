@@ -221,6 +221,13 @@ def test_hot_prefix_is_not_copied_onto_a_full_replica() -> None:
     assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
 
 
+def test_a_prefix_evicted_where_it_was_placed_goes_back_there() -> None:
+    # both caches full; no replica holds the prompt any more (overlap 0), but its 20 blocks were routed to b
+    # recently: on b they are part of the working set already, on a they would push 20 hot blocks out
+    d = decide_fp([rep("a", 0), rep("b", 1)], {"a": (160, 160, 0), "b": (160, 160, 20)})
+    assert d.replica == "b"
+
+
 def test_footprint_terms_can_be_turned_off() -> None:
     d = decide_fp([rep("a", 1), rep("b", 2)], {"a": (150, 160), "b": (40, 160)}, eviction_cost=0, placement_cost=0)
     assert d.replica == "a"

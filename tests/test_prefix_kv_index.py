@@ -198,8 +198,8 @@ def test_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
     idx.add_replica("r", capacity_blocks=100)
     idx.record_routed("r", [1, 2, 3])
     idx.record_routed("r", [1, 2, 4])
-    assert idx.footprint(["r", "unknown"]) == {"r": (4, 100)}
+    assert idx.footprint([1, 2, 9], ["r", "unknown"]) == {"r": (4, 100, 2)}
     now[0] = 5.0
     idx.record_routed("r", [1, 5])
     now[0] = 12.0  # blocks 2, 3, 4 were last routed at 0 s
-    assert idx.footprint(["r"]) == {"r": (2, 100)}
+    assert idx.footprint([1, 2, 9], ["r"]) == {"r": (2, 100, 1)}

@@ -202,8 +202,9 @@ class KvIndex:
             out[rid] = n
         return out
 
-    def footprint(self, replica_ids: Iterable[str]) -> dict[str, Footprint]:
-        """Per replica, the distinct blocks routed there within the hot window, and its capacity."""
+    def footprint(self, hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, Footprint]:
+        """Per replica, the distinct blocks routed there within the hot window, its capacity, and the leading blocks
+        of `hashes` among them."""
         horizon = self._clock() - self._hot_window_s
         out: dict[str, Footprint] = {}
         for rid in replica_ids:
@@ -213,7 +214,7 @@ class KvIndex:
             recent = r.recent
             while recent and next(iter(recent.values())) < horizon:
                 recent.popitem(last=False)
-            out[rid] = Footprint(len(recent), r.capacity)
+            out[rid] = Footprint(len(recent), r.capacity, len(list(takewhile(recent.__contains__, hashes))))
         return out
 
     def ages(self, replica_id: str, hashes: Sequence[int], n: int, settled_before: int | None) -> tuple[int, ...]:

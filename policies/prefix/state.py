@@ -338,8 +338,8 @@ class CacheAwareState:
             approximate=tok.approximate,
         )
 
-    def footprint(self, replica_ids: Iterable[str]) -> dict[str, Footprint]:
-        return self.index.footprint(replica_ids)
+    def footprint(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, Footprint]:
+        return self.index.footprint(info.block_hashes, replica_ids)
 
     def overlap(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, int]:
         result = self.index.overlap(info.block_hashes, replica_ids)
