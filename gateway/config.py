@@ -30,7 +30,9 @@ class ServerConfig(StrictModel):
     port: int = Field(8000, ge=0, le=65535, description="listen port; 0 picks a free one")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
     access_log: Literal["plain", "json", "off"] = Field(
-        "plain", description="one line per request on the kvgate.access logger"
+        "plain",
+        description="one line per request on the kvgate.access logger: plain, json, or off (YAML's unquoted "
+        "off/false and on/true are read as off and plain)",
     )
     route_headers: bool = Field(True, description="add x-kvgate-replica / x-kvgate-route-reason to responses")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
@@ -39,6 +41,13 @@ class ServerConfig(StrictModel):
         description="serve POST /v1/chat/completions and /v1/completions on a lean HTTP/1.1 front (httptools) that "
         "hands every other request to aiohttp; false: aiohttp serves everything",
     )
+
+    @field_validator("access_log", mode="before")
+    @classmethod
+    def _access_log_switch(cls, value: object) -> object:
+        if isinstance(value, bool):  # YAML 1.1 reads an unquoted `off` / `on` as a boolean
+            return "plain" if value else "off"
+        return value
 
 
 class TimeoutConfig(StrictModel):

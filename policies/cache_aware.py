@@ -17,8 +17,9 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
    The last two terms place the working set in the pool's cache (`view.footprint`: per replica the distinct blocks
    routed there within the hot window, its KV capacity, and how many leading prompt blocks are in that window):
    new blocks = the prompt's blocks that are neither cached there nor part of its hot set, new_tokens the same in
-   tokens; evicted_hot_blocks = max(0, hot_blocks + new blocks - capacity_blocks), the hot blocks this request
-   would push out, each a future miss of one block's prefill. So a cold prefix goes where it fits (the replica
+   tokens; evicted_hot_blocks = min(new blocks, max(0, hot_blocks + new blocks - capacity_blocks)), the hot blocks
+   this request would push out (none while it fits; once the replica is full, one per new block), each a future
+   miss of one block's prefill. So a cold prefix goes where it fits (the replica
    with room, before any replica evicts), a hot prefix is copied to a second replica only when the queue it
    leaves costs more than the prefill and the evictions the copy causes, and on a full pool a request stays where
    its prefix is. A prefix the engine evicted but that was routed there recently is no new footprint there: it
@@ -160,7 +161,8 @@ class CacheAware:
         fp = view.footprint.get(r.id)
         if fp is not None and fp.capacity_blocks > 0:
             new_blocks = max(0, len(req.block_hashes) - max(held, fp.hot_overlap))
-            evicted = max(0, fp.hot_blocks + new_blocks - fp.capacity_blocks)
+            # the hot blocks this request pushes out: none while it fits, at most its own new blocks once full
+            evicted = min(new_blocks, max(0, fp.hot_blocks + new_blocks - fp.capacity_blocks))
             occupancy = min(1.0, fp.hot_blocks / fp.capacity_blocks)
             cost += (
                 p.prefill_token_cost

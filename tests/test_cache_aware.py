@@ -228,6 +228,13 @@ def test_a_prefix_evicted_where_it_was_placed_goes_back_there() -> None:
     assert d.replica == "b"
 
 
+def test_on_full_replicas_only_the_request_own_evictions_count() -> None:
+    # both caches are over-subscribed, a's much more than b's; a holds 18 of the prompt's 20 blocks. Sending it to
+    # a evicts 2 hot blocks there, to b 20: the hit wins, whatever the overflow that was there before
+    d = decide_fp([rep("a", 0), rep("b", 0)], {"a": (400, 160), "b": (200, 160)}, {"a": 18})
+    assert (d.replica, d.reason) == ("a", "cache-hit")
+
+
 def test_footprint_terms_can_be_turned_off() -> None:
     d = decide_fp([rep("a", 1), rep("b", 2)], {"a": (150, 160), "b": (40, 160)}, eviction_cost=0, placement_cost=0)
     assert d.replica == "a"

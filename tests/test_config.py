@@ -42,3 +42,16 @@ def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
 def test_env_override_parsing() -> None:
     tree = env_overrides({"KVGATE__RETRY__MAX_ATTEMPTS": "2", "KVGATE__SERVER__ROUTE_HEADERS": "false", "OTHER": "1"})
     assert tree == {"retry": {"max_attempts": 2}, "server": {"route_headers": False}}
+
+
+def test_unquoted_off_and_on_switch_the_access_log(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("server:\n  access_log: off\n")  # YAML 1.1 reads this as false
+    assert load_config(cfg, environ={}).server.access_log == "off"
+    cfg.write_text("server:\n  access_log: on\n")
+    assert load_config(cfg, environ={}).server.access_log == "plain"
+    cfg.write_text("server:\n  access_log: json\n")
+    assert load_config(cfg, environ={}).server.access_log == "json"
+    cfg.write_text("server:\n  access_log: loud\n")
+    with pytest.raises(ConfigError, match=r"server\.access_log"):
+        load_config(cfg, environ={})

@@ -7,7 +7,7 @@ when it ends, however it ended; a request retried on another replica is re-regis
 last used before it were used by finished requests, so the engine held them (see `KvIndex.ages`).
 
 Bounds: at most `max_entries` requests (the oldest forgotten first, e.g. after lost `pop` calls). Cost: O(1) per
-add and pop; `settled_before` O(unfinished requests on that replica).
+add, pop and `settled_before`.
 """
 
 from __future__ import annotations
@@ -51,4 +51,5 @@ class RoutedRequests:
 
     def settled_before(self, replica: str) -> int | None:
         requests = self._by_replica.get(replica)
-        return min(r.inserts_at for r in requests.values()) if requests else None
+        # a replica's requests are kept in routing order and its insert count only grows: the first is the oldest
+        return next(iter(requests.values())).inserts_at if requests else None
