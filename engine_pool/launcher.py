@@ -8,9 +8,10 @@
 - CPU placement: when the launch names CPUs (a CPU replica's `cpu_bind`), the child is pinned to them the moment it
   exists, before it has started a thread, so every process and thread of the engine inherits its own cores. vLLM's
   OpenMP binding (`OMP_PLACES` from `VLLM_CPU_OMP_THREADS_BIND`) is then a no-op instead of a migration off a core
-  that another replica keeps busy (a restarted replica used to hang in the kernel's `sched_setaffinity` there).
-- Progress: `cpu_seconds()` sums user+system time over the live processes of the group (from /proc), so the
-  supervisor can tell a slow start from a stalled one.
+  that another replica keeps busy (the likely reason a restarted replica was seen hanging in the kernel's
+  `sched_setaffinity`; see docs/engine-pool.md).
+- Progress: `cpu_seconds()` sums user+system time over the live processes of the group (from /proc), and
+  `StallWatch` uses it to tell a slow start from a stalled one.
 - Stop: SIGTERM to the group, wait `timeout_s`, then SIGKILL to the group. After the main process exits for any
   reason the group is SIGKILLed once more, so a child of a crashed engine cannot outlive it.
 """
@@ -23,7 +24,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,35 @@ class RotatingLog:
 
     def close(self) -> None:
         self._fh.close()
+
+
+_STALL_MIN_CPU_S = 1.0  # a starting engine using less CPU than this over its stall window is stalled
+
+
+class StallWatch:
+    """Start-up progress: a starting engine that used less than `_STALL_MIN_CPU_S` of CPU over `window_s` (summed
+    over its process group) is stalled, whatever its deadline says. A healthy start keeps at least one core busy
+    (imports, weights, KV allocation, warm-up); a process blocked in the kernel does not."""
+
+    def __init__(self, window_s: float | None, read_cpu: Callable[[], float | None]) -> None:
+        self.window_s = window_s
+        self.read_cpu = read_cpu
+        self._mark_at = time.monotonic()
+        self._mark_cpu = read_cpu() if window_s else None
+
+    def stalled(self) -> bool:
+        if not self.window_s or self._mark_cpu is None:
+            return False
+        cpu, now = self.read_cpu(), time.monotonic()
+        if cpu is None:
+            return False
+        if cpu - self._mark_cpu >= _STALL_MIN_CPU_S:
+            self._mark_at, self._mark_cpu = now, cpu
+            return False
+        return now - self._mark_at > self.window_s
+
+    def describe(self) -> str:
+        return f"less than {_STALL_MIN_CPU_S:.0f} CPU-second used in {self.window_s:.0f} s"
 
 
 @dataclass(frozen=True, slots=True)

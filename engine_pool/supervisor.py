@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from engine_pool.launcher import EngineProcess, LaunchCommand
+from engine_pool.launcher import EngineProcess, LaunchCommand, StallWatch
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import After, PoolError, PoolMetrics, Slot, SlotState
@@ -40,35 +40,6 @@ log = logging.getLogger("kvgate.pool")
 
 CommandFn = Callable[["Slot"], LaunchCommand]
 ReplicaFactory = Callable[["Slot"], Replica]
-
-
-class _StallWatch:
-    """Start-up progress: a starting engine that used less than `_STALL_MIN_CPU_S` of CPU over `window_s` (summed
-    over its process group) is stalled, whatever its deadline says. A healthy start keeps at least one core busy
-    (imports, weights, KV allocation, warm-up); a process blocked in the kernel does not."""
-
-    def __init__(self, window_s: float | None, read_cpu: Callable[[], float | None]) -> None:
-        self.window_s = window_s
-        self.read_cpu = read_cpu
-        self._mark_at = time.monotonic()
-        self._mark_cpu = read_cpu() if window_s else None
-
-    def stalled(self) -> bool:
-        if not self.window_s or self._mark_cpu is None:
-            return False
-        cpu, now = self.read_cpu(), time.monotonic()
-        if cpu is None:
-            return False
-        if cpu - self._mark_cpu >= _STALL_MIN_CPU_S:
-            self._mark_at, self._mark_cpu = now, cpu
-            return False
-        return now - self._mark_at > self.window_s
-
-    def describe(self) -> str:
-        return f"less than {_STALL_MIN_CPU_S:.0f} CPU-second used in {self.window_s:.0f} s"
-
-
-_STALL_MIN_CPU_S = 1.0
 
 
 # --- commands ---------------------------------------------------------------------------------------------------
@@ -405,7 +376,7 @@ class Supervisor:
         deadline = slot.started_at + slot.model.startup_deadline_s
         probe_timeout = slot.model.liveness.timeout_s
         why = "no /health answer"
-        stall = _StallWatch(slot.model.startup_stall_s, proc.cpu_seconds)
+        stall = StallWatch(slot.model.startup_stall_s, proc.cpu_seconds)
         while (left := deadline - time.monotonic()) > 0:
             if stall.stalled():
                 self._post(slot, gen, "start_failed", f"start-up stalled: {stall.describe()}")

@@ -189,8 +189,10 @@ class CacheAwareState:
             replay_endpoint=kv_events_replay_endpoint,
         )
         self._replicas[replica_id] = r
-        known = bool(num_blocks and num_blocks > 0)
-        capacity = num_blocks if num_blocks and known else self.config.max_blocks_per_replica
+        if num_blocks is not None and num_blocks > 0:
+            capacity, known = num_blocks, True
+        else:  # a starting bound, lowered online from what the replica reports cached
+            capacity, known = self.config.max_blocks_per_replica, False
         self.index.add_replica(
             replica_id, capacity_blocks=capacity, precise=r.events_endpoint is not None, capacity_known=known
         )
@@ -208,11 +210,6 @@ class CacheAwareState:
             return
         self._preloads[spec] = task
         task.add_done_callback(lambda _: self._preloads.pop(spec, None))
-
-    async def wait_tokenizers(self) -> None:
-        """Until every tokenizer being preloaded has loaded (or fallen back to `chars`)."""
-        while self._preloads:
-            await asyncio.gather(*self._preloads.values(), return_exceptions=True)
 
     def tokenizers_loading(self) -> list[str]:
         """The tokenizer specs being loaded now (a request for their models would wait)."""
