@@ -159,9 +159,9 @@ def test_a_reported_miss_drops_what_an_lru_engine_evicted_and_estimates_its_capa
     first = prompts[0]
     predicted = idx.overlap(first, ["r"])["r"]
     assert predicted == 8  # kvgate believes it is still there
-    ages = idx.ages("r", first, predicted, None)
+    inserts_at, ages = idx.inserts("r"), idx.ages("r", first, predicted, None)
     assert ages[0] == 72  # 72 new blocks came after it
-    dropped = idx.observe("r", predicted, 0, ages)
+    dropped = idx.observe("r", predicted, 0, ages, inserts_at)
     assert dropped >= 8 and idx.overlap(first, ["r"])["r"] == 0
     assert idx.overlap(prompts[-1], ["r"])["r"] == 8  # recent prompts are kept
     assert idx.capacities()["r"] == (72, False)
@@ -174,7 +174,7 @@ def test_a_miss_on_blocks_still_in_prefill_is_no_eviction() -> None:
     settled_before = idx.inserts("r") - 3  # A was routed when the index had taken 0 blocks
     ages = idx.ages("r", [1, 2, 3], 3, settled_before)
     assert ages == (-1, -1, -1)
-    assert idx.observe("r", 3, 0, ages) == 0
+    assert idx.observe("r", 3, 0, ages, idx.inserts("r")) == 0
     assert idx.capacities()["r"] == (1000, False) and idx.overlap([1, 2, 3], ["r"])["r"] == 3
 
 
@@ -186,10 +186,10 @@ def test_a_known_capacity_is_not_re_estimated_and_event_replicas_are_left_to_eve
         idx.record_routed(rid, list(range(50)))
         idx.record_routed(rid, list(range(100, 130)))
     ages = idx.ages("known", list(range(50)), 50, None)
-    assert idx.observe("known", 50, 0, ages) > 0  # stale entries dropped
+    assert idx.observe("known", 50, 0, ages, idx.inserts("known")) > 0  # stale entries dropped
     assert idx.capacities()["known"] == (100, True)
     assert idx.ages("events", list(range(50)), 50, None) == ()
-    assert idx.observe("events", 50, 0, ()) == 0
+    assert idx.observe("events", 50, 0, (), 0) == 0
 
 
 def test_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
@@ -203,3 +203,20 @@ def test_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
     idx.record_routed("r", [1, 5])
     now[0] = 12.0  # blocks 2, 3, 4 were last routed at 0 s
     assert idx.footprint([1, 2, 9], ["r"]) == {"r": (2, 100, 1)}
+
+
+def test_a_miss_drops_only_what_is_older_than_the_missing_block() -> None:
+    """Blocks used after the missing block (before or after the request was routed) stay: an LRU keeps them.
+    (A known capacity, so that only the drop is at work, not the capacity estimate.)"""
+    idx = KvIndex()
+    idx.add_replica("r", capacity_blocks=1000)
+    prompts = [[1000 * p + b for b in range(8)] for p in range(10)]
+    for hashes in prompts:
+        idx.record_routed("r", hashes)
+    first = prompts[0]
+    inserts_at, ages = idx.inserts("r"), idx.ages("r", first, 8, None)
+    idx.record_routed("r", first)  # the request itself, routed there
+    for p in range(10, 15):  # other requests routed while it ran
+        idx.record_routed("r", [1000 * p + b for b in range(8)])
+    assert idx.observe("r", 8, 0, ages, inserts_at) == 0  # first was just re-inserted; nothing older is left
+    assert all(idx.overlap(h, ["r"])["r"] == 8 for h in prompts[1:])

@@ -255,12 +255,13 @@ class KvIndex:
             recent.popitem(last=False)
 
     # --- feedback ---------------------------------------------------------------------------------------------
-    def observe(self, replica_id: str, predicted: int, reported: int, ages: Sequence[int]) -> int:
+    def observe(self, replica_id: str, predicted: int, reported: int, ages: Sequence[int], inserts_at: int) -> int:
         """A request routed with `predicted` leading blocks believed cached (their LRU ages at routing time in
-        `ages`, from `ages()`) finished with `reported` blocks cached by the engine. On a replica without KV
-        events, a settled block found missing was evicted, and so was everything older in an LRU: those entries
-        are dropped, and where the capacity is not known the age is a sample of it (a block seen cached at some
-        age is a floor). Returns the number of entries dropped."""
+        `ages`, from `ages()`, when the replica's insert count was `inserts_at`) finished with `reported` blocks
+        cached by the engine. On a replica without KV events, a settled block found missing was evicted, and so
+        was everything last used before it in an LRU: those entries are dropped, and where the capacity is not
+        known the age is a sample of it (a block seen cached at some age is a floor). Returns the number of
+        entries dropped."""
         r = self._replicas.get(replica_id)
         if r is None or r.precise:
             return 0
@@ -275,7 +276,7 @@ class KvIndex:
             prev = r.age_estimate
             r.age_estimate = age if prev is None else prev + _ESTIMATE_WEIGHT * (age - prev)
             r.capacity = max(int(r.age_estimate), r.oldest_hit_age + 1, _MIN_CAPACITY)
-        cutoff, blocks, spec = r.inserts - age, r.blocks, r.speculative
+        cutoff, blocks, spec = inserts_at - age, r.blocks, r.speculative  # the missing block's last use
         before = len(blocks)
         while blocks and next(iter(blocks.values())) <= cutoff:
             spec.pop(blocks.popitem(last=False)[0], None)

@@ -376,13 +376,14 @@ class CacheAwareState:
         routed = self.routed.pop(info.request_id)
         if routed is None or routed.replica != replica_id or reported_cached_tokens is None:
             return
-        predicted_blocks, ages = routed.predicted_blocks, routed.ages
+        predicted_blocks = routed.predicted_blocks
         bs = info.block_size
         # vLLM always computes the last prompt token, so a fully cached prompt reports one block less
         max_blocks = max(info.prompt_tokens - 1, 0) // bs if bs else 0
         predicted = min(predicted_blocks, max_blocks) * bs
         if bs and not info.approximate:
-            dropped = self.index.observe(replica_id, predicted // bs, reported_cached_tokens // bs, ages)
+            reported_blocks = reported_cached_tokens // bs
+            dropped = self.index.observe(replica_id, predicted // bs, reported_blocks, routed.ages, routed.inserts_at)
             if dropped:
                 self.metrics.corrections.labels(replica_id).inc(dropped)
         self.metrics.predicted.labels(info.model).inc(predicted)
