@@ -66,7 +66,8 @@ class HfPromptTokenizer:
         template = getattr(self._tok, "chat_template", None)
         self._template: str | None = template if isinstance(template, str) else None
         self._format: ContentFormat = detect_content_format(self._template) if self._template else "string"
-        self.template_id = f"{path}\0{self._template or ''}"
+        # identifies the rendering in the chat prefix cache's keys (hashed once: the template is kilobytes)
+        self.template_id = xxhash.xxh3_128_hexdigest(f"{path}\0{self._template or ''}".encode())
         added = getattr(self._tok, "added_tokens_decoder", {}) or {}
         specials = {t.content for t in added.values() if getattr(t, "special", False)}
         self.special_tokens: tuple[str, ...] = tuple(sorted(specials | set(self._tok.all_special_tokens)))
