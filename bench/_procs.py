@@ -42,12 +42,16 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
 
 
 @contextmanager
-def child(args: list[str], ready_url: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def child(
+    args: list[str], ready_url: str, env: dict[str, str] | None = None, source: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`kvgate <args>` as a child process, from `source` (another checkout, e.g. the previous release) if given."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), **({"PYTHONPATH": str(source)} if source else {})},
+        cwd=source,
         start_new_session=True,
     )
     try:
@@ -90,9 +94,9 @@ def _stack(specs: list[tuple[list[str], str]]) -> Iterator[list[int]]:
 
 
 @contextmanager
-def kvgate(engines: list[str], *extra: str) -> Iterator[tuple[str, int]]:
+def kvgate(engines: list[str], *extra: str, source: Path | None = None) -> Iterator[tuple[str, int]]:
     port = free_port()
     args = ["serve", "--port", str(port), *[a for e in engines for a in ("--engine", e)], *extra]
-    with child(args, f"http://127.0.0.1:{port}/health") as proc:
+    with child(args, f"http://127.0.0.1:{port}/health", source=source) as proc:
         wait_http(f"http://127.0.0.1:{port}/ready")
         yield f"http://127.0.0.1:{port}", proc.pid

@@ -5,12 +5,12 @@ Side by side in one run, on the same engines:
   see the same machine state; reported as p50/p99 of each and their difference;
 - gateway CPU per request at high concurrency: kvgate's own process CPU seconds (from /proc) over N requests,
   streaming and not;
-- with the fast path (default) and without it (`server.fast_path: false`, aiohttp serves everything);
+- the default policy of the shipped configs (cache-aware) and least-load, with and without the access log;
+- with `--baseline DIR`, the same modes of another checkout (the previous release) in the same run;
 - every mode measured once per round, over `--repeat` rounds, reported as medians and ranges (this machine's speed
   drifts by 20-30% over minutes: only numbers taken side by side compare).
 kvgate runs as its own process (`kvgate serve`, uvloop), the engines as `kvgate sim-engine --instant`, and this
-script is the client. Rerun: `python bench/bench_gateway_overhead.py [--repeat N] [--out docs/...md]` (5 rounds:
-about 4 minutes).
+script is the client. Rerun: `python bench/bench_gateway_overhead.py [--repeat N] [--baseline DIR] [--out docs/...md]`.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import cpu_seconds, kvgate, sim_engine_processes
-
-ENV_FAST_PATH = "KVGATE__SERVER__FAST_PATH"
 
 
 def pct(values: list[float], p: float) -> float:
@@ -88,43 +85,38 @@ async def cpu_per_request(url: str, pid: int, n: int, concurrency: int, stream: 
     return {"cpu_ms_per_request": (c1 - c0) / n * 1000, "requests_per_s": n / (t1 - t0)}
 
 
-@contextmanager
-def fast_path_env(on: bool) -> Iterator[None]:
-    """kvgate children inherit the environment: KVGATE__SERVER__FAST_PATH selects the server path."""
-    old = os.environ.get(ENV_FAST_PATH)
-    os.environ[ENV_FAST_PATH] = "true" if on else "false"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV_FAST_PATH, None)
-        else:
-            os.environ[ENV_FAST_PATH] = old
-
-
-MODES = ((True, "off"), (True, "plain"), (False, "off"))  # (fast path, access log)
+# (policy, access log): the default routing policy of the shipped configs (cache-aware, with the simulator's exact
+# tokenizer) with the default access log, then without it, and least-load for comparison.
+MODES = (("cache-aware", "plain"), ("cache-aware", "off"), ("least-load", "off"))
+CACHE_ENV = {"KVGATE__CACHE__TOKENIZERS__SIM": "sim"}
 
 
 async def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
-    """Every mode's measurements, one per round: all gateways run at once and each round measures each of them
-    (and the engine alone) in turn, so slow and fast spells of the shared machine reach every mode alike."""
+    """Every mode's measurements, one per round: all gateways (this checkout's and, with `--baseline`, the previous
+    release's) run at once and each round measures each of them (and the engine alone) in turn, so slow and fast
+    spells of the shared machine reach every mode alike."""
     runs: dict[str, list[dict[str, float]]] = {}
+    sources: list[tuple[str, Path | None]] = [("this", None)]
+    if args.baseline is not None:
+        sources.append(("previous", args.baseline))
+    os.environ.update(CACHE_ENV)  # inherited by the kvgate children
     with sim_engine_processes(2, "--instant") as procs, ExitStack() as stack:
         engines = [url for url, _ in procs]
         gateways = []
-        for fast_path, log_mode in MODES:
-            with fast_path_env(fast_path):
+        for release, source in sources:
+            for policy, log_mode in MODES:
                 log_level = "WARNING" if log_mode == "off" else "INFO"
-                cm = kvgate(engines, "--policy", "least-load", "--access-log", log_mode, "--log-level", log_level)
-                gateways.append((fast_path, log_mode, *stack.enter_context(cm)))
+                extra = ("--policy", policy, "--access-log", log_mode, "--log-level", log_level)
+                cm = kvgate(engines, *extra, source=source)
+                gateways.append((f"{release} {policy} access_log={log_mode}", *stack.enter_context(cm)))
         for round_no in range(args.repeat):
             for stream in (False, True):  # reference: what one plain aiohttp server (the engine itself) costs
                 ref = await cpu_per_request(procs[0][0], procs[0][1], args.requests, args.concurrency, stream)
                 runs.setdefault(f"engine alone, stream={stream}", []).append(ref)
                 print(f"round {round_no} engine alone stream={stream}", json.dumps(ref), flush=True)
-            for fast_path, log_mode, gw, pid in gateways:
+            for name, gw, pid in gateways:
                 for stream in (False, True):
-                    key = f"fast_path={'on' if fast_path else 'off'} access_log={log_mode} stream={stream}"
+                    key = f"{name} stream={stream}"
                     lat = await latency(engines[0], gw, args.latency_requests, stream)
                     cpu = await cpu_per_request(gw, pid, args.requests, args.concurrency, stream)
                     runs.setdefault(key, []).append({**lat, **cpu})
@@ -141,17 +133,20 @@ def markdown(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) 
         return f"{med(rows, key):.3f} ({min(values):.3f}-{max(values):.3f})"
 
     lines = [
-        "| mode | direct p50 ms | kvgate p50 ms | added p50 ms (range) | added p99 ms | CPU ms/req (range) | req/s |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | direct p50 ms | kvgate p50 ms | added p50 ms (range) | added p99 ms | CPU ms/req (range) "
+        "| CPU / engine alone | req/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for key, rows in runs.items():
         if key.startswith("engine alone"):
-            lines.append(f"| {key} (reference) | | | | | {spread(rows, 'cpu_ms_per_request')} | |")
+            lines.append(f"| {key} (reference) | | | | | {spread(rows, 'cpu_ms_per_request')} | 1 | |")
             continue
+        ref = runs[f"engine alone, stream={key.rsplit('stream=', 1)[1]}"]
+        ratio = med(rows, "cpu_ms_per_request") / med(ref, "cpu_ms_per_request")
         lines.append(
             f"| {key} | {med(rows, 'direct_p50_ms'):.3f} | {med(rows, 'kvgate_p50_ms'):.3f} | "
             f"{spread(rows, 'added_p50_ms')} | {med(rows, 'added_p99_ms'):.3f} | "
-            f"{spread(rows, 'cpu_ms_per_request')} | {med(rows, 'requests_per_s'):.0f} |"
+            f"{spread(rows, 'cpu_ms_per_request')} | {ratio:.2f} | {med(rows, 'requests_per_s'):.0f} |"
         )
     lines.append(
         f"\n{platform.machine()}, {platform.python_version()}; medians (and ranges) over {args.repeat} rounds, each "
@@ -169,6 +164,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--repeat", type=int, default=5, help="rounds; the table shows medians and ranges")
     p.add_argument("--out", type=Path, help="write the markdown table here")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of the previous release (git worktree add DIR <commit>), run side by side with this one",
+    )
     args = p.parse_args()
     results = asyncio.run(measure(args))
     table = markdown(results, args)

@@ -1,7 +1,7 @@
 """The floor of a Python proxy on this machine, next to kvgate: CPU per request (concurrency 64) of
 (1) one instant simulated engine alone (a plain aiohttp server), (2) a minimal proxy in front of it (an httptools
-server protocol + kvgate's upstream client, no routing, admission or metrics), (3) `kvgate serve` in front of it,
-with its fast path and with `server.fast_path: false` (aiohttp serving everything); and for (2) and (3) the latency
+server protocol + kvgate's upstream client, no routing, admission or metrics), (3) `kvgate serve` in front of it;
+and for (2) and (3) the latency
 they add at concurrency 1 (p50 of alternating direct / proxied requests, as `bench_gateway_overhead.py` measures).
 Shows how much of kvgate's per-request cost is the HTTP server and its own logic rather than sockets and hops.
 Rerun: `python bench/bench_proxy_floor.py [--repeat N] [--requests N] [--pairs N]` (3 rounds: about 3 minutes).
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ class _MinimalProxy(asyncio.Protocol):
 
 
 def serve_minimal_proxy(port: int, upstream_port: int) -> None:
-    from gateway.upstream import UpstreamClient
+    from engine_pool.http_client import UpstreamClient
 
     async def main() -> None:
         pool = UpstreamClient().pool("127.0.0.1", upstream_port)
@@ -115,12 +114,10 @@ def main() -> None:
         stack.callback(proxy.terminate)
         time.sleep(1.0)
         procs = [("minimal proxy (httptools server + kvgate upstream client)", f"http://127.0.0.1:{port}", proxy.pid)]
-        for fast_path in (True, False):
-            os.environ["KVGATE__SERVER__FAST_PATH"] = "true" if fast_path else "false"  # inherited by the child
-            gw, pid = stack.enter_context(kvgate([engine_url], "--access-log", "off", "--log-level", "WARNING"))
-            name = "fast path (default)" if fast_path else "server.fast_path=false: aiohttp server"
-            procs.append((f"kvgate serve, {name} (least-load, admission defaults)", gw, pid))
-        os.environ.pop("KVGATE__SERVER__FAST_PATH", None)
+        gw, pid = stack.enter_context(
+            kvgate([engine_url], "--policy", "least-load", "--access-log", "off", "--log-level", "WARNING")
+        )
+        procs.append(("kvgate serve (aiohttp server, least-load, admission defaults)", gw, pid))
         for _ in range(args.repeat):
             alone = cpu_ms_per_request(engine_url, engine_pid, args.requests, args.concurrency)
             rows.setdefault("engine alone (aiohttp server)", []).append((alone, None))

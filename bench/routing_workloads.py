@@ -22,11 +22,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from engine_pool.sim.cache import chain_block_hashes
-from engine_pool.sim.tokenize import tokenize_chat
 from loadgen.client import RequestResult, RequestSpec
 from loadgen.text import CharTextMaker
 from loadgen.workloads import agent_sessions, multi_round_chat, random_requests, shared_prefix
+from simengine.cache import chain_block_hashes
+from simengine.tokenize import tokenize_chat
 
 Factory = Callable[[int], Iterator[RequestSpec]]
 

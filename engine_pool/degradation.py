@@ -1,14 +1,15 @@
 """Degradation watcher: restart a replica whose service degraded for a while (rule: `DegradationRule`).
 
 Every `check_interval_s`, for each ready replica of a model with a rule, one sample is taken: the engine's TTFT
-histogram sum and count (`vllm:time_to_first_token_seconds_{sum,count}` from its /metrics), the gateway's answers
-and 5xx answers for the replica (cumulative, from `error_source`), and the KV cache free fraction (1 - the scraped
-`kv_cache_usage_perc`). Once the samples span `window_s`, the window's deltas are checked:
+histogram sum and count (`vllm:time_to_first_token_seconds_{sum,count}`) and the KV cache free fraction (1 - the
+`kv_cache_usage_perc`), both from the replica set's last scrape of its /metrics, and the replica's attempts and
+failed attempts (cumulative, counted on the replica by the proxy: `Replica.answered`, `Replica.failed`).
+Once the samples span `window_s`, the window's deltas are checked:
   mean TTFT = d(sum) / d(count) > ttft_mean_max_s,  error rate = d(errors) / d(answers) > error_rate_max (with at
   least min_requests answers),  or every sample's KV free fraction < kv_free_min.
 A hit asks the pool for a one-replica restart that keeps N-1 ready (skipped when the others are not ready), at most
 once per `cooldown_s` per replica. Memory: at most window_s / check_interval_s + 2 samples per replica. Cost per
-check: one /metrics fetch and an O(lines) scan per replica.
+check: O(1) per replica (no request of its own).
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import aiohttp
+from typing import Protocol
 
 from engine_pool.slots import PoolError, Slot, SlotState
-from engine_pool.spec import DegradationRule
-
-if TYPE_CHECKING:
-    from engine_pool.pool import EnginePool
+from engine_pool.spec import DegradationRule, ModelPoolConfig
 
 log = logging.getLogger("kvgate.pool.degradation")
 
-# replica id -> (answers, 5xx answers), both cumulative
-ErrorSource = Callable[[str], tuple[float, float]]
 
-_TTFT = "vllm:time_to_first_token_seconds_"
+class RestartablePool(Protocol):
+    """What the watcher needs of the pool (engine_pool.pool.EnginePool), which owns it."""
+
+    @property
+    def models(self) -> Mapping[str, ModelPoolConfig]: ...
+
+    def slots(self) -> list[Slot]: ...
+
+    async def restart_one(self, replica_id: str, *, reason: str, wait_others_s: float | None = None) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,24 +48,6 @@ class Sample:
     answers: float
     errors: float
     kv_free: float
-
-
-def parse_ttft(text: str) -> tuple[float, float]:
-    """Sum of `vllm:time_to_first_token_seconds_sum` and `_count` over all label sets."""
-    total = count = 0.0
-    for line in text.splitlines():
-        if not line.startswith(_TTFT):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if name == _TTFT + "sum":
-            total += value
-        elif name == _TTFT + "count":
-            count += value
-    return total, count
 
 
 def degraded(rule: DegradationRule, samples: deque[Sample]) -> str | None:
@@ -87,10 +71,8 @@ def degraded(rule: DegradationRule, samples: deque[Sample]) -> str | None:
 
 
 class DegradationWatcher:
-    def __init__(self, pool: EnginePool, session: aiohttp.ClientSession, error_source: ErrorSource | None) -> None:
+    def __init__(self, pool: RestartablePool) -> None:
         self.pool = pool
-        self.session = session
-        self.error_source = error_source
         self._samples: dict[str, tuple[int, deque[Sample]]] = {}  # replica id -> (launch generation, window)
         self._last_restart: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
@@ -121,23 +103,19 @@ class DegradationWatcher:
                 if rule is not None and slot.state is SlotState.READY:
                     await self._check(slot, rule)
 
-    async def _sample(self, slot: Slot) -> Sample:
-        ttft_sum = ttft_count = 0.0
-        try:
-            async with self.session.get(slot.replica.metrics_url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                if resp.status == 200:
-                    ttft_sum, ttft_count = parse_ttft(await resp.text())
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-            pass
-        answers, errors = self.error_source(slot.id) if self.error_source is not None else (0.0, 0.0)
-        return Sample(time.monotonic(), ttft_sum, ttft_count, answers, errors, 1.0 - slot.replica.metrics.kv_usage)
+    @staticmethod
+    def _sample(slot: Slot) -> Sample:
+        replica = slot.replica
+        m = replica.metrics  # the replica set's last scrape of the engine's /metrics
+        attempts = replica.answered + replica.failed
+        return Sample(time.monotonic(), m.ttft_sum, m.ttft_count, attempts, replica.failed, 1.0 - m.kv_usage)
 
     async def _check(self, slot: Slot, rule: DegradationRule) -> None:
         gen, window = self._samples.get(slot.id, (-1, deque[Sample]()))
         if gen != slot.gen:
             window = deque(maxlen=int(rule.window_s / rule.check_interval_s) + 2)
             self._samples[slot.id] = (slot.gen, window)
-        window.append(await self._sample(slot))
+        window.append(self._sample(slot))
         while len(window) > 2 and window[-1].t - window[1].t >= rule.window_s:
             window.popleft()  # keep the shortest suffix that still spans the window
         why = degraded(rule, window)

@@ -1,7 +1,10 @@
-"""Parse the vLLM metrics kvgate routes on out of a Prometheus text exposition.
+"""The product's one Prometheus text parser: the vLLM metrics kvgate routes and supervises on, out of an engine's
+/metrics page (the replica set scrapes it every `health.metrics_interval_s`; the degradation watcher reads the result).
 
 Only the few families below are read; everything else is skipped line by line without building objects, so a
-scrape of a large /metrics page costs O(lines) string checks.
+scrape of a large /metrics page costs O(lines) string checks: 0.16 ms for a 970-line page of vLLM-like histograms
+here, against 13.6 ms for prometheus_client's full parser (`text_string_to_metric_families`), which would block the
+event loop that long once a second per replica.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ _WANTED = (
     "vllm:cache_config_info",
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
 )
 
 
@@ -70,6 +75,10 @@ def parse_engine_metrics(text: str, *, now: float | None = None) -> EngineMetric
             m.prefix_queries += value
         elif name == "vllm:prefix_cache_hits_total":
             m.prefix_hits += value
+        elif name == "vllm:time_to_first_token_seconds_sum":
+            m.ttft_sum += value
+        elif name == "vllm:time_to_first_token_seconds_count":
+            m.ttft_count += value
     m.running = int(running)
     m.waiting = int(waiting)
     m.kv_usage = max(usage) if usage else 0.0

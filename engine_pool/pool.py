@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from prometheus_client import CollectorRegistry
 
-from engine_pool.degradation import DegradationWatcher, ErrorSource
+from engine_pool.degradation import DegradationWatcher
+from engine_pool.http_client import UpstreamClient
 from engine_pool.launcher import LaunchCommand, free_port
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
@@ -50,19 +50,18 @@ class EnginePool:
         self,
         config: PoolConfig,
         replicas: ReplicaSet,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         registry: CollectorRegistry,
         *,
-        error_source: ErrorSource | None = None,
         base_env: Mapping[str, str] | None = None,
         on_replica: Callable[[Replica], None] | None = None,
     ) -> None:
         self.config = config
         self.replicas = replicas
-        self.metrics = PoolMetrics(registry)
+        self.metrics = PoolMetrics(registry, lambda: self.supervisor.slots.values())
         self.base_env = dict(os.environ if base_env is None else base_env)
-        self.supervisor = Supervisor(config, replicas, session, self.metrics, self._command)
-        self.watcher = DegradationWatcher(self, session, error_source)
+        self.supervisor = Supervisor(config, replicas, client, self.metrics, self._command)
+        self.watcher = DegradationWatcher(self)
         self.models: dict[str, ModelPoolConfig] = {m.name: m for m in config.models}
         self._model_paths: dict[str, str] = {}
         self._devices: dict[str, Device] = {}

@@ -27,6 +27,8 @@ class EngineMetrics:
     num_blocks: int | None = None
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    ttft_sum: float = 0.0  # vllm:time_to_first_token_seconds_sum (cumulative)
+    ttft_count: float = 0.0
     scraped_at: float = -math.inf  # time.monotonic()
 
 
@@ -68,6 +70,10 @@ class Replica:
         self.finished_since_scrape = 0
         self.consecutive_failures = 0
         self.breaker_open_until = 0.0
+        # cumulative attempts on this replica that it answered (any status below 500) or failed (connect, reset,
+        # timeout, 5xx): the breaker's and the degradation watcher's error rate, counted by the proxy
+        self.answered = 0
+        self.failed = 0
         self.metrics = EngineMetrics()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -128,12 +134,14 @@ class Replica:
         return True
 
     def record_success(self) -> None:
+        self.answered += 1
         self.consecutive_failures = 0
         self.breaker_open_until = 0.0
 
     def record_failure(self, *, threshold: int, cooldown_s: float, now: float | None = None) -> bool:
         """Count a failure; returns True when this failure opened the breaker."""
         now = time.monotonic() if now is None else now
+        self.failed += 1
         self.consecutive_failures += 1
         half_open = self.breaker_open_until > 0.0 and not self.breaker_open(now)
         if self.consecutive_failures >= threshold or half_open:

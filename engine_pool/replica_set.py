@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
 from typing import Protocol
 
-import aiohttp
-
 from engine_pool.engine_metrics import parse_engine_metrics
+from engine_pool.http_client import UpstreamClient
 from engine_pool.replica import Replica
 
 log = logging.getLogger("kvgate.replicas")
@@ -35,13 +35,13 @@ class ReplicaListener(Protocol):
 class ReplicaSet:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         *,
         interval_s: float = 2.0,
         timeout_s: float = 2.0,
         metrics_interval_s: float = 1.0,
     ) -> None:
-        self._session = session
+        self._client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.metrics_interval_s = metrics_interval_s
@@ -130,19 +130,18 @@ class ReplicaSet:
 
     # --- probing ---------------------------------------------------------------------------------------------
     async def probe_health(self, replica: Replica) -> bool:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with self._session.get(f"{replica.url}/health", timeout=timeout) as resp:
-                ok = resp.status == 200
+            status, _ = await self._client.fetch("GET", f"{replica.url}/health", timeout_s=self.timeout_s)
+            ok = status == 200
             if ok and (replica.model is None or replica.max_model_len is None):
-                await self._discover_model(replica, timeout)
+                await self._discover_model(replica)
             return ok and replica.model is not None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
+        except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
             return False
 
-    async def _discover_model(self, replica: Replica, client_timeout: aiohttp.ClientTimeout) -> None:
-        async with self._session.get(f"{replica.url}/v1/models", timeout=client_timeout) as resp:
-            data = await resp.json(content_type=None)
+    async def _discover_model(self, replica: Replica) -> None:
+        _, raw = await self._client.fetch("GET", f"{replica.url}/v1/models", timeout_s=self.timeout_s)
+        data = json.loads(raw)
         for entry in data.get("data", []):
             if replica.model is None or entry.get("id") == replica.model:
                 if replica.model is None:
@@ -153,14 +152,13 @@ class ReplicaSet:
                 return
 
     async def scrape_metrics(self, replica: Replica) -> bool:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         sent = time.monotonic()  # the engine's counts are as of about now
         try:
-            async with self._session.get(replica.metrics_url, timeout=timeout) as resp:
-                if resp.status != 200:
-                    return False
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            status, raw = await self._client.fetch("GET", replica.metrics_url, timeout_s=self.timeout_s)
+            if status != 200:
+                return False
+            text = raw.decode()
+        except (ConnectionError, TimeoutError, UnicodeDecodeError):
             return False
         before = replica.metrics
         replica.set_metrics(parse_engine_metrics(text, now=sent))

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from engine_pool.launcher import EngineProcess
 from engine_pool.replica import Replica
 from engine_pool.spec import ModelPoolConfig
+from policies.fastmetrics import CallbackGauge, FastCounter, FastHistogram
 
 After = Literal["stop", "restart", "remove", "backoff"]  # what a stopping replica does next
 
@@ -79,39 +80,35 @@ class Slot:
 
 
 class PoolMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.state = Gauge(
+    """The pool's metrics; replica states are read from the slots themselves at scrape time (`slots`)."""
+
+    def __init__(self, registry: CollectorRegistry, slots: Callable[[], Iterable[Slot]]) -> None:
+        def states() -> list[tuple[tuple[str, str, str], float]]:
+            return [
+                ((slot.id, slot.model.name, st.value), 1.0 if st is slot.state else 0.0)
+                for slot in slots()
+                if slot.state is not SlotState.REMOVED
+                for st in SlotState
+                if st is not SlotState.REMOVED
+            ]
+
+        CallbackGauge(
             "kvgate_pool_replica_state",
             "1 for the current state of each managed replica.",
             ["replica", "model", "state"],
-            registry=registry,
+            registry,
+            states,
         )
-        self.restarts = Counter(
-            "kvgate_pool_restarts",
-            "Managed replica restarts by reason.",
-            ["replica", "model", "reason"],
-            registry=registry,
+        self.restarts = FastCounter(
+            "kvgate_pool_restarts", "Managed replica restarts by reason.", ["replica", "model", "reason"], registry
         )
-        self.crash_loops = Counter(
-            "kvgate_pool_crash_loops",
-            "Crash loops detected (replica left failed).",
-            ["replica", "model"],
-            registry=registry,
+        self.crash_loops = FastCounter(
+            "kvgate_pool_crash_loops", "Crash loops detected (replica left failed).", ["replica", "model"], registry
         )
-        self.startup = Histogram(
+        self.startup = FastHistogram(
             "kvgate_pool_startup_seconds",
             "Launch to ready (warm-up done).",
             ["model"],
-            buckets=(1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600),
-            registry=registry,
+            registry,
+            (1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600),
         )
-
-    def set_state(self, slot: Slot) -> None:
-        for st in SlotState:
-            if st is not SlotState.REMOVED:
-                self.state.labels(slot.id, slot.model.name, st.value).set(1 if st is slot.state else 0)
-
-    def forget(self, slot: Slot) -> None:
-        for st in SlotState:
-            with contextlib.suppress(KeyError):
-                self.state.remove(slot.id, slot.model.name, st.value)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -28,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import aiohttp
-
+from engine_pool.http_client import UpstreamClient
 from engine_pool.launcher import EngineProcess, LaunchCommand, StallWatch
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import After, PoolError, PoolMetrics, Slot, SlotState
 from engine_pool.spec import PoolConfig
 
+_JSON = {"Content-Type": "application/json"}
 log = logging.getLogger("kvgate.pool")
 
 CommandFn = Callable[["Slot"], LaunchCommand]
@@ -72,13 +73,13 @@ class Supervisor:
         self,
         config: PoolConfig,
         replicas: ReplicaSet,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         metrics: PoolMetrics,
         command_for: CommandFn,
     ) -> None:
         self.config = config
         self.replicas = replicas
-        self.session = session
+        self.client = client
         self.metrics = metrics
         self.command_for = command_for
         self.slots: dict[str, Slot] = {}
@@ -108,7 +109,6 @@ class Supervisor:
             raise PoolError(f"replica {slot.id!r} already exists")
         self.slots[slot.id] = slot
         self.replicas.add(slot.replica)
-        self.metrics.set_state(slot)
 
     def launch(self, slot_id: str) -> None:
         self._queue.put_nowait(_Launch(slot_id))
@@ -161,7 +161,6 @@ class Supervisor:
     def _set_state(self, slot: Slot, state: SlotState, note: str = "") -> None:
         slot.state = state
         slot.events.append((time.time(), f"{state.value}{': ' + note if note else ''}"))
-        self.metrics.set_state(slot)
         self.changed.set()
         self.changed = asyncio.Event()
         for states, newer_than, fut in slot.waiters:
@@ -320,7 +319,6 @@ class Supervisor:
         self._cancel_tasks(slot)
         self.slots.pop(slot.id, None)
         self._set_state(slot, SlotState.REMOVED)
-        self.metrics.forget(slot)
         task = asyncio.create_task(self.replicas.remove(slot.id), name=f"remove:{slot.id}")
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
@@ -352,25 +350,25 @@ class Supervisor:
 
     async def _get_ok(self, url: str, timeout_s: float) -> bool:
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+            status, _ = await self.client.fetch("GET", url, timeout_s=timeout_s)
+        except (ConnectionError, TimeoutError):
             return False
+        return status == 200
 
     async def _warm_up(self, slot: Slot, timeout_s: float) -> str | None:
         """One real completion; None on success, else why it failed."""
         m = slot.model
         body = {"model": m.name, "prompt": m.warmup_prompt, "max_tokens": m.warmup_max_tokens, "temperature": 0}
         try:
-            async with self.session.post(
-                f"{slot.replica.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
-                data = await resp.json(content_type=None)
-                if resp.status == 200 and isinstance(data, dict) and data.get("choices"):
-                    return None
-                return f"warm-up answered HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            status, raw = await self.client.fetch(
+                "POST", f"{slot.replica.url}/v1/completions", json.dumps(body).encode(), _JSON, timeout_s=timeout_s
+            )
+            data = json.loads(raw)
+        except (ConnectionError, TimeoutError, ValueError) as exc:
             return f"warm-up failed: {exc!r}"
+        if status == 200 and isinstance(data, dict) and data.get("choices"):
+            return None
+        return f"warm-up answered HTTP {status}"
 
     async def _readiness(self, slot: Slot, gen: int, proc: EngineProcess) -> None:
         deadline = slot.started_at + slot.model.startup_deadline_s

@@ -1,8 +1,8 @@
 """The aiohttp application: typed app keys, middleware, and the resources each `cleanup_ctx` step owns.
 
-Start-up order (reverse on shutdown): HTTP client session -> replica set (attached engines, probes) -> prefix cache
--> engine pool -> router and proxy -> admission -> the completion service both servers call. Nothing is
-module-global: a test can run several gateways in one process.
+Start-up order (reverse on shutdown): the HTTP client to engines -> replica set (attached engines, probes) ->
+prefix cache -> engine pool -> router and proxy -> admission -> the completion service.
+Nothing is module-global: a test can run several gateways in one process.
 """
 
 from __future__ import annotations
@@ -10,29 +10,34 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from engine_pool import admin
-from engine_pool.app_ctx import pool_ctx as _pool_ctx
+from engine_pool.http_client import UpstreamClient
+from engine_pool.pool import EnginePool
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway import handlers
-from gateway.admission.setup import admission_ctx
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.controller import AdmissionController
+from gateway.admission.local import LocalQuotaStore
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.quota import QuotaStore
+from gateway.admission.redis_store import RedisQuotaStore
 from gateway.cache_ctx import cache_ctx
 from gateway.completion import CompletionService
-from gateway.config import EngineConfig, GatewayConfig
+from gateway.config import EngineConfig, GatewayConfig, load_config
 from gateway.errors import GatewayError, error_response, http_exception_to_error
 from gateway.ids import IdSource
 from gateway.keys import (
     ADMISSION,
     CACHE,
-    CLIENT,
     COMPLETIONS,
     CONFIG,
+    CONFIG_PATH,
     IDS,
     METRICS,
+    POOL,
     PROXY,
     REGISTRY,
     REPLICAS,
@@ -43,7 +48,6 @@ from gateway.keys import (
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
 from gateway.router import Router
-from gateway.upstream import UpstreamClient
 from policies.registry import build_policy
 
 log = logging.getLogger("kvgate.gateway")
@@ -88,32 +92,45 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-    upstream = UpstreamClient()
-    app[UPSTREAM] = upstream
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        app[CLIENT] = session  # probes, scrapes, warm-ups; requests go through the lean UpstreamClient
-        try:
-            yield
-        finally:
-            upstream.close()
+    upstream = app[UPSTREAM] = UpstreamClient()  # requests, probes, scrapes, warm-ups: one client
+    try:
+        yield
+    finally:
+        upstream.close()
 
 
 async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     replicas = ReplicaSet(
-        app[CLIENT],
+        app[UPSTREAM],
         interval_s=cfg.health.interval_s,
         timeout_s=cfg.health.timeout_s,
         metrics_interval_s=cfg.health.metrics_interval_s,
     )
     app[REPLICAS] = replicas
+    app[METRICS].export_replicas(replicas)
     for engine in cfg.engines:
         replicas.add(attached_replica(engine))
     try:
         yield
     finally:
         await replicas.close()
+
+
+async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The engines kvgate launches: after the replica set (the pool adds its replicas, `managed=True`, warm after
+    warm-up), before the router; on shutdown, after the server let in-flight requests finish, it stops every engine
+    process group."""
+    cfg = app[CONFIG].pool
+    if cfg is None or not cfg.models:
+        yield
+        return
+    pool = app[POOL] = EnginePool(cfg, app[REPLICAS], app[UPSTREAM], app[REGISTRY])
+    try:
+        await pool.start()
+        yield
+    finally:
+        await pool.stop()
 
 
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -131,6 +148,37 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
 
 
+def _admission_file_source(path: str) -> Callable[[], AdmissionConfig]:
+    def load() -> AdmissionConfig:
+        return load_config(path).admission
+
+    return load
+
+
+async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Tenants, quotas and the fair queue: the quota store (Redis when configured), the metrics, the controller."""
+    cfg = app[CONFIG].admission
+    metrics = AdmissionMetrics(app[REGISTRY])
+    redis_store: RedisQuotaStore | None = None
+    store: QuotaStore
+    if cfg.redis is not None:
+        store = redis_store = RedisQuotaStore(cfg.redis, metrics, max_tenants=cfg.max_tenants)
+    else:
+        store = LocalQuotaStore(max_tenants=cfg.max_tenants)
+    path = app.get(CONFIG_PATH)
+    controller = AdmissionController(
+        cfg, app[REPLICAS], app[ROUTER], store, metrics, reload_source=_admission_file_source(path) if path else None
+    )
+    if redis_store is not None:
+        redis_store.start()
+    controller.start()
+    app[ADMISSION] = controller
+    try:
+        yield
+    finally:
+        await controller.close()
+
+
 async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
     app[COMPLETIONS] = CompletionService(
         app[CONFIG], app[METRICS], app[ADMISSION], app[REPLICAS], app[ROUTER], app[PROXY], app.get(CACHE)
@@ -145,8 +193,7 @@ def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = Non
     app[REGISTRY] = registry or CollectorRegistry()
     app[METRICS] = GatewayMetrics(app[REGISTRY])
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, cache_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
-    app.cleanup_ctx.append(admission_ctx)  # after the router: tenants, quotas, the fair queue
+    app.cleanup_ctx.append(_admission_ctx)  # after the router: tenants, quotas, the fair queue
     app.cleanup_ctx.append(_completions_ctx)  # the completion endpoints, over everything above
     handlers.add_routes(app)
-    admin.add_routes(app)  # /admin/*: drain, restart, rolling restart, scale
     return app

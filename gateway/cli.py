@@ -11,7 +11,7 @@ import sys
 
 _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.serve", "run the gateway (and the engine pool it is configured with)"),
-    "sim-engine": ("engine_pool.sim.cli", "run a simulated vLLM engine (tests, benchmarks)"),
+    "sim-engine": ("simengine.cli", "run a simulated vLLM engine (tests, benchmarks)"),
     "make-tiny-model": ("engine_pool.tiny_model", "build the tiny random-weight Llama offline"),
     "loadgen": ("loadgen.cli", "load generator: sweep, run, quality, compare"),
     "admin": ("engine_pool.admin_cli", "drain / rolling-restart / scale a running gateway"),

@@ -36,11 +36,27 @@ class ServerConfig(StrictModel):
     )
     route_headers: bool = Field(True, description="add x-kvgate-replica / x-kvgate-route-reason to responses")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
-    fast_path: bool = Field(
-        True,
-        description="serve POST /v1/chat/completions and /v1/completions on a lean HTTP/1.1 front (httptools) that "
-        "hands every other request to aiohttp; false: aiohttp serves everything",
+    head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a request head not complete this long after its first byte gets 408 (connection closed)",
     )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request body not received whole this long after its head gets 408"
+    )
+    keepalive_timeout_s: float = Field(
+        3630.0,
+        gt=0,
+        description="an idle keep-alive connection closes after this (longer than load balancers keep theirs)",
+    )
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="open client connections; one more is answered 503 and closed (default: half the process's "
+        "file-descriptor limit, which is raised to its hard limit at start)",
+    )
+    max_header_bytes: int = Field(8190, ge=256, description="longest request line or header line; longer gets 431")
+    max_headers: int = Field(128, ge=8, description="most header lines in a request; more gets 431")
 
     @field_validator("access_log", mode="before")
     @classmethod

@@ -1,9 +1,10 @@
 """One exception hierarchy for everything the gateway answers with an error, rendered in one place.
 
 Every error carries its HTTP status and OpenAI error `type` / `code`; `render_error` renders
-`{"error": {"message", "type", "param", "code"}}` as (status, headers, bytes), which both servers write: aiohttp
-through `error_response`, the fast path (`gateway.fastpath`) directly. Subclasses also inherit the matching builtin
-where one exists (a timeout is also a `TimeoutError`) so callers can catch either.
+`{"error": {"message", "type", "param", "code"}}` as (status, headers, bytes); `error_response` makes it the
+aiohttp response that handlers, the middleware and the server's protocol errors (`gateway.listener`) send.
+Subclasses also inherit the matching builtin where one exists (a timeout is also a `TimeoutError`) so callers can
+catch either.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ class PayloadTooLarge(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class RequestTimeout(GatewayError, TimeoutError):
+    """The client did not send its request head or body in time."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class HeadersTooLarge(GatewayError):

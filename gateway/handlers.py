@@ -3,42 +3,22 @@
 from __future__ import annotations
 
 import time
-from functools import partial
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.admission.admin import reload_admission
-from gateway.errors import PayloadTooLarge
-from gateway.keys import CACHE, COMPLETIONS, METRICS, REGISTRY, REPLICAS, REQUEST_ID
-from gateway.request_parse import Endpoint
-from gateway.responder import AiohttpResponder
-
-
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge("request body exceeds the configured limit") from None
-
-
-async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    out = AiohttpResponder(request)
-    await request.app[COMPLETIONS].handle(
-        endpoint, request.headers, partial(_read_body, request), request[REQUEST_ID], out
-    )
-    if out.response is None:  # the client left before anything could be sent: nothing will be
-        return web.Response(status=499)
-    return out.response
+from gateway import admin
+from gateway.body import expect_handler
+from gateway.keys import CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, "chat")
+    return await request.app[COMPLETIONS].handle(request, "chat", request[REQUEST_ID])
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, "completions")
+    return await request.app[COMPLETIONS].handle(request, "completions", request[REQUEST_ID])
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -86,19 +66,17 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    m, now = request.app[METRICS], time.monotonic()
-    for replica in request.app[REPLICAS]:
-        m.replica_ready.labels(replica.id, replica.model or "?").set(1 if replica.routable(now) else 0)
-        m.in_flight.labels(replica.id).set(replica.in_flight)
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    """Every route of the gateway's one server."""
+    expect = expect_handler(app[CONFIG].server.max_body_bytes, app[IDS])
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    app.router.add_post("/admin/reload", reload_admission)
+    admin.add_routes(app, expect)  # /admin/*: reload, drain, restart, rolling restart, scale

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from engine_pool.http_client import UpstreamClient
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.controller import AdmissionController
@@ -15,19 +15,17 @@ from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.router import Router
-from gateway.upstream import UpstreamClient
 from policies.prefix.state import CacheAwareState
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 METRICS = web.AppKey("metrics", GatewayMetrics)
-CLIENT = web.AppKey("client", aiohttp.ClientSession)
-UPSTREAM = web.AppKey("upstream", UpstreamClient)  # the proxy's keep-alive pools
+UPSTREAM = web.AppKey("upstream", UpstreamClient)  # the one HTTP client to engines (keep-alive pools)
 REPLICAS = web.AppKey("replicas", ReplicaSet)
 ROUTER = web.AppKey("router", Router)
 PROXY = web.AppKey("proxy", UpstreamProxy)
 ADMISSION = web.AppKey("admission", AdmissionController)
-COMPLETIONS = web.AppKey("completions", CompletionService)  # the two OpenAI endpoints, shared by both servers
+COMPLETIONS = web.AppKey("completions", CompletionService)  # the two OpenAI completion endpoints
 CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
 CACHE = web.AppKey("cache", CacheAwareState)  # absent unless the routing policy uses prefix overlap
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config

@@ -5,9 +5,13 @@ Buckets cover sub-millisecond gateway overhead up to multi-minute generations.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry
 
-from gateway.fastmetrics import Buckets, FastCounter, FastGauge, FastHistogram, Value
+from engine_pool.replica import Replica
+from policies.fastmetrics import Buckets, CallbackGauge, FastCounter, FastHistogram, Value
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
@@ -58,10 +62,6 @@ class GatewayMetrics:
             r,
             LATENCY_BUCKETS,
         )
-        self.in_flight = FastGauge("kvgate_replica_in_flight", "Requests in flight per replica.", ["replica"], r)
-        self.replica_ready = FastGauge(
-            "kvgate_replica_ready", "1 when the replica is routable.", ["replica", "model"], r
-        )
         self.upstream_errors = FastCounter(
             "kvgate_upstream_errors", "Failed upstream attempts by replica and kind.", ["replica", "kind"], r
         )
@@ -74,6 +74,23 @@ class GatewayMetrics:
         )
         self.tokens = FastCounter(
             "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.", ["model", "kind"], r
+        )
+
+    def export_replicas(self, replicas: Iterable[Replica]) -> None:
+        """Per-replica gauges read from the replicas themselves at scrape time."""
+
+        def in_flight() -> list[tuple[tuple[str], float]]:
+            return [((r.id,), r.in_flight) for r in replicas]
+
+        def ready() -> list[tuple[tuple[str, str], float]]:
+            now = time.monotonic()
+            return [((r.id, r.model or "?"), 1.0 if r.routable(now) else 0.0) for r in replicas]
+
+        CallbackGauge(
+            "kvgate_replica_in_flight", "Requests in flight per replica.", ["replica"], self.registry, in_flight
+        )
+        CallbackGauge(
+            "kvgate_replica_ready", "1 when the replica is routable.", ["replica", "model"], self.registry, ready
         )
 
     def model(self, name: str) -> ModelMetrics:

@@ -9,9 +9,9 @@ Algorithm per request:
 4. Streaming: SSE events are relayed one by one as they arrive (no buffering beyond one partial event); the client's
    response is only started when the first event arrives, so an engine that dies before its first event is still
    retried. The gateway always asks the engine for the usage chunk and drops it again when the client did not ask.
-5. The client leaving cancels the handler task (both servers do), which aborts the upstream connection, and vLLM
+5. The client leaving cancels the handler task (aiohttp does), which aborts the upstream connection, and vLLM
    aborts a request whose connection closed: the engine stops generating at once.
-Everything reaches the client through a `Responder` (gateway.responder), so both servers share this code.
+Everything reaches the client through the request's `Responder` (gateway.responder).
 Cost per streamed event: one bytes.find for the event boundary plus a substring check for usage.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.config import RetryConfig, TimeoutConfig
@@ -35,7 +36,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_parse import ParsedRequest, upstream_body
 from gateway.responder import Responder
 from gateway.router import Router
-from gateway.upstream import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from policies.base import Decision, RequestInfo
 
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -47,19 +47,6 @@ class _Retryable(Exception):
         super().__init__(kind)
         self.kind = kind
         self.error = error
-
-
-@dataclass(slots=True)
-class Attempt:
-    """A request's first attempt, started without a coroutine (`UpstreamProxy.start`); `forward(first=...)` goes on
-    with it, or the fast lane answers it when the engine's whole answer is in (`gateway.lane`)."""
-
-    replica: Replica
-    decision: Decision
-    started: float  # `replica.begin()`'s time, for `replica.end`
-    data: bytes  # the body sent to the engine
-    deadline: float  # the request's total deadline (monotonic)
-    upstream: UpstreamResponse | None  # None: no idle kept-alive connection (then `forward` connects)
 
 
 @dataclass(slots=True)
@@ -84,27 +71,6 @@ class UpstreamProxy:
         self.metrics = metrics
         self.settings = settings
 
-    def start(
-        self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, raw_body: bytes, salted: bool
-    ) -> Attempt:
-        """Route the request and send it on an idle kept-alive connection, without a coroutine; raises Overloaded
-        when no replica can take it. `forward(first=...)` goes on with the attempt."""
-        data = upstream_body(parsed, raw_body, salted)
-        now = time.monotonic()
-        deadline = now + self.settings.timeouts.total_s
-        replica, decision = self._route(parsed, info, ctx, (), 0)
-        started = replica.begin()
-        try:
-            pool = self.client.pool(replica.host, replica.port, replica.use_tls)
-            path = replica.base_path + _PATHS[parsed.endpoint]
-            upstream = pool.request_idle("POST", path, data, self._ask_headers(ctx))
-            if upstream is not None:
-                upstream.set_timeout(min(self.settings.timeouts.first_byte_s, deadline - now))
-        except BaseException:
-            replica.end(started)
-            raise
-        return Attempt(replica, decision, started, data, deadline, upstream)
-
     def _route(
         self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, tried: Collection[str], attempt: int
     ) -> tuple[Replica, Decision]:
@@ -123,30 +89,22 @@ class UpstreamProxy:
         ctx: RequestContext,
         raw_body: bytes,
         salted: bool = False,
-        first: Attempt | None = None,
     ) -> int:
-        """Relay the request and write the engine's answer to `out`, going on with `first` when the first attempt
-        was started already (`start`); returns the HTTP status sent."""
-        if first is None:
-            data = upstream_body(parsed, raw_body, salted)
-            deadline = time.monotonic() + self.settings.timeouts.total_s
-        else:
-            data, deadline = first.data, first.deadline
+        """Relay the request and write the engine's answer to `out`; returns the HTTP status sent."""
+        data = upstream_body(parsed, raw_body, salted)
+        deadline = time.monotonic() + self.settings.timeouts.total_s
         tried: list[str] = []
         last_error: GatewayError | None = None
         for attempt in range(self.settings.retry.max_attempts):
-            if first is not None:
-                replica, decision = first.replica, first.decision
-            else:
-                try:
-                    replica, decision = self._route(parsed, info, ctx, tried, attempt)
-                except GatewayError:
-                    if last_error is not None:
-                        raise last_error from None
-                    raise
+            try:
+                replica, decision = self._route(parsed, info, ctx, tried, attempt)
+            except GatewayError:
+                if last_error is not None:
+                    raise last_error from None
+                raise
             tried.append(replica.id)
             try:
-                return await self._attempt(out, parsed, replica, decision, ctx, data, deadline, first)
+                return await self._attempt(out, parsed, replica, decision, ctx, data, deadline)
             except _Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 if replica.record_failure(
@@ -154,7 +112,6 @@ class UpstreamProxy:
                 ):
                     self.replicas.breaker_changed()
                 last_error = exc.error
-            first = None
         assert last_error is not None
         raise last_error
 
@@ -170,34 +127,23 @@ class UpstreamProxy:
         return {"Content-Type": "application/json", "x-request-id": ctx.request_id}
 
     async def _send(
-        self,
-        replica: Replica,
-        path: str,
-        data: bytes,
-        ctx: RequestContext,
-        deadline: float,
-        sent: UpstreamResponse | None = None,
+        self, replica: Replica, path: str, data: bytes, ctx: RequestContext, deadline: float
     ) -> UpstreamResponse:
-        """POST (unless `sent` is the request already sent) and wait for the response headers; a kept-alive
-        connection that turns out stale is replaced once."""
+        """POST and wait for the response headers; a kept-alive connection that turns out stale is replaced once."""
         timeouts = self.settings.timeouts
         pool = self.client.pool(replica.host, replica.port, replica.use_tls)
         headers = self._ask_headers(ctx)
         url = replica.base_path + path
         for fresh_retry in (False, True):
-            upstream = sent if not fresh_retry else None
+            upstream: UpstreamResponse | None = None
             budget = min(timeouts.first_byte_s, deadline - time.monotonic())
             try:
-                if upstream is None:
-                    upstream = pool.request_idle("POST", url, data, headers)
-                    if upstream is None:  # a new connection (rare once warm): the budget covers connecting too
-                        started = time.monotonic()
-                        async with asyncio.timeout(budget):
-                            upstream = await pool.request(
-                                "POST", url, data, headers, connect_timeout_s=timeouts.connect_s
-                            )
-                        budget -= time.monotonic() - started
-                    upstream.set_timeout(budget)  # one timer on the response, not a task timeout around the wait
+                started = time.monotonic()  # on an idle kept-alive connection (the common case) nothing waits
+                upstream = await pool.request(
+                    "POST", url, data, headers, connect_timeout_s=min(timeouts.connect_s, budget)
+                )
+                # one timer on the response (the client's DeadlineWatch), not a task timeout around the wait
+                upstream.set_timeout(budget - (time.monotonic() - started))
                 await upstream.headers_ready
                 return upstream
             except TimeoutError:
@@ -225,13 +171,10 @@ class UpstreamProxy:
         ctx: RequestContext,
         data: bytes,
         deadline: float,
-        first: Attempt | None,
     ) -> int:
-        # the in-flight gauge is read from the replicas at scrape time
-        started = replica.begin() if first is None else first.started
+        started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            sent = None if first is None else first.upstream
-            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline, sent)
+            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline)
             try:
                 if upstream.status >= 500:
                     raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
@@ -292,20 +235,15 @@ class UpstreamProxy:
             raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} timed out")) from None
         except ConnectionError as exc:
             raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
-        try:
-            await out.send(upstream.status, self.answer_headers(replica, decision, ctx), raw)
-        finally:
-            ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
-        ctx.delivered = True
-
-    def answer_headers(self, replica: Replica, decision: Decision, ctx: RequestContext) -> dict[str, str]:
-        """The client's response headers for an engine's whole (non-streamed) answer, which is about to be sent;
-        the usage in it is read after sending (`usage_of`), off the answer's path."""
         replica.record_success()
         ctx.ttft_s = time.monotonic() - ctx.started
         headers = self._headers(ctx, replica, decision)
         headers["Content-Type"] = "application/json"
-        return headers
+        try:
+            await out.send(upstream.status, headers, raw)
+        finally:
+            ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
+        ctx.delivered = True
 
     async def _relay_stream(
         self,

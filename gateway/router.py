@@ -52,22 +52,7 @@ class Router:
         self.metrics = metrics
         self.cache = cache
         self._seq = 0
-        self._plain: dict[tuple[str, str], RequestInfo] = {}  # see plain_info
-
-    def plain_info(self, model: str, tenant: str, session_key: str | None) -> RequestInfo | None:
-        """The request's info when there are no cache hooks (None when there are: then await `request_info`).
-        Immutable, so shared between the requests of a model and tenant without a session (bounded by both)."""
-        if self.cache is not None:
-            return None
-        if session_key is not None:
-            return RequestInfo(model=model, tenant=tenant, session_key=session_key)
-        key = (model, tenant)
-        info = self._plain.get(key)
-        if info is None:
-            info = RequestInfo(model=model, tenant=tenant)
-            if len(self._plain) < 4096:
-                self._plain[key] = info
-        return info
+        self._plain: dict[tuple[str, str], RequestInfo] = {}  # see request_info
 
     async def request_info(
         self,
@@ -78,13 +63,22 @@ class Router:
         tenant: str,
         session_key: str | None,
     ) -> RequestInfo:
-        if self.cache is None:
-            info = self.plain_info(model, tenant, session_key)
-            assert info is not None
-            return info
-        return await self.cache.request_info(
-            model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key
-        )
+        """What the policy needs to know of the request: prefix block hashes from the cache hooks, or (without
+        hooks) just model, tenant and session, one immutable info shared per model and tenant when there is no
+        session (bounded by both)."""
+        if self.cache is not None:
+            return await self.cache.request_info(
+                model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key
+            )
+        if session_key is not None:
+            return RequestInfo(model=model, tenant=tenant, session_key=session_key)
+        key = (model, tenant)
+        info = self._plain.get(key)
+        if info is None:
+            info = RequestInfo(model=model, tenant=tenant)
+            if len(self._plain) < 4096:
+                self._plain[key] = info
+        return info
 
     def view(self, info: RequestInfo, exclude: Collection[str] = ()) -> RoutingView:
         now = time.monotonic()

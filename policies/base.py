@@ -5,19 +5,16 @@ gateway knows of their caches, and the request): `Policy.decide(view) -> Decisio
 `gateway.router` gathers the snapshot, calls the policy and records metrics, so every policy is testable with
 literal values.
 
-Stages (llm-d's scheduler shape): Filter -> Score -> Pick.
-- A `Filter` removes candidates (not ready, saturated, ...); it never reorders (`policies.filters.routable`).
-- A `Scorer` returns a score in [0, 1] per candidate (1 = best), to be weighted by config.
-- A `Picker` chooses one candidate (argmax with a deterministic tie-break, ...).
-The shipped policies implement `Policy` directly on these steps: round-robin and least-load filter then pick;
-cache-aware filters, scores by a cost model (normalised into `Decision.scores`) and picks the cheapest.
+Every policy implements `Policy` as plain steps in one function: filter the candidates (`policies.filters.routable`:
+ready, not draining, below their gate), then pick (round-robin, least load), or, for cache-aware, cost each
+candidate by a model (normalised into `Decision.scores`) and take the cheapest.
 The per-decision records are NamedTuples: immutable like frozen dataclasses, and built in a third of the time
 (one per candidate replica and request on the hot path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -108,23 +105,3 @@ class Policy(Protocol):
     def decide(self, view: RoutingView) -> Decision:
         """Pick a replica from view.replicas; raise NoCandidate when none fits."""
         ...
-
-
-class Filter(Protocol):
-    name: str
-
-    def filter(self, view: RoutingView, candidates: Sequence[ReplicaState]) -> Sequence[ReplicaState]: ...
-
-
-class Scorer(Protocol):
-    name: str
-
-    def score(self, view: RoutingView, candidates: Sequence[ReplicaState]) -> Mapping[str, float]:
-        """Score per candidate id, in [0, 1], 1 = best."""
-        ...
-
-
-class Picker(Protocol):
-    name: str
-
-    def pick(self, view: RoutingView, totals: Mapping[str, float]) -> str: ...

@@ -10,5 +10,7 @@ ruff check .
 ruff format --check .
 echo "[test] mypy" >&2
 mypy
+echo "[test] import-linter (package layers, no cycles)" >&2
+lint-imports
 echo "[test] pytest" >&2
 exec python -m pytest "$@"

@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 import uvloop
 
-from engine_pool.sim import SimConfig, SimServer, run_sim_engine
 from gateway.config import GatewayConfig, load_config
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
+from simengine import SimConfig, SimServer, run_sim_engine
 
 
 async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:

@@ -8,9 +8,9 @@ import logging
 import aiohttp
 import pytest
 
-from engine_pool.sim import SimConfig
 from gateway.accesslog import access_record, plain_line
 from gateway.context import RequestContext
+from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
 SIM = SimConfig(model="sim", instant=True)

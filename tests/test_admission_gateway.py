@@ -11,11 +11,11 @@ from typing import Any
 
 import aiohttp
 
-from engine_pool.sim import SimConfig, SimServer, run_sim_engine
 from gateway.admission.config import hash_key
 from gateway.config import GatewayConfig
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import ADMISSION, REGISTRY
+from simengine import SimConfig, SimServer, run_sim_engine
 from tests.conftest import wait_for
 
 MODEL = "sim-model"

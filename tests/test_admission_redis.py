@@ -14,11 +14,11 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from engine_pool.sim import SimConfig, SimServer, run_sim_engine
 from gateway.admission.config import hash_key
 from gateway.admission.redis_store import RedisQuotaStore
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import ADMISSION, REGISTRY
+from simengine import SimConfig, SimServer, run_sim_engine
 from tests.conftest import wait_for
 from tests.test_admission_gateway import MODEL, chat, gateway_config, post, wait_ready
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_pool.sim import SimConfig
+from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
 

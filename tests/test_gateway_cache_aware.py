@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from engine_pool.sim import SimConfig
+from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
 SIM = SimConfig(model="sim", block_size=16, overhead_ms=0, prefill_us_per_token=0, decode_ms=0, decode_ms_per_seq=0)

@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import pytest
 
-from engine_pool.sim import Faults, SimConfig
+from simengine import Faults, SimConfig
 from tests.conftest import gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", overhead_ms=1, prefill_us_per_token=1, decode_ms=1, block_size=16)

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_pool.sim import Faults, SimConfig, run_sim_engine
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
+from simengine import Faults, SimConfig, run_sim_engine
 from tests.conftest import gateway_config, gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", instant=True)

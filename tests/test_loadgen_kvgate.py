@@ -8,9 +8,9 @@ from pathlib import Path
 
 import aiohttp
 
-from engine_pool.sim import SimConfig
 from loadgen import cli
 from loadgen.promscrape import parse_metrics
+from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
 SIM = SimConfig(model="sim", block_size=16, overhead_ms=1, prefill_us_per_token=20, decode_ms=2)

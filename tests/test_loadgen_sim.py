@@ -17,14 +17,14 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from engine_pool.sim import SimConfig, SimServer, run_sim_engine
-from engine_pool.sim.tokenize import tokenize_chat
 from loadgen import cli
 from loadgen import workloads as wl
 from loadgen.client import Message, RequestResult, RequestSpec, Target
 from loadgen.runner import Arrival, SettingResult, Tenant, WorkloadFactory, run_setting
 from loadgen.stats import summarize
 from loadgen.text import CharTextMaker
+from simengine import SimConfig, SimServer, run_sim_engine
+from simengine.tokenize import tokenize_chat
 
 M = CharTextMaker()
 FAST = SimConfig(block_size=16, overhead_ms=0.5, prefill_us_per_token=2.0, decode_ms=0.5, decode_ms_per_seq=0.0)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine_pool.sim.tokenize import tokenize_text
 from loadgen import workloads as wl
 from loadgen.client import RequestResult
 from loadgen.gatecfg import GateConfigError, set_gate_text
@@ -30,6 +29,7 @@ from loadgen.stats import (
     verdict,
 )
 from loadgen.text import CharTextMaker, TokenizerTextMaker, make_text_maker
+from simengine.tokenize import tokenize_text
 
 # --- percentiles -------------------------------------------------------------------------------------------------
 

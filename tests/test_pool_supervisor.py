@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine_pool.http_client import UpstreamClient
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import SlotState
@@ -40,9 +41,9 @@ async def sim_pool(tmp_path: Path, registry: CollectorRegistry, **model: Any) ->
         **model,
     }
     cfg = PoolConfig.model_validate({"log_dir": str(tmp_path / "logs"), "models": [spec]})
-    async with aiohttp.ClientSession() as session:
-        replicas = ReplicaSet(session, interval_s=0.1)
-        pool = EnginePool(cfg, replicas, session, registry)
+    with closing(UpstreamClient()) as client:
+        replicas = ReplicaSet(client, interval_s=0.1)
+        pool = EnginePool(cfg, replicas, client, registry)
         try:
             await pool.start()
             yield pool

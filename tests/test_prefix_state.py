@@ -14,10 +14,10 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from engine_pool.sim import tokenize as sim_tokenize
 from policies.base import Decision
 from policies.prefix.config import CacheConfig
 from policies.prefix.state import CacheAwareState, PrefixRequestInfo
+from simengine import tokenize as sim_tokenize
 
 BS = 4
 SYSTEM = "You are a helpful assistant. " * 20

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from engine_pool.sim import tokenize as sim_tokenize
 from policies.prefix.chat_render import detect_content_format, normalize_conversation
 from policies.prefix.tokenizers import (
     CharsPromptTokenizer,
@@ -15,6 +14,7 @@ from policies.prefix.tokenizers import (
     SimPromptTokenizer,
     build_tokenizer,
 )
+from simengine import tokenize as sim_tokenize
 
 # Formats vLLM 0.32's own `_detect_content_format` returns for these templates (checked offline; importing vLLM
 # in a test takes ~20 s).

@@ -19,10 +19,10 @@ import zmq.asyncio
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_pool.sim import Faults, SimConfig, run_sim_engine
-from engine_pool.sim.cache import Allocation, CacheFullError, PrefixCache, blocks_for, chain_block_hashes
-from engine_pool.sim.engine import SimEngine
-from engine_pool.sim.kv_events import (
+from simengine import Faults, SimConfig, run_sim_engine
+from simengine.cache import Allocation, CacheFullError, PrefixCache, blocks_for, chain_block_hashes
+from simengine.engine import SimEngine
+from simengine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -32,7 +32,7 @@ from engine_pool.sim.kv_events import (
     decode_seq,
     encode_kv_event_batch,
 )
-from engine_pool.sim.tokenize import detokenize, render_chat, tokenize_chat, tokenize_text
+from simengine.tokenize import detokenize, render_chat, tokenize_chat, tokenize_text
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "Say something."}]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.admission.config import AdmissionConfig, hash_key
-from gateway.errors import Unauthorized
+from gateway.errors import NotFound, Unauthorized
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,10 @@ class Authenticator:
 
 
 def check_admin(headers: Mapping[str, str], admin_key: str | None) -> None:
-    """Raise Unauthorized unless the bearer equals the configured admin key (constant-time); off when unset."""
+    """The one admin check, for every /admin route: 404 while `admin.key` is unset (the routes are off), 401 unless
+    the bearer equals it (constant-time comparison)."""
+    if not admin_key:
+        raise NotFound("admin endpoints are disabled (set admin.key)", code="not_found")
     token = bearer(headers)
-    if admin_key is None or token is None or not hmac.compare_digest(token.encode(), admin_key.encode()):
+    if token is None or not hmac.compare_digest(token.encode(), admin_key.encode()):
         raise Unauthorized("admin endpoint: missing or incorrect admin key", code="invalid_admin_key")

@@ -1,8 +1,9 @@
-"""The admission controller: `CompletionService.handle` calls `admit` before `proxy.forward` and `finish` after it.
+"""The admission controller: `CompletionService.handle` runs `proxy.forward` inside `async with slot(...)`
+(`admit` on entry, `finish` on exit, however the block ends).
 
-Per request (`admit_now` / `finish_now` without a coroutine in the common case: no remote store, a free slot):
-identify the tenant (401) -> quota check in the store (429, or 503 when the store is down and the
-policy is fail-closed; skipped for a tenant without limits) -> capacity gate: pass at once when nothing of the
+Per request (no suspension in the common case: no remote store, a free slot): identify the tenant (401) -> quota
+check in the store (429, or 503 when the store is down and the policy is fail-closed; skipped for a tenant without
+limits) -> capacity gate: pass at once when nothing of the
 model is queued and a slot is free, otherwise wait in the model's fair queue (503 at once when the queue is full or
 no replica is ready, 503 after `max_wait_s`) -> forward -> release the slot (which dispatches the next queued
 request) and reconcile tokens.
@@ -31,9 +32,8 @@ from typing import Any
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.auth import Authenticator, Identity
-from gateway.admission.config import AdmissionConfig, LimitsConfig
-from gateway.admission.local import LocalQuotaStore
-from gateway.admission.metrics import AdmissionMetrics, TenantMetrics
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.queue import DrainRate, FairQueue, QueueEntry
 from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
 from gateway.context import RequestContext
@@ -56,8 +56,29 @@ class Ticket:
     prompt_estimate: int
     lease: Lease | None  # None once released
     quota: QuotaResult
-    stats: TenantMetrics | None  # None once counted as finished
+    counted: bool = True  # in the tenant's in-flight count (until finished)
     holds_slot: bool = False
+
+
+class AdmissionSlot:
+    """The async context manager `AdmissionController.slot` returns: `finish` always runs, however the block ends."""
+
+    __slots__ = ("controller", "ctx", "identity", "model", "prompt_tokens", "ticket")
+
+    def __init__(
+        self, controller: AdmissionController, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext
+    ) -> None:
+        self.controller = controller
+        self.identity, self.model, self.prompt_tokens, self.ctx = identity, model, prompt_tokens, ctx
+        self.ticket: Ticket | None = None
+
+    async def __aenter__(self) -> Ticket:
+        self.ticket = await self.controller.admit(self.identity, self.model, self.prompt_tokens, self.ctx)
+        return self.ticket
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self.ticket is not None
+        await self.controller.finish(self.ticket, self.ctx)
 
 
 class AdmissionController:
@@ -76,17 +97,18 @@ class AdmissionController:
         self.replicas = replicas
         self.router = router
         self.store = store
-        self._local = store if isinstance(store, LocalQuotaStore) else None  # synchronous: no coroutine, no shield
         self.metrics = metrics
         self.reload_source = reload_source  # blocking loader (runs in a thread) for SIGHUP / empty admin reload
         self._queues: dict[str, FairQueue] = {}  # per model; models come from the replica set (bounded)
         self._active: dict[str, int] = {}  # model -> admitted requests holding a slot
+        self._tenant_active: dict[str, int] = {}  # tenant -> admitted, not finished (bounded by configured tenants)
         self._defaulted: set[str] = set()  # replicas whose gate this controller set
         self.drain = DrainRate()
         self._lease_ids = IdSource()
         self._reload_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         replicas.add_listener(self)
+        metrics.export(self.tenants_in_flight, self.queued)
 
     # --- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,30 +168,19 @@ class AdmissionController:
         body["cache_salt"] = f"{SALT_PREFIX}{salt}" + (f":{client}" if isinstance(client, str) and client else "")
         return True
 
-    def admit_now(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket | None:
-        """Admission without waiting (the common case): the ticket, or a refusal raised; None when the request has
-        to go through `admit` (a remote quota store to ask, or no free slot: the queue)."""
-        limits = self.config.tenant(identity.tenant).limits
-        enabled = self.config.enabled
-        if not limits.unlimited and self._local is None:
-            return None
-        if enabled and not self._free_now(model):
-            return None
-        quota = self._quota_now(identity.tenant, limits, prompt_tokens)
-        assert quota is not None
-        ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
-        if enabled:
-            self._take(model)
-            ticket.holds_slot = True
-        return ticket
+    def slot(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> AdmissionSlot:
+        """`async with controller.slot(...)`: admitted inside the block (or a refusal raised), released after it."""
+        return AdmissionSlot(self, identity, model, prompt_tokens, ctx)
 
     async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
-        """Admission, waiting for a quota store's answer and in the model's queue when needed."""
+        """Admission: the quota check (no round trip without limits or with the in-process store), then a slot,
+        at once when one is free and nothing of the model is queued, else in the model's fair queue."""
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
         limits = tenant_cfg.limits
-        quota = self._quota_now(tenant, limits, prompt_tokens)
-        if quota is None:
+        if limits.unlimited:
+            quota = _UNLIMITED
+        else:
             quota = await self.store.check(tenant, limits, prompt_tokens, self._lease_ids.next())
         ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
         try:
@@ -180,14 +191,6 @@ class AdmissionController:
             await self.finish(ticket, ctx, failed=True)
             raise
         return ticket
-
-    def _quota_now(self, tenant: str, limits: LimitsConfig, prompt_tokens: int) -> QuotaResult | None:
-        """The quota check when it needs no round trip (no limits, or the in-process store); None otherwise."""
-        if limits.unlimited:
-            return _UNLIMITED
-        if self._local is not None:
-            return self._local.check_now(tenant, limits, prompt_tokens, self._lease_ids.next())
-        return None
 
     def _ticket(
         self, identity: Identity, model: str, prompt_tokens: int, quota: QuotaResult, ctx: RequestContext
@@ -208,20 +211,24 @@ class AdmissionController:
                 code="rate_limit_exceeded",
                 headers={"Retry-After": retry},
             )
-        stats = self.metrics.tenant(tenant)
-        stats.active.value += 1
-        return Ticket(identity, model, prompt_tokens, quota.lease, quota, stats)
+        self._tenant_active[tenant] = self._tenant_active.get(tenant, 0) + 1
+        return Ticket(identity, model, prompt_tokens, quota.lease, quota)
 
-    def finish_now(self, ticket: Ticket, ctx: RequestContext, *, failed: bool = False) -> bool:
-        """Release the ticket's slot, count its tokens and release its lease; False (with the slot and the counts
-        done) when the lease is in a remote store: then `finish` must be awaited for it."""
+    async def finish(self, ticket: Ticket, ctx: RequestContext, *, failed: bool = False) -> None:
+        """Release the ticket's slot (dispatching the next queued request), count its tokens, release its lease
+        (shielded: a cancelled request still gives its lease back)."""
         if ticket.holds_slot:
             ticket.holds_slot = False
             self._give_back(ticket.model)
-        stats = ticket.stats
-        if stats is not None:
-            ticket.stats = None
-            stats.active.value -= 1
+        if ticket.counted:
+            ticket.counted = False
+            tenant = ticket.identity.tenant
+            left = self._tenant_active[tenant] - 1
+            if left:
+                self._tenant_active[tenant] = left
+            else:
+                del self._tenant_active[tenant]
+            stats = self.metrics.tenant(tenant)
             prompt, cached, completion = ctx.prompt_tokens, ctx.cached_tokens, ctx.completion_tokens
             if prompt:
                 stats.prompt.value += prompt
@@ -229,18 +236,6 @@ class AdmissionController:
                 stats.cached.value += cached
             if completion:
                 stats.completion.value += completion
-        lease = ticket.lease
-        if lease is None:
-            return True
-        if self._local is None:
-            return False
-        ticket.lease = None
-        self._local.release_now(lease, self._cost(ticket, ctx, failed))
-        return True
-
-    async def finish(self, ticket: Ticket, ctx: RequestContext, *, failed: bool = False) -> None:
-        if self.finish_now(ticket, ctx, failed=failed):
-            return
         lease, ticket.lease = ticket.lease, None
         if lease is not None:
             await asyncio.shield(self.store.release(lease, self._cost(ticket, ctx, failed)))
@@ -253,7 +248,10 @@ class AdmissionController:
 
     def tenant_in_flight(self, tenant: str) -> int:
         """Requests of the tenant this controller admitted and has not finished."""
-        return int(self.metrics.tenant(tenant).active.value)
+        return self._tenant_active.get(tenant, 0)
+
+    def tenants_in_flight(self) -> Mapping[str, int]:
+        return self._tenant_active
 
     # --- capacity and queue ------------------------------------------------------------------------------------
     def capacity(self, model: str) -> tuple[int, int]:
@@ -286,7 +284,7 @@ class AdmissionController:
                 return True
         return gate_open and active < cap
 
-    def _free_now(self, model: str) -> bool:
+    def _free(self, model: str) -> bool:
         """Admit without queueing: nothing of the model is queued (they go first) and a slot is free."""
         queue = self._queues.get(model)
         return (queue is None or not len(queue)) and self._has_slot(model)
@@ -300,7 +298,7 @@ class AdmissionController:
     async def _acquire_slot(
         self, identity: Identity, weight: float, tenant_bound: int | None, model: str, ctx: RequestContext
     ) -> None:
-        if self._free_now(model):
+        if self._free(model):
             self._take(model)
             return
         qcfg, tenant = self.config.queue, identity.tenant
@@ -320,7 +318,6 @@ class AdmissionController:
             )
         queue = self._queues.setdefault(model, FairQueue())
         entry = queue.push(tenant, weight, identity.priority)
-        self.metrics.queued.set(self.queued())
         started = time.monotonic()
         try:
             async with asyncio.timeout(qcfg.max_wait_s):
@@ -337,7 +334,6 @@ class AdmissionController:
             raise
         finally:
             ctx.queue_wait_s = time.monotonic() - started
-            self.metrics.queued.set(self.queued())
         self.metrics.queue_wait.labels(tenant).observe(ctx.queue_wait_s)
 
     def _abandon(self, queue: FairQueue, entry: QueueEntry, model: str) -> None:

@@ -60,9 +60,6 @@ class LocalQuotaStore:
         return len(state.leases) if state else 0
 
     async def check(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str) -> QuotaResult:
-        return self.check_now(tenant, limits, tokens, lease_id)
-
-    def check_now(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str) -> QuotaResult:
         now = self.clock()
         state = self._state(tenant)
         state.roll(now)
@@ -99,9 +96,6 @@ class LocalQuotaStore:
         )
 
     async def release(self, lease: Lease, tokens: int) -> None:
-        self.release_now(lease, tokens)
-
-    def release_now(self, lease: Lease, tokens: int) -> None:
         state = self._tenants.get(lease.tenant)
         if state is None:
             return

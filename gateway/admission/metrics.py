@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge
+from collections.abc import Callable, Mapping
 
-from gateway.fastmetrics import FastCounter, FastGauge, FastHistogram, Value
+from prometheus_client import CollectorRegistry
+
+from policies.fastmetrics import CallbackGauge, FastCounter, FastGauge, FastHistogram, Value
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -13,10 +15,9 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 
 class TenantMetrics:
     """One tenant's children, resolved once: a request updates them without a label lookup each."""
 
-    __slots__ = ("_requests", "_tenant", "active", "cached", "completion", "prompt")
+    __slots__ = ("_requests", "_tenant", "cached", "completion", "prompt")
 
     def __init__(self, metrics: AdmissionMetrics, tenant: str) -> None:
-        self.active = metrics.concurrency.labels(tenant)  # its value is the tenant's admitted request count
         self.prompt = metrics.tokens.labels(tenant, "prompt")
         self.cached = metrics.tokens.labels(tenant, "cached")
         self.completion = metrics.tokens.labels(tenant, "completion")
@@ -29,7 +30,7 @@ class TenantMetrics:
 
 class AdmissionMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
+        r = self.registry = registry
         self._tenants: dict[str, TenantMetrics] = {}  # bounded: tenant names come from the config
         self.requests = FastCounter(
             "kvgate_tenant_requests", "Requests by tenant and final status.", ["tenant", "status"], r
@@ -50,13 +51,6 @@ class AdmissionMetrics:
             r,
             WAIT_BUCKETS,
         )
-        self.concurrency = FastGauge(
-            "kvgate_tenant_concurrency",
-            "Requests of the tenant admitted and not finished (this gateway).",
-            ["tenant"],
-            r,
-        )
-        self.queued = Gauge("kvgate_queue_depth", "Requests waiting in the gateway queue.", registry=registry)
         self.store_up = FastGauge(
             "kvgate_quota_store_up", "1 while the shared quota store (Redis) answers.", ["store"], r
         )
@@ -68,6 +62,19 @@ class AdmissionMetrics:
             "Checks answered by the failure policy while the store was down.",
             ["policy"],
             r,
+        )
+
+    def export(self, in_flight: Callable[[], Mapping[str, int]], queued: Callable[[], int]) -> None:
+        """Gauges read from the admission controller's own state at scrape time."""
+        CallbackGauge(
+            "kvgate_tenant_concurrency",
+            "Requests of the tenant admitted and not finished (this gateway).",
+            ["tenant"],
+            self.registry,
+            lambda: [((tenant,), n) for tenant, n in in_flight().items()],
+        )
+        CallbackGauge(
+            "kvgate_queue_depth", "Requests waiting in the gateway queue.", [], self.registry, lambda: [((), queued())]
         )
 
     def tenant(self, name: str) -> TenantMetrics:

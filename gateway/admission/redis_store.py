@@ -151,7 +151,7 @@ class RedisQuotaStore:
             self.metrics.store_fallbacks.labels("closed").inc()
             return QuotaResult(allowed=False, reason="store_unavailable", retry_after_s=self.config.reconnect_max_s)
         self.metrics.store_fallbacks.labels("open").inc()
-        return self.fallback.check_now(tenant, limits, tokens, lease_id)
+        return await self.fallback.check(tenant, limits, tokens, lease_id)
 
     def _result(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str, raw: list[Any]) -> QuotaResult:
         reason_raw, retry_ms, reqs, toks, to_min_ms = raw
@@ -176,7 +176,7 @@ class RedisQuotaStore:
 
     async def release(self, lease: Lease, tokens: int) -> None:
         if lease.store != self.name:
-            self.fallback.release_now(lease, tokens)
+            await self.fallback.release(lease, tokens)
             return
         self._leases.pop(lease.lease_id, None)
         if not self.up:

@@ -86,7 +86,7 @@ def detect_content_format(chat_template: str) -> ContentFormat:
     return "string"
 
 
-def _text_parts(content: Any) -> list[str]:
+def text_parts(content: Any) -> list[str]:
     if content is None:
         return []
     if isinstance(content, str):
@@ -145,7 +145,7 @@ def normalize_conversation(
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ValueError("each message must be an object with a string 'role'")
         role: str = message["role"]
-        texts = _text_parts(message.get("content"))
+        texts = text_parts(message.get("content"))
         content: Any
         if content_format == "openai" and role != "tool":
             content = [{"type": "text", "text": t} for t in texts]

@@ -6,7 +6,7 @@ Kinds:
   text encoded with `add_special_tokens=False` (the template emits BOS itself; that is what vLLM's default
   `add_special_tokens=False` for chat and transformers' own `apply_chat_template(tokenize=True)` do). Completions
   text is encoded with `add_special_tokens=True` (vLLM's default, BOS added), unless the request says otherwise.
-- `sim`: the simulated engine's pure functions (`engine_pool.sim.tokenize`), exact for the simulator.
+- `sim`: the simulated engine's documented tokenizer (`SimPromptTokenizer`), exact for the simulator.
 - `chars`: any other engine. Pseudo tokens: fixed-size character chunks of a canonical rendering, each chunk's
   id a 32-bit hash. Deterministic, so repeated prefixes still match each other, but block boundaries do not match
   the engine's: overlaps are estimates (`approximate = True`, labelled in metrics) and KV events cannot be used.
@@ -18,13 +18,14 @@ ones for `pure_python` tokenizers, which hold the GIL: measured here, `sim` toke
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import orjson
 import xxhash
 
-from policies.prefix.chat_render import ContentFormat, detect_content_format, normalize_conversation
+from policies.prefix.chat_render import ContentFormat, detect_content_format, normalize_conversation, text_parts
 
 # apply_chat_template parameters a request's chat_template_kwargs must not override
 _RESERVED_KWARGS = frozenset(
@@ -123,14 +124,14 @@ class HfPromptTokenizer:
 
 
 class SimPromptTokenizer:
+    """The simulated engine's documented tokenizer (`kvgate sim-engine`; `simengine.tokenize` is its side, written
+    independently as vLLM's own code is): each message renders as "<|role|>\\ncontent\\n" (text parts concatenated),
+    then "<|assistant|>\\n"; token ids are the little-endian 4-byte chunks of the UTF-8 text. Both sides are checked
+    against each other by tests/test_prefix_tokenizers.py."""
+
     kind = "sim"
     approximate = False
     pure_python = True
-
-    def __init__(self) -> None:
-        from engine_pool.sim import tokenize as sim_tokenize
-
-        self._sim = sim_tokenize
 
     def tokenize_chat(
         self,
@@ -138,11 +139,24 @@ class SimPromptTokenizer:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        ids: list[int] = self._sim.tokenize_chat(messages, add_generation_prompt)
-        return ids
+        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+            raise ValueError("'messages' must be a list of message objects")
+        out: list[str] = []
+        for message in messages:
+            role = message.get("role") if isinstance(message, Mapping) else None
+            if not isinstance(role, str) or not role:
+                raise ValueError("each message needs a non-empty string 'role'")
+            out.append(f"<|{role}|>\n{''.join(text_parts(message.get('content')))}\n")
+        if add_generation_prompt:
+            out.append("<|assistant|>\n")
+        return self.tokenize_text("".join(out))
 
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._sim.tokenize_text(text)
+        data = text.encode("utf-8")
+        full = len(data) // 4
+        ids = list(struct.unpack(f"<{full}I", data[: full * 4])) if full else []
+        if len(data) > full * 4:
+            ids.append(int.from_bytes(data[full * 4 :], "little"))
         return ids
 
 

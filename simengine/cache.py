@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from engine_pool.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from simengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def root_hash(model: str) -> int:

@@ -21,10 +21,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from engine_pool.sim.config import Faults, SimConfig
-from engine_pool.sim.engine import OverloadedError, SimEngine, SimFaultError
-from engine_pool.sim.kv_events import KVEventPublisher
-from engine_pool.sim.protocol import (
+from simengine.config import Faults, SimConfig
+from simengine.engine import OverloadedError, SimEngine, SimFaultError
+from simengine.kv_events import KVEventPublisher
+from simengine.protocol import (
     GenRequest,
     Kind,
     OpenAIError,
@@ -38,7 +38,7 @@ from engine_pool.sim.protocol import (
     prompt_tokens,
     usage,
 )
-from engine_pool.sim.tokenize import detokenize
+from simengine.tokenize import detokenize
 
 SIM_VERSION = "0.0.0+kvgate.sim"
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)

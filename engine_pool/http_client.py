@@ -1,5 +1,6 @@
-"""A lean HTTP/1.1 client for the proxy's hot path: keep-alive connection pools on raw asyncio protocols, responses
-parsed by httptools (llhttp, the parser Node.js uses).
+"""The product's one HTTP client, for everything kvgate sends to engines: the proxied requests (`gateway.proxy`),
+health probes, metrics scrapes and warm-ups (`fetch`). Keep-alive connection pools on raw asyncio protocols,
+responses parsed by httptools (llhttp, the parser Node.js uses).
 
 Why not aiohttp's client: on these machines it costs several times what the whole rest of a proxied request does
 (the gateway overhead benchmark in docs/ shows both). This client does only what relaying to vLLM needs: POST/GET
@@ -21,8 +22,9 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import cast
+from urllib.parse import urlsplit
 
 import httptools
 
@@ -31,6 +33,7 @@ class UpstreamConnectionError(ConnectionError):
     """Could not connect, or the connection broke before the response was complete."""
 
 
+_NO_HEADERS: Mapping[str, str] = {}
 READ_HIGH_WATER = 256 * 1024  # bytes received and not yet taken by the reader before the socket stops being read
 
 
@@ -55,16 +58,12 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamConnectionError(f"bad response from upstream: {exc}"))
             self.abort()
-        resp = self.response
-        if resp is not None and resp.on_settled is not None and resp.headers_ready.done():
-            resp.settled()  # after the parser returned: the callback may release this connection
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         resp = self.response
         if resp is not None and not resp.complete:
             self._fail(UpstreamConnectionError(f"upstream closed the connection: {exc or 'EOF'}"))
-            resp.settled()
 
     # --- httptools callbacks ------------------------------------------------------------------------------------
     def on_headers_complete(self) -> None:
@@ -129,8 +128,6 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._done = False
         self.deadline: float | None = None  # loop time; watched by the pool's DeadlineWatch
-        # called once, without a coroutine, when the headers arrived or the response failed (see `settled`)
-        self.on_settled: Callable[[], None] | None = None
 
     def set_timeout(self, delay_s: float) -> None:
         """Fail the response with TimeoutError in `delay_s` (at most `DeadlineWatch.tick_s` late) unless it is
@@ -151,13 +148,6 @@ class UpstreamResponse:
         if not self.headers_ready.done():
             self.headers_ready.set_exception(self.error)
         self.wake()
-        self.settled()
-
-    def settled(self) -> None:
-        """Run `on_settled` once: the headers are in (the body may be complete too) or the response failed."""
-        callback, self.on_settled = self.on_settled, None
-        if callback is not None:
-            callback()
 
     def wake(self) -> None:
         w = self._waiter
@@ -205,17 +195,8 @@ class UpstreamResponse:
                 raise self.error
             await self._wait()
 
-    def body_now(self) -> bytes:
-        """The whole body of a complete response, without waiting (what `read` returns then)."""
-        chunks = self.chunks
-        body = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self.buffered = 0
-        return body
-
     def close(self) -> None:
         """Abort: the connection is closed (the engine sees the client leave) and never reused."""
-        self.on_settled = None
         self.clear_timeout()
         if not self._done:
             self._done = True
@@ -223,7 +204,6 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Return the connection to its pool when the response was read whole; abort it otherwise."""
-        self.on_settled = None
         self.clear_timeout()
         if self._done:
             return
@@ -319,15 +299,11 @@ class UpstreamPool:
             candidate.abort()
         return None
 
-    def request_idle(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse | None:
-        """Send on a kept-alive connection at once; None when there is no idle one (then `request` connects)."""
-        conn = self._idle_conn() if self._idle else None
-        return None if conn is None else self._send(conn, method, path, body, headers)
-
     async def request(
         self, method: str, path: str, body: bytes, headers: Mapping[str, str], *, connect_timeout_s: float
     ) -> UpstreamResponse:
-        """Send the request; the returned response's headers may not have arrived yet (`await resp.headers_ready`)."""
+        """Send the request, on an idle kept-alive connection when there is one (then without suspending), else on a
+        new one; the returned response's headers may not have arrived yet (`await resp.headers_ready`)."""
         conn = self._idle_conn() if self._idle else None
         if conn is None:
             conn = await self._connect(connect_timeout_s)
@@ -350,6 +326,26 @@ class UpstreamPool:
 
 class UpstreamClient:
     """One pool per upstream host:port; `close()` drops every idle connection."""
+
+    async def fetch(
+        self, method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None, *, timeout_s: float
+    ) -> tuple[int, bytes]:
+        """A whole request and response within `timeout_s` (probes, scrapes, warm-ups): (status, body). Raises
+        UpstreamConnectionError (a ConnectionError) or TimeoutError."""
+        parts = urlsplit(url)
+        tls = parts.scheme == "https"
+        pool = self.pool(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        async with asyncio.timeout(timeout_s):
+            resp = await pool.request(method, path, body, headers or _NO_HEADERS, connect_timeout_s=timeout_s)
+            try:
+                await resp.headers_ready
+                data = await resp.read()
+            except BaseException:
+                resp.close()
+                raise
+        resp.release()
+        return resp.status, data
 
     def __init__(self, *, max_idle_per_host: int = 256) -> None:
         self.max_idle_per_host = max_idle_per_host

@@ -1,4 +1,4 @@
-"""The simulated engine's scheduler and cost model, without HTTP (the aiohttp layer is `engine_pool.sim.server`).
+"""The simulated engine's scheduler and cost model, without HTTP (the aiohttp layer is `simengine.server`).
 
 A request is admitted FCFS (a strict FIFO: the head blocks the queue, like vLLM's default scheduler) when a sequence
 slot is free (``running < max_num_seqs``) and its blocks fit in the KV cache next to the pinned ones
@@ -20,10 +20,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from engine_pool.sim.cache import Allocation, PrefixCache
-from engine_pool.sim.config import Faults, SimConfig
-from engine_pool.sim.kv_events import KVEventPublisher
-from engine_pool.sim.metrics import SimMetrics
+from simengine.cache import Allocation, PrefixCache
+from simengine.config import Faults, SimConfig
+from simengine.kv_events import KVEventPublisher
+from simengine.metrics import SimMetrics
 
 Emit = Callable[[Sequence[str], int], Awaitable[None]]  # (output words, cached prompt tokens)
 _VOCAB = 1000

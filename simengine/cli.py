@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine_pool.sim.config import Faults, SimConfig
-from engine_pool.sim.server import run_sim_engine
+from simengine.config import Faults, SimConfig
+from simengine.server import run_sim_engine
 
 
 def build_parser() -> argparse.ArgumentParser:

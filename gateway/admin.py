@@ -1,9 +1,11 @@
-"""Admin HTTP endpoints (`/admin/...`): list replicas, drain, restart, rolling restart, scale.
+"""Admin HTTP endpoints (`/admin/...`): reload the admission config; list replicas, drain, restart, rolling
+restart, scale.
 
 Authenticated by `Authorization: Bearer <admin.key>` (constant-time comparison); when `admin.key` is unset every
 admin route answers 404. Operations run as tasks the pool owns (a client that disconnects does not cancel a rolling
 restart half way); `?wait=false` answers 202 at once instead of waiting for the result.
 
+    POST /admin/reload                            swap the admission config (body: the section, or empty: re-read)
     GET  /admin/replicas                          every replica (managed and attached) with its state
     POST /admin/replicas/{id}/drain               drain then stop a managed replica
     POST /admin/replicas/{id}/restart             drain, stop, relaunch (also revives a failed replica)
@@ -14,18 +16,22 @@ restart half way); `?wait=false` answers 202 at once instead of waiting for the 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from engine_pool.pool import EnginePool
 from engine_pool.slots import PoolError, UnknownReplica
-from gateway.errors import BadRequest, GatewayError, NotFound, Unauthorized
-from gateway.keys import CONFIG, POOL, REPLICAS
+from gateway.admission.auth import check_admin
+from gateway.admission.config import AdmissionConfig
+from gateway.body import ExpectHandler, read_body
+from gateway.config import format_validation_error
+from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.keys import ADMISSION, CONFIG, POOL, REPLICAS
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPS = web.AppKey("admin_operations", set[asyncio.Task[Any]])
@@ -37,16 +43,6 @@ class Conflict(GatewayError):
     code = "conflict"
 
 
-def _authorize(request: web.Request) -> None:
-    key = request.app[CONFIG].admin.key
-    if not key:
-        raise NotFound("admin endpoints are disabled (set admin.key)", code="not_found")
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise Unauthorized("missing or wrong admin key", code="invalid_admin_key")
-
-
 def _pool(request: web.Request) -> EnginePool:
     pool = request.app.get(POOL)
     if pool is None:
@@ -56,7 +52,7 @@ def _pool(request: web.Request) -> EnginePool:
 
 def _admin(handler: Handler) -> Handler:
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        _authorize(request)
+        check_admin(request.headers, request.app[CONFIG].admin.key)
         try:
             return await handler(request)
         except UnknownReplica as exc:
@@ -135,13 +131,37 @@ async def scale(request: web.Request) -> web.Response:
     if model not in pool.models:
         raise NotFound(f"no pool model {model!r}", param="model")
     try:
-        body = json.loads(await request.read() or b"{}")
+        body = json.loads(await read_body(request, request.app[CONFIG].server.body_timeout_s) or b"{}")
     except ValueError:
         raise BadRequest('body must be JSON: {"replicas": n}') from None
     n = body.get("replicas") if isinstance(body, dict) else None
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= pool.config.max_replicas:
         raise BadRequest(f"'replicas' must be an integer in [0, {pool.config.max_replicas}]", param="replicas")
     return await _operation(request, f"scale {model} {n}", pool.scale(model, n))
+
+
+async def reload_admission(request: web.Request) -> web.Response:
+    """Swap the admission config without a restart: an empty body re-reads the config file the gateway was started
+    with (file + environment, like SIGHUP); a JSON body is the new `admission` section (`{"admission": {...}}` or the
+    section itself). In-flight and queued requests are not touched."""
+    check_admin(request.headers, request.app[CONFIG].admin.key)
+    controller = request.app[ADMISSION]
+    raw = await read_body(request, request.app[CONFIG].server.body_timeout_s)
+    try:
+        if raw.strip():
+            data = json.loads(raw)
+            if isinstance(data, dict) and "admission" in data:
+                data = data["admission"]
+            config = AdmissionConfig.model_validate(data)
+        elif controller.reload_source is not None:
+            config = await asyncio.to_thread(controller.reload_source)
+        else:
+            raise BadRequest("no config file to re-read: send the admission section as the JSON body")
+    except ValueError as exc:
+        message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise BadRequest(message) from None
+    controller.reload(config)
+    return web.json_response({"reloaded": True, "tenants": sorted(config.tenants), "auth": config.auth})
 
 
 async def _state(awaitable: Awaitable[Any]) -> str:
@@ -158,10 +178,11 @@ async def _ops_ctx(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def add_routes(app: web.Application) -> None:
+def add_routes(app: web.Application, expect: ExpectHandler) -> None:
     app.cleanup_ctx.append(_ops_ctx)
+    app.router.add_post("/admin/reload", reload_admission, expect_handler=expect)
     app.router.add_get("/admin/replicas", list_replicas)
-    app.router.add_post("/admin/replicas/{id}/drain", drain)
-    app.router.add_post("/admin/replicas/{id}/restart", restart)
-    app.router.add_post("/admin/models/{model}/rolling-restart", rolling_restart)
-    app.router.add_post("/admin/models/{model}/scale", scale)
+    app.router.add_post("/admin/replicas/{id}/drain", drain, expect_handler=expect)
+    app.router.add_post("/admin/replicas/{id}/restart", restart, expect_handler=expect)
+    app.router.add_post("/admin/models/{model}/rolling-restart", rolling_restart, expect_handler=expect)
+    app.router.add_post("/admin/models/{model}/scale", scale, expect_handler=expect)

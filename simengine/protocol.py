@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine_pool.sim.config import SimConfig
-from engine_pool.sim.tokenize import MAX_TOKEN_ID, tokenize_chat, tokenize_text
+from simengine.config import SimConfig
+from simengine.tokenize import MAX_TOKEN_ID, tokenize_chat, tokenize_text
 
 Kind = Literal["chat", "completion"]
 

@@ -15,7 +15,7 @@ a scrape is O(children x buckets).
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
@@ -138,4 +138,29 @@ class FastHistogram(_Family[Buckets]):
                 total += n
                 cumulative.append((le, float(total)))
             family.add_metric(list(values), cumulative, child.sum)
+        yield family
+
+
+class CallbackGauge:
+    """A gauge whose samples are read from the state's owner at scrape time: the metric never holds the state.
+    `read` returns (label values, value) pairs."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        read: Callable[[], Iterable[tuple[Sequence[str], float]]],
+    ) -> None:
+        self.name, self.documentation, self.labelnames, self.read = name, documentation, tuple(labelnames), read
+        registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, value in self.read():
+            family.add_metric(list(values), value)
         yield family

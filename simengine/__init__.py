@@ -2,24 +2,24 @@
 
 `tokenize`, `cache` and `kv_events` import neither aiohttp nor the server, so the gateway can reproduce the
 simulator's tokens and block hashes and decode (real or simulated) KV events cheaply; `run_sim_engine` and
-`SimServer` are loaded from `engine_pool.sim.server` on first use.
+`SimServer` are loaded from `simengine.server` on first use.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine_pool.sim.config import Faults, SimConfig
+from simengine.config import Faults, SimConfig
 
 if TYPE_CHECKING:
-    from engine_pool.sim.server import SimServer, run_sim_engine
+    from simengine.server import SimServer, run_sim_engine
 
 __all__ = ["Faults", "SimConfig", "SimServer", "run_sim_engine"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("SimServer", "run_sim_engine"):
-        from engine_pool.sim import server
+        from simengine import server
 
         return getattr(server, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
