@@ -20,6 +20,8 @@ from gateway.ids import IdSource
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, or PayloadTooLarge / RequestTimeout raised."""
     try:
+        if request.content.is_eof():  # all of it arrived with the head (the common case): nothing to wait for
+            return await request.read()
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:

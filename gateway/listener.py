@@ -77,11 +77,12 @@ class GuardedRequestHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._messages or self._request_in_progress:  # a whole head arrived (or a request is being served)
-            if self._head_timer is not None:
+        head_pending = not (self._messages or self._request_in_progress)  # no whole head yet, nothing served
+        if self._head_timer is not None:
+            if not head_pending:
                 self._head_timer.cancel()
                 self._head_timer = None
-        elif self._head_timer is None and self.transport is not None:
+        elif head_pending and self.transport is not None:
             timeout = self._listener.config.server.head_timeout_s
             self._head_timer = self._loop.call_later(timeout, self._head_timed_out)
 

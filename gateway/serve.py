@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import logging
 import signal
 import sys
@@ -132,14 +133,49 @@ class _Formatter(logging.Formatter):
         return f"{self._text},{int(record.msecs):03d}"
 
 
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+class BatchedStderrHandler(logging.StreamHandler):
+    """Log lines to stderr through a 64 KiB buffer, written when a WARNING or worse arrives, when the buffer fills,
+    or by `flush` (`serve` calls it every `FLUSH_S`, and logging's shutdown at exit): one write for a batch of access
+    log lines instead of one per request. A line is late by at most `FLUSH_S`."""
+
+    FLUSH_S = 0.2
+
+    def __init__(self) -> None:
+        buffered = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False), 64 * 1024), encoding="utf-8")
+        super().__init__(buffered)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.stream.write(self.format(record) + self.terminator)
+            if record.levelno >= logging.WARNING:
+                self.flush()
+        except Exception:
+            self.handleError(record)
+
+
+async def _serve_flushing_logs(handler: logging.Handler, config: GatewayConfig, config_path: str | None) -> None:
+    async def flush() -> None:
+        while True:
+            await asyncio.sleep(BatchedStderrHandler.FLUSH_S)
+            handler.flush()
+
+    flusher = asyncio.create_task(flush(), name="kvgate:log-flush")
+    try:
+        await serve(config, config_path=config_path)
+    finally:
+        flusher.cancel()
+        handler.flush()
+
+
+def setup_logging(level: str) -> BatchedStderrHandler:
+    handler = BatchedStderrHandler()
     handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
     # The format uses neither the caller's file and line nor thread or process names, and finding each costs time
     # on every record (one per request): switched off as the logging docs' "Optimization" section describes.
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    return handler
 
 
 def run(coro_factory: Any) -> None:
@@ -153,7 +189,7 @@ def run(coro_factory: Any) -> None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging(args.log_level)
+    log_handler = setup_logging(args.log_level)
     try:
         config = load_config(args.config, overrides=flag_overrides(args))
     except ConfigError as exc:
@@ -162,5 +198,5 @@ def main(argv: list[str]) -> int:
     if args.check:
         print(config.model_dump_json(indent=2))
         return 0
-    run(lambda: serve(config, config_path=args.config))
+    run(lambda: _serve_flushing_logs(log_handler, config, args.config))
     return 0

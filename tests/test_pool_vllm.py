@@ -23,6 +23,7 @@ import openai
 import psutil
 import pytest
 
+from tests.conftest import wait_for
 from tests.vllm_gateway import Gateway, pool_gateway
 
 pytestmark = [
@@ -84,7 +85,11 @@ def oai(gw: Gateway) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-async def steady_load(client: openai.AsyncOpenAI, stop: asyncio.Event, workers: int = 3) -> tuple[int, list[str]]:
+async def steady_load(
+    client: openai.AsyncOpenAI, stop: asyncio.Event, workers: int = 3, progress: list[int] | None = None
+) -> tuple[int, list[str]]:
+    """Requests in a loop until `stop`: (successes, errors); `progress[0]` counts successes as they happen."""
+
     async def one(w: int) -> tuple[int, list[str]]:
         ok, errors = 0, []
         while not stop.is_set():
@@ -94,6 +99,8 @@ async def steady_load(client: openai.AsyncOpenAI, stop: asyncio.Event, workers: 
                 )
                 assert r.usage is not None and r.usage.completion_tokens == 16
                 ok += 1
+                if progress is not None:
+                    progress[0] += 1
             except openai.APIError as exc:
                 errors.append(repr(exc))
         return ok, errors
@@ -147,9 +154,9 @@ async def test_kill_9_one_replica_under_load(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as session, oai(gateway) as client:
         before = await wait_all_ready(session, gateway, 420)
         victim = before[f"{MODEL}-0"]
-        stop = asyncio.Event()
-        load = asyncio.create_task(steady_load(client, stop))
-        await asyncio.sleep(2)
+        stop, progress = asyncio.Event(), [0]
+        load = asyncio.create_task(steady_load(client, stop, progress=progress))
+        await wait_for(lambda: progress[0] >= 6, 120, "the load to be flowing")
         os.kill(victim["pid"], signal.SIGKILL)
         end = time.monotonic() + 420
         while time.monotonic() < end:
@@ -157,7 +164,8 @@ async def test_kill_9_one_replica_under_load(gateway: Gateway) -> None:
             if now["state"] == "ready" and now["pid"] not in (None, victim["pid"]):
                 break
             await asyncio.sleep(0.5)
-        await asyncio.sleep(2)  # some requests after it rejoined
+        rejoined = progress[0]
+        await wait_for(lambda: progress[0] >= rejoined + 6, 120, "requests after it rejoined")
         stop.set()
         ok, errors = await load
         assert errors == []
