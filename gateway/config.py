@@ -71,9 +71,15 @@ class TimeoutConfig(StrictModel):
     first_byte_s: float = Field(
         120.0,
         gt=0,
-        description="until the engine answers (non-stream: headers; stream: first event); then retried elsewhere",
+        description="a stream's first event must come this soon, else it is retried on another replica (a whole "
+        "answer is waited for until total_s and not retried: its headers come only when it is done)",
     )
     total_s: float = Field(1800.0, gt=0, description="whole request")
+    stream_idle_s: float = Field(
+        60.0,
+        gt=0,
+        description="a stream that started and then sends nothing for this long is ended with an error event",
+    )
 
 
 class RetryConfig(StrictModel):

@@ -94,6 +94,7 @@ class UpstreamProxy:
         data = upstream_body(parsed, raw_body, salted)
         deadline = time.monotonic() + self.settings.timeouts.total_s
         tried: list[str] = []
+        refused: list[Replica] = []  # replicas that answered this request with a 5xx (see below)
         last_error: GatewayError | None = None
         for attempt in range(self.settings.retry.max_attempts):
             try:
@@ -104,16 +105,29 @@ class UpstreamProxy:
                 raise
             tried.append(replica.id)
             try:
-                return await self._attempt(out, parsed, replica, decision, ctx, data, deadline)
+                status = await self._attempt(out, parsed, replica, decision, ctx, data, deadline)
             except _Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
-                if replica.record_failure(
-                    threshold=self.settings.retry.breaker_failures, cooldown_s=self.settings.retry.breaker_cooldown_s
-                ):
-                    self.replicas.breaker_changed()
                 last_error = exc.error
+                if not exc.kind.startswith("http_"):
+                    self._count_failure(replica)  # connect, reset, timeout: the replica's fault
+                elif refused:  # a second replica refused the same request: the request is at fault, not them
+                    raise exc.error from None
+                else:
+                    refused.append(replica)  # counted against it only if another replica answers the request
+                continue
+            for bad in refused:
+                self._count_failure(bad)
+            return status
+        for bad in refused:
+            self._count_failure(bad)
         assert last_error is not None
         raise last_error
+
+    def _count_failure(self, replica: Replica) -> None:
+        retry = self.settings.retry
+        if replica.record_failure(threshold=retry.breaker_failures, cooldown_s=retry.breaker_cooldown_s):
+            self.replicas.breaker_changed()
 
     def _headers(self, ctx: RequestContext, replica: Replica, decision: Decision) -> dict[str, str]:
         headers = {"x-request-id": ctx.request_id, **ctx.extra_headers}
@@ -127,16 +141,20 @@ class UpstreamProxy:
         return {"Content-Type": "application/json", "x-request-id": ctx.request_id}
 
     async def _send(
-        self, replica: Replica, path: str, data: bytes, ctx: RequestContext, deadline: float
+        self, replica: Replica, path: str, data: bytes, ctx: RequestContext, deadline: float, stream: bool
     ) -> UpstreamResponse:
-        """POST and wait for the response headers; a kept-alive connection that turns out stale is replaced once."""
+        """POST and wait for the response headers; a kept-alive connection that turns out stale is replaced once.
+        A stream's headers come with its first event: waited for `first_byte_s`, then retried elsewhere. A whole
+        answer's headers come only when the generation is done: waited for until the total deadline, and a timeout
+        then is not retried (the engine took the request; running it again elsewhere would only repeat the work)."""
         timeouts = self.settings.timeouts
         pool = self.client.pool(replica.host, replica.port, replica.use_tls)
         headers = self._ask_headers(ctx)
         url = replica.base_path + path
         for fresh_retry in (False, True):
             upstream: UpstreamResponse | None = None
-            budget = min(timeouts.first_byte_s, deadline - time.monotonic())
+            left = deadline - time.monotonic()
+            budget = min(timeouts.first_byte_s, left) if stream else left
             try:
                 started = time.monotonic()  # on an idle kept-alive connection (the common case) nothing waits
                 upstream = await pool.request(
@@ -149,6 +167,8 @@ class UpstreamProxy:
             except TimeoutError:
                 if upstream is not None:
                     upstream.close()
+                if not stream:
+                    raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
                 raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
             except UpstreamConnectionError as exc:
                 if upstream is not None:
@@ -174,7 +194,7 @@ class UpstreamProxy:
     ) -> int:
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline)
+            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline, parsed.stream)
             try:
                 if upstream.status >= 500:
                     raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
@@ -184,9 +204,8 @@ class UpstreamProxy:
                     err.headers.update(self._headers(ctx, replica, decision))
                     raise err
                 if parsed.stream:
-                    await self._relay_stream(out, parsed, upstream, replica, decision, ctx, deadline)
-                else:
-                    await self._relay_whole(out, upstream, replica, decision, ctx, deadline)
+                    return await self._relay_stream(out, parsed, upstream, replica, decision, ctx, deadline)
+                await self._relay_whole(out, upstream, replica, decision, ctx, deadline)
                 return upstream.status
             except BaseException:
                 upstream.close()  # never reuse a connection mid-response: closing it aborts the engine request
@@ -231,8 +250,8 @@ class UpstreamProxy:
             upstream.set_timeout(deadline - time.monotonic())
         try:
             raw = await upstream.read()
-        except TimeoutError:
-            raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} timed out")) from None
+        except TimeoutError:  # the total deadline: nothing left to retry with
+            raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
         except ConnectionError as exc:
             raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
         replica.record_success()
@@ -254,17 +273,25 @@ class UpstreamProxy:
         decision: Decision,
         ctx: RequestContext,
         deadline: float,
-    ) -> None:
-        first_byte_s = self.settings.timeouts.first_byte_s
-        started = False
+    ) -> int:
+        """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or
+        stalled after it started (the client then gets an OpenAI-shaped error event before the end, never a
+        clean end that looks complete)."""
+        timeouts = self.settings.timeouts
+        started = done = False
         strip_usage = not parsed.include_usage
         buf = b""
         last_write = 0.0
         itl = self.metrics.model(parsed.model).itl
+        loop = asyncio.get_running_loop()
+        end_at = loop.time() + (deadline - time.monotonic())
         upstream.clear_timeout()  # the stream's own windows below also bound the writes to the client
+        failure: GatewayError | None = None
         try:
-            async with asyncio.timeout(min(first_byte_s, deadline - time.monotonic())) as window:
+            async with asyncio.timeout(min(timeouts.first_byte_s, deadline - time.monotonic())) as window:
                 async for chunk in upstream.iter_chunks():
+                    if started:  # past the first event: at most stream_idle_s between chunks, within the total
+                        window.reschedule(min(end_at, loop.time() + timeouts.stream_idle_s))
                     buf += chunk
                     events = []
                     while (end := buf.find(b"\n\n")) >= 0:
@@ -283,27 +310,43 @@ class UpstreamProxy:
                         await out.start_stream(upstream.status, headers)
                         started = True
                         ctx.ttft_s = now - ctx.started
-                        window.reschedule(deadline)  # past the first byte, only the total deadline applies
+                        window.reschedule(min(end_at, loop.time() + timeouts.stream_idle_s))
                         replica.record_success()
                     else:
                         itl.observe(now - last_write)
                     last_write = now
                     await out.write(b"".join(events))
                     if events[-1].startswith(_DONE):
-                        ctx.delivered = True  # the client has everything; it may close before the terminator
+                        done = ctx.delivered = True  # the client has everything; it may close before the terminator
         except TimeoutError:
             if not started:
                 raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
-            ctx.error = "total_timeout"
+            idle = loop.time() < end_at
+            ctx.error = "stream_idle_timeout" if idle else "total_timeout"
+            failure = UpstreamTimeout(
+                f"replica {replica.id} sent nothing for {timeouts.stream_idle_s:g} s"
+                if idle
+                else "the stream did not finish within timeouts.total_s",
+                code=ctx.error,
+            )
+            if idle:
+                self._count_failure(replica)
         except UpstreamConnectionError as exc:  # the engine failed mid-stream
             if not started:
                 raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
-            ctx.error = f"upstream_reset: {exc}"
+            ctx.error = "upstream_reset"
+            failure = UpstreamUnavailable(f"replica {replica.id} failed mid-stream: {exc}", code="upstream_reset")
             self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
+            self._count_failure(replica)
         if not started:
             raise _Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
-        ctx.delivered = ctx.delivered or ctx.error is None
+        if failure is None and not done:  # ended without its [DONE]: cut short, however cleanly it closed
+            ctx.error = "upstream_truncated"
+            failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
+        if failure is not None:
+            await out.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
         await out.end()
+        return 200 if failure is None else failure.status
 
     @staticmethod
     def _usage_event(event: bytes, ctx: RequestContext, strip_usage: bool) -> bytes:

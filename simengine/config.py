@@ -13,6 +13,8 @@ class Faults(BaseModel):
     - ``crash_after``: the process exits (``os._exit(1)``) when request number ``crash_after + 1`` starts, i.e. after
       N requests have started; 0 crashes on the first request.
     - ``fail_health``: ``GET /health`` answers 503.
+    - ``cut_after_tokens``: a stream's connection is aborted (as when the engine process dies) after N tokens.
+    - ``stall_after_tokens``: a stream goes silent for ``stall_s`` seconds after N tokens (engine alive).
     Draws come from the engine's fault RNG, seeded from ``SimConfig.seed``.
     """
 
@@ -23,6 +25,8 @@ class Faults(BaseModel):
     stall_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     crash_after: int | None = Field(default=None, ge=0)
     fail_health: bool = False
+    cut_after_tokens: int | None = Field(default=None, ge=1)
+    stall_after_tokens: int | None = Field(default=None, ge=1)
 
 
 class SimConfig(BaseModel):

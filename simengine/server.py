@@ -9,6 +9,7 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -131,6 +132,12 @@ async def _stream(
             use = usage(prompt_len, sent, cached) if req.continuous_usage else None
             out.append(writer.token_event(word, sent == req.max_tokens, use))
         await resp.write("".join(out).encode())
+        faults = engine.faults
+        if faults.cut_after_tokens is not None and sent >= faults.cut_after_tokens and request.transport:
+            request.transport.abort()  # what a killed engine's socket does
+            raise ConnectionResetError("injected cut")
+        if faults.stall_after_tokens is not None and sent - len(words) < faults.stall_after_tokens <= sent:
+            await asyncio.sleep(faults.stall_s)
 
     res = await engine.generate(req.tokens, hashes, req.max_tokens, emit)
     tail = writer.usage_event(usage(prompt_len, res.completion_tokens, res.cached_tokens)) if req.include_usage else ""

@@ -104,7 +104,8 @@ async def test_no_ready_replica_is_503_with_retry_after(http: aiohttp.ClientSess
 
 async def test_upstream_timeout_is_504(http: aiohttp.ClientSession) -> None:
     stalled = SIM.model_copy(update={"faults": Faults(stall_s=30, stall_rate=1.0)})
-    async with gateway_over_sims([stalled], timeouts={"first_byte_s": 0.3}, retry={"max_attempts": 1}) as (gw, _):
+    timeouts = {"first_byte_s": 0.3, "total_s": 0.6}  # a whole answer: total_s; a stream's first event: first_byte_s
+    async with gateway_over_sims([stalled], timeouts=timeouts, retry={"max_attempts": 1}) as (gw, _):
         status, body, _ = await _post(http, gw.url)
         assert status == 504 and body["error"]["code"] == "upstream_timeout"
         status, body, _ = await _post(http, gw.url, stream=True)

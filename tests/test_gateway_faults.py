@@ -1,0 +1,96 @@
+"""Engine faults as a client sees them through the real gateway: poison requests, streams cut or stalled by their
+engine, long non-streamed generations, and timeouts that must not multiply the engine's work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from simengine import Faults, SimConfig
+from tests.conftest import gateway_over_sims
+
+SIM = SimConfig(model="sim", instant=True)
+
+
+async def requests_by_status(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvgate_requests_total":
+                out[s.labels["status"]] = out.get(s.labels["status"], 0.0) + s.value
+    return out
+
+
+async def post(http: aiohttp.ClientSession, url: str, **body: Any) -> tuple[int, Any]:
+    payload = {"model": "sim", "prompt": "hello", "max_tokens": 4, **body}
+    async with http.post(url + "/v1/completions", json=payload) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_requests_that_fail_on_every_engine_do_not_take_the_pool_out(http: aiohttp.ClientSession) -> None:
+    """A body every engine answers 5xx is the client's problem: answered with the engine's error after two
+    replicas refused it, and it opens no breaker, so good traffic right after it is served."""
+    poison = SIM.model_copy(update={"faults": Faults(error_rate=1.0)})
+    async with gateway_over_sims([poison, poison], retry={"breaker_failures": 3}) as (gw, sims):
+        for _ in range(4):
+            status, body = await post(http, gw.url)
+            assert status == 500 and body["error"]["message"]
+        assert sum(s.engine.stats.started for s in sims) == 8  # two replicas per request, not three attempts
+        for sim in sims:
+            async with http.post(f"{sim.url}/sim/faults", json={"error_rate": 0.0}) as resp:
+                assert resp.status == 200
+        status, body = await post(http, gw.url)
+        assert status == 200, body
+
+
+async def test_a_replica_that_fails_where_another_succeeds_is_counted_against(http: aiohttp.ClientSession) -> None:
+    broken = SIM.model_copy(update={"faults": Faults(error_rate=1.0)})
+    async with gateway_over_sims([broken, SIM], retry={"breaker_failures": 2}) as (gw, sims):
+        for _ in range(6):
+            status, _ = await post(http, gw.url)
+            assert status == 200  # retried on the good replica
+        tries_on_broken = sims[0].engine.stats.started
+        assert 2 <= tries_on_broken < 6  # its breaker opened after two faults: it stopped getting traffic
+
+
+@pytest.mark.parametrize("fault", ["cut", "stall"])
+async def test_a_stream_its_engine_cuts_or_stalls_ends_with_an_error_event(
+    fault: str, http: aiohttp.ClientSession
+) -> None:
+    faults = Faults(cut_after_tokens=3) if fault == "cut" else Faults(stall_after_tokens=3, stall_s=60)
+    sim = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=5, faults=faults)
+    async with gateway_over_sims([sim], timeouts={"stream_idle_s": 0.5}) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            stream = await client.completions.create(model="sim", prompt="hello", max_tokens=20, stream=True)
+            texts: list[str] = []
+            with pytest.raises(openai.APIError) as caught:
+                async for chunk in stream:
+                    texts.append(chunk.choices[0].text)
+        assert texts and len(texts) <= 3  # the tokens that came, then the error, not a clean end
+        code = "upstream_reset" if fault == "cut" else "stream_idle_timeout"
+        assert code in str(caught.value.body) or code in str(caught.value)
+        counted = await requests_by_status(http, gw.url)
+        assert counted.get("200", 0) == 0 and counted.get("502" if fault == "cut" else "504") == 1
+
+
+async def test_a_non_streamed_generation_longer_than_first_byte_s_succeeds(http: aiohttp.ClientSession) -> None:
+    """A whole answer's headers come when the generation is done: first_byte_s must not bound it."""
+    slow = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=25)
+    async with gateway_over_sims([slow, slow], timeouts={"first_byte_s": 0.2}) as (gw, sims):
+        status, body = await post(http, gw.url, max_tokens=30)  # about 0.75 s of decoding
+        assert status == 200 and body["usage"]["completion_tokens"] == 30
+        assert sum(s.engine.stats.started for s in sims) == 1
+
+
+async def test_a_non_streamed_timeout_is_not_rerun_on_other_replicas(http: aiohttp.ClientSession) -> None:
+    stalled = SIM.model_copy(update={"faults": Faults(stall_s=30, stall_rate=1.0)})
+    async with gateway_over_sims([stalled, stalled], timeouts={"total_s": 0.5}) as (gw, sims):
+        status, body = await post(http, gw.url)
+        assert status == 504 and body["error"]["code"] == "upstream_timeout"
+        assert sum(s.engine.stats.started for s in sims) == 1
