@@ -303,19 +303,18 @@ class UpstreamPool:
         self, method: str, path: str, body: bytes, headers: Mapping[str, str], *, connect_timeout_s: float
     ) -> UpstreamResponse:
         """Send the request, on an idle kept-alive connection when there is one (then without suspending), else on a
-        new one; the returned response's headers may not have arrived yet (`await resp.headers_ready`)."""
+        new one; the returned response's headers may not have arrived yet (`await resp.headers_ready`). The head is
+        encoded before a connection is taken, so a header that cannot be sent (ValueError) leaks nothing."""
+        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        head = f"{method} {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Length: {len(body)}\r\n{fields}\r\n"
+        data = head.encode("latin-1") + body
         conn = self._idle_conn() if self._idle else None
         if conn is None:
             conn = await self._connect(connect_timeout_s)
-        return self._send(conn, method, path, body, headers)
-
-    def _send(self, conn: _Conn, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         resp = UpstreamResponse(conn, reused=conn.reused)
         conn.response = resp
-        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
-        head = f"{method} {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Length: {len(body)}\r\n{fields}\r\n"
         assert conn.transport is not None
-        conn.transport.write(head.encode("latin-1") + body)
+        conn.transport.write(data)
         return resp
 
     def close(self) -> None:

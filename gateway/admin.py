@@ -131,7 +131,7 @@ async def scale(request: web.Request) -> web.Response:
     if model not in pool.models:
         raise NotFound(f"no pool model {model!r}", param="model")
     try:
-        body = json.loads(await read_body(request, request.app[CONFIG].server.body_timeout_s) or b"{}")
+        body = json.loads(await read_body(request, request.app[CONFIG].server) or b"{}")
     except ValueError:
         raise BadRequest('body must be JSON: {"replicas": n}') from None
     n = body.get("replicas") if isinstance(body, dict) else None
@@ -146,7 +146,7 @@ async def reload_admission(request: web.Request) -> web.Response:
     section itself). In-flight and queued requests are not touched."""
     check_admin(request.headers, request.app[CONFIG].admin.key)
     controller = request.app[ADMISSION]
-    raw = await read_body(request, request.app[CONFIG].server.body_timeout_s)
+    raw = await read_body(request, request.app[CONFIG].server)
     try:
         if raw.strip():
             data = json.loads(raw)

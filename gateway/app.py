@@ -27,7 +27,7 @@ from gateway.admission.redis_store import RedisQuotaStore
 from gateway.cache_ctx import cache_ctx
 from gateway.completion import CompletionService
 from gateway.config import EngineConfig, GatewayConfig, load_config
-from gateway.errors import GatewayError, error_response, http_exception_to_error
+from gateway.errors import BadRequest, GatewayError, error_response, http_exception_to_error
 from gateway.ids import IdSource
 from gateway.keys import (
     ADMISSION,
@@ -71,11 +71,24 @@ def attached_replica(engine: EngineConfig) -> Replica:
     )
 
 
+_REQUEST_ID_MAX = 128
+
+
+def _valid_request_id(value: str) -> bool:
+    """Visible ASCII, at most `_REQUEST_ID_MAX` characters: what every hop (engines, logs, headers) can carry."""
+    return len(value) <= _REQUEST_ID_MAX and value.isascii() and value.isprintable() and " " not in value
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request_id = request.headers.get("x-request-id") or request.app[IDS].next()
+    client_id = request.headers.get("x-request-id")
+    request_id = client_id if client_id and _valid_request_id(client_id) else request.app[IDS].next()
     request[REQUEST_ID] = request_id
     try:
+        if client_id and client_id != request_id:
+            raise BadRequest(
+                f"x-request-id must be visible ASCII, at most {_REQUEST_ID_MAX} characters", param="x-request-id"
+            )
         response = await handler(request)
     except GatewayError as err:
         return error_response(err, request_id=request_id)

@@ -1,5 +1,8 @@
 """Reading a request body, the one way every route does it: bounded in size (`server.max_body_bytes`, enforced by
-aiohttp's `client_max_size`, 413) and in time (`server.body_timeout_s` from when the handler starts reading, 408).
+aiohttp's `client_max_size`, 413), in time (`server.body_timeout_s` from when the handler starts reading, 408) and
+in JSON nesting (`server.max_json_depth`, 400, checked before any parser sees the body: deep nesting makes parsers
+recurse). The nesting check costs two `bytes.count` calls when the body has fewer brackets than the limit (most
+bodies), else one regex pass over its strings and brackets.
 
 `expect_handler` answers `Expect: 100-continue` for every route (aiohttp calls it before the handler): 413 at once
 when the declared Content-Length is over the limit, so the client need not send the body; otherwise
@@ -9,25 +12,52 @@ when the declared Content-Length is over the limit, so the client need not send 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, PayloadTooLarge, RequestTimeout, error_response
+from gateway.config import ServerConfig
+from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_response
 from gateway.ids import IdSource
 
 
-async def read_body(request: web.Request, timeout_s: float) -> bytes:
-    """The whole body, or PayloadTooLarge / RequestTimeout raised."""
+async def read_body(request: web.Request, limits: ServerConfig) -> bytes:
+    """The whole body, or PayloadTooLarge / RequestTimeout / BadRequest (nesting) raised."""
     try:
         if request.content.is_eof():  # all of it arrived with the head (the common case): nothing to wait for
-            return await request.read()
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
+            raw = await request.read()
+        else:
+            async with asyncio.timeout(limits.body_timeout_s):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge("request body exceeds the configured limit") from None
     except TimeoutError:
-        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+        raise RequestTimeout(f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
+    if nested_deeper(raw, limits.max_json_depth):
+        raise BadRequest(f"the JSON body is nested deeper than {limits.max_json_depth} levels", code="too_deep")
+    return raw
+
+
+_JSON_STRUCTURE = re.compile(rb'"(?:[^"\\]+|\\.)*"|[\[\]{}]')
+
+
+def nested_deeper(raw: bytes, limit: int) -> bool:
+    """Whether JSON text (valid or not) opens more than `limit` arrays or objects inside each other."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth = 0
+    for match in _JSON_STRUCTURE.finditer(raw):
+        first = raw[match.start()]
+        if first == 0x22:  # a string: brackets inside it do not count
+            continue
+        if first in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
 
 
 class ExpectationFailed(GatewayError):

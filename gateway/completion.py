@@ -52,7 +52,6 @@ class CompletionService:
         self.cache = cache
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
-        self._body_timeout_s = config.server.body_timeout_s
 
     async def handle(self, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
         """Answer one request; returns the response for aiohttp to finish (a stream is already written)."""
@@ -64,7 +63,7 @@ class CompletionService:
             headers = request.headers
             identity = admission.identify(headers)  # 401 before anything else when auth is on
             ctx.tenant = identity.tenant
-            raw = await read_body(request, self._body_timeout_s)
+            raw = await read_body(request, self.config.server)
             parsed = parse_request(endpoint, raw)
             if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
                 raise NotFound(f"the model {parsed.model!r} does not exist", param="model")

@@ -55,6 +55,9 @@ class ServerConfig(StrictModel):
         description="open client connections; one more is answered 503 and closed (default: half the process's "
         "file-descriptor limit, which is raised to its hard limit at start)",
     )
+    max_json_depth: int = Field(
+        64, ge=4, le=512, description="request bodies nested deeper (arrays and objects) get 400 before any parsing"
+    )
     max_header_bytes: int = Field(8190, ge=256, description="longest request line or header line; longer gets 431")
     max_headers: int = Field(128, ge=8, description="most header lines in a request; more gets 431")
 

@@ -185,3 +185,35 @@ async def test_unknown_models_do_not_grow_metric_labels(gateway: RunningGateway,
     metrics = await (await http.get(gateway.url + "/metrics")).text()
     assert "nope-" not in metrics
     assert 'kvgate_requests_total{endpoint="completions",model="-",replica="-",status="404"} 5.0' in metrics
+
+
+def established_to(port: int) -> int:
+    """TCP connections in this process's network namespace that are established to `port` (what the OS sees)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
+
+
+@pytest.mark.parametrize("request_id", ["price-in-€", "x" * 1000, "two words"])
+async def test_a_request_id_that_cannot_travel_is_400_and_leaks_no_connection(
+    request_id: str, http: aiohttp.ClientSession
+) -> None:
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        body = {"model": "sim", "prompt": "x", "max_tokens": 2}
+        async with http.post(gw.url + COMP, json=body) as resp:
+            assert resp.status == 200  # warm: one kept-alive connection to the engine
+        before = established_to(sims[0].port)
+        for _ in range(20):
+            headers = {"x-request-id": request_id.encode().decode("latin-1")}  # the client's raw UTF-8 bytes
+            async with http.post(gw.url + COMP, json=body, headers=headers) as resp:
+                assert resp.status == 400
+                error = (await resp.json())["error"]
+                assert error["param"] == "x-request-id" and resp.headers["x-request-id"] != request_id
+        assert established_to(sims[0].port) <= before
+        async with http.post(gw.url + COMP, json=body, headers={"x-request-id": "fine-123"}) as resp:
+            assert resp.status == 200 and resp.headers["x-request-id"] == "fine-123"

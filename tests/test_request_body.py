@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gateway.body import nested_deeper
 from gateway.errors import BadRequest
 from gateway.proxy import usage_of
 from gateway.request_parse import parse_request, upstream_body
+from simengine import SimConfig
+from tests.conftest import gateway_over_sims
 
 BIG = 1180591620717411303424  # beyond 64 bits: orjson reads it as a float
 
@@ -71,3 +77,46 @@ def test_the_usage_object_is_read_whole(answer: dict[str, object]) -> None:
 def test_no_usage_or_a_truncated_one_reads_as_none() -> None:
     assert usage_of(b'{"id":"c"}') is None
     assert usage_of(b'{"usage":{"prompt_tokens":2') is None
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='ab[]{}"\\ ', max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet="[]{}k", max_size=3), inner, max_size=3)
+    ),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, derandomize=True)
+@given(json_values, st.integers(min_value=0, max_value=8))
+def test_nesting_check_agrees_with_the_parsed_depth(value: object, limit: int) -> None:
+    raw = json.dumps(value).encode()  # brackets inside strings must not count
+    assert nested_deeper(raw, limit) == (_depth(value) > limit)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"model": ' + "[" * 5000 + "]" * 5000 + ', "prompt": "x"}',
+        '{"model": "sim", "messages": [{"role": "user", "content": ' + "[" * 1000 + "]" * 1000 + "}]}",
+        '{"model": "sim", "prompt": "x", "extra": ' + '{"a": ' * 1000 + "1" + "}" * 1000 + "}",
+        '{"model": "sim", "prompt": ' + "[" * 100_000,  # not even valid JSON
+    ],
+)
+async def test_deeply_nested_bodies_are_400_before_any_parser(body: str, http: aiohttp.ClientSession) -> None:
+    sim = SimConfig(model="sim", instant=True)
+    async with gateway_over_sims([sim], admin={"key": "adm"}) as (gw, sims):
+        for path, headers in (("/v1/chat/completions", {}), ("/admin/reload", {"Authorization": "Bearer adm"})):
+            async with http.post(gw.url + path, data=body.encode(), headers=headers) as resp:
+                assert resp.status == 400, await resp.text()
+                assert (await resp.json())["error"]["code"] == "too_deep"
+        assert sims[0].engine.stats.started + sims[0].engine.stats.rejected == 0
