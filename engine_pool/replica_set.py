@@ -99,6 +99,10 @@ class ReplicaSet:
                 self._by_model[model] = found
         return found
 
+    def undiscovered(self) -> bool:
+        """Some replica's model is not known yet (an attached engine that has not answered /v1/models)."""
+        return any(r.model is None for r in self._replicas.values())
+
     def models(self) -> dict[str, list[Replica]]:
         out: dict[str, list[Replica]] = {}
         for r in self._replicas.values():

@@ -20,7 +20,7 @@ from gateway.admission.controller import AdmissionController
 from gateway.body import read_body
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
-from gateway.errors import GatewayError, NotFound, render_error
+from gateway.errors import GatewayError, NotFound, Overloaded, render_error
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_parse import Endpoint, parse_request
@@ -66,6 +66,11 @@ class CompletionService:
             raw = await read_body(request, self.config.server)
             parsed = parse_request(endpoint, raw)
             if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
+                if self.replicas.undiscovered():  # an engine not reached yet may serve it: ask again soon
+                    raise Overloaded(
+                        f"the model {parsed.model!r} is not served by any engine reached so far",
+                        code="engines_not_discovered",
+                    )
                 raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
             ctx.model, ctx.stream = parsed.model, parsed.stream
             salted = admission.apply_cache_salt(identity, parsed.body)

@@ -65,12 +65,39 @@ def _check_prompt(prompt: Any) -> None:
     raise BadRequest("'prompt' must be a string, an array of strings, or an array of token ids", param="prompt")
 
 
+# fields kvgate reads (for routing, quotas, isolation): a body that names one twice could mean one thing to kvgate
+# and another to an engine whose parser keeps the first value
+_READ_FIELDS = (b'"model"', b'"cache_salt"', b'"messages"', b'"prompt"', b'"stream"', b'"max_tokens"', b'"user"')
+
+
+def _pairs_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BadRequest(f"the key {key!r} appears twice in one object", param=key, code="duplicate_key")
+            seen.add(key)
+    return out
+
+
+def _refuse_duplicate_keys(raw: bytes) -> None:
+    """400 for a body with a duplicate key anywhere, checked exactly only when one of the fields kvgate reads
+    occurs more than once in the text (two `bytes.count` per field otherwise: most bodies)."""
+    if any(raw.count(name) > 1 for name in _READ_FIELDS):
+        try:
+            json.loads(raw, object_pairs_hook=_pairs_without_duplicates)
+        except (ValueError, UnicodeDecodeError):
+            pass  # not JSON: the parser below says so
+
+
 def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     """The body parsed by orjson (about 10x the standard library's speed); what orjson refuses (UTF-16 bodies, a
     byte order mark, NaN, lone surrogates) is read by the standard library, so nothing that parsed before is
     refused now. The parsed body is for validation and routing: the engine gets the client's bytes
     (`upstream_body`), so orjson reading an integer beyond 64 bits as a float changes nothing sent."""
     stdlib = False
+    _refuse_duplicate_keys(raw)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -79,10 +79,11 @@ TENANTS = {
     "alice": {"keys": [hash_key("sk-alice")], "limits": {"max_concurrency": 1, "requests_per_minute": 1000}},
     "bob": {"keys": [hash_key("sk-bob")], "cache_isolation": True},
 }
+ADMISSION_CFG = {"auth": True, "tenants": TENANTS, "cache_salt_secret": "s3cret"}
 
 
 async def test_auth_quota_429_and_ratelimit_headers() -> None:
-    async with stack({"auth": True, "tenants": TENANTS}, decode_ms=40) as (gw, _, session):
+    async with stack(ADMISSION_CFG, decode_ms=40) as (gw, _, session):
         status, _, raw = await post(session, gw.url, chat())
         err = json.loads(raw)["error"]
         assert (
@@ -113,7 +114,7 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
 
 
 async def test_cache_salt_isolation() -> None:
-    async with stack({"auth": True, "tenants": TENANTS}) as (gw, _, session):
+    async with stack(ADMISSION_CFG) as (gw, _, session):
         adm = gw.app[ADMISSION]
         bob = adm.identify({"authorization": "Bearer sk-bob"})
         alice = adm.identify({"authorization": "Bearer sk-alice"})
@@ -127,7 +128,7 @@ async def test_cache_salt_isolation() -> None:
 
 
 async def test_reload_keeps_in_flight_requests() -> None:
-    async with stack({"auth": True, "tenants": TENANTS}, decode_ms=30) as (gw, _, session):
+    async with stack(ADMISSION_CFG, decode_ms=30) as (gw, _, session):
         slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=30), key="sk-alice"))
         await wait_for(lambda: gw.app[ADMISSION].tenant_in_flight("alice") > 0, 30.0, "request admitted")
         new = {"admission": {"auth": True, "tenants": {"carol": {"keys": [hash_key("sk-carol")]}}}}

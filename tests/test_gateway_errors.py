@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine_pool.launcher import free_port
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
 from simengine import Faults, SimConfig, run_sim_engine
@@ -217,3 +218,20 @@ async def test_a_request_id_that_cannot_travel_is_400_and_leaks_no_connection(
         assert established_to(sims[0].port) <= before
         async with http.post(gw.url + COMP, json=body, headers={"x-request-id": "fine-123"}) as resp:
             assert resp.status == 200 and resp.headers["x-request-id"] == "fine-123"
+
+
+async def test_a_model_asked_for_before_its_engine_answered_is_503_not_404(http: aiohttp.ClientSession) -> None:
+    """An attached engine kvgate has not reached yet may serve the model: 503 with Retry-After, then 200."""
+    port = free_port()
+    cfg = gateway_config([f"http://127.0.0.1:{port}"])  # no model given: learned from the engine's /v1/models
+    async with running_gateway(cfg) as gw:
+        body = {"model": "sim", "prompt": "x", "max_tokens": 2}
+        async with http.post(gw.url + COMP, json=body) as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"]
+            assert (await resp.json())["error"]["code"] == "engines_not_discovered"
+        async with run_sim_engine(SIM.model_copy(update={"port": port})):
+            await wait_for(lambda: bool(gw.app[REPLICAS].for_model("sim")), what="the model discovered")
+            async with http.post(gw.url + COMP, json=body) as resp:
+                assert resp.status == 200
+            async with http.post(gw.url + COMP, json={**body, "model": "other"}) as resp:
+                assert resp.status == 404  # every engine answered: an unknown model does not exist

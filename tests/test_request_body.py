@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.body import nested_deeper
+from gateway.config import ConfigError, load_config
 from gateway.errors import BadRequest
 from gateway.proxy import usage_of
 from gateway.request_parse import parse_request, upstream_body
@@ -120,3 +121,30 @@ async def test_deeply_nested_bodies_are_400_before_any_parser(body: str, http: a
                 assert resp.status == 400, await resp.text()
                 assert (await resp.json())["error"]["code"] == "too_deep"
         assert sims[0].engine.stats.started + sims[0].engine.stats.rejected == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","cache_salt":"kvgate:other-tenant","prompt":"x","cache_salt":"mine"}',
+        b'{"model":"a","model":"b","prompt":"x"}',
+        b'{"model":"m","messages":[{"role":"user","content":"x"}],"messages":[]}',
+    ],
+)
+def test_a_body_with_a_duplicate_key_is_refused(raw: bytes) -> None:
+    endpoint = "chat" if b"messages" in raw else "completions"
+    with pytest.raises(BadRequest) as caught:
+        parse_request(endpoint, raw)
+    assert caught.value.code == "duplicate_key"
+
+
+def test_repeated_field_names_inside_strings_are_fine() -> None:
+    raw = b'{"model":"m","prompt":"say \\"model\\" and \\"model\\" again"}'
+    assert parse_request("completions", raw).model == "m"
+
+
+def test_cache_isolation_needs_a_secret() -> None:
+    with pytest.raises(ConfigError, match="cache_salt_secret"):
+        load_config(overrides={"admission": {"tenants": {"t": {"cache_isolation": True}}}}, environ={})
+    cfg = {"tenants": {"t": {"cache_isolation": True}}, "cache_salt_secret": "s"}
+    assert load_config(overrides={"admission": cfg}, environ={}).admission.cache_salt_secret == "s"

@@ -94,7 +94,7 @@ class AdmissionConfig(_Strict):
     expected_context_tokens: int | None = Field(None, ge=1)  # derive a gate from KV capacity / this length
     saturation_kv_usage: float = Field(0.95, gt=0.0, le=1.0)  # waiting > 0 and kv usage above this = saturated
     max_tenants: int = Field(10_000, ge=1)  # bound on per-tenant state
-    cache_salt_secret: str | None = None  # HMAC key for derived tenant salts (set it so salts are unguessable)
+    cache_salt_secret: str | None = None  # HMAC key for derived tenant salts; required by cache_isolation
 
     @model_validator(mode="after")
     def _consistent(self) -> AdmissionConfig:
@@ -110,6 +110,13 @@ class AdmissionConfig(_Strict):
                 seen[k] = name
         if len(self.tenants) > self.max_tenants:
             raise ValueError("more tenants than max_tenants")
+        derived = [n for n, t in self.tenants.items() if t.cache_isolation and not t.cache_salt]
+        if derived and not self.cache_salt_secret:
+            raise ValueError(
+                f"cache_salt_secret: required for cache_isolation without an explicit cache_salt (tenants "
+                f"{', '.join(sorted(derived))}): without it their salts are an HMAC anyone can compute; set the same "
+                "secret on every gateway"
+            )
         return self
 
     def tenant(self, name: str) -> TenantConfig:
