@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from policies.prefix.sessions import SessionTable
@@ -49,3 +51,29 @@ def test_drop_replica_unbinds_its_sessions() -> None:
 def test_rejects_bad_bounds() -> None:
     with pytest.raises(ValueError):
         SessionTable(ttl_s=0, max_entries=1)
+
+
+def test_expired_sessions_are_dropped_without_being_looked_up() -> None:
+    clock = Clock()
+    t = SessionTable(ttl_s=10, max_entries=1000, clock=clock)
+    for i in range(100):
+        t.bind(f"old-{i}", "r0")
+    clock.now += 11
+    t.bind("new", "r1")  # any later operation sweeps what expired
+    assert len(t) == 1 and t.get("new") == "r1"
+
+
+def test_a_session_key_of_any_size_costs_the_same() -> None:
+    tracemalloc.start()
+    try:
+        t = SessionTable(ttl_s=100, max_entries=1000, clock=Clock())
+        before, _ = tracemalloc.get_traced_memory()
+        for i in range(40):
+            key = f"{i}-" + "u" * (1 << 20)  # 1 MiB `user` strings
+            t.bind(key, "r0")
+            del key
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - before < 64 * 1024  # 40 MiB of keys given, a few KiB kept
+    assert t.get("7-" + "u" * (1 << 20)) == "r0"

@@ -1,8 +1,10 @@
 """Session affinity: a bounded map session key -> replica id.
 
-An `OrderedDict` in LRU order holds (replica, expiry); a lookup of a live entry refreshes its TTL and moves it to
-the end, an expired entry is dropped on lookup, and a bind past `max_entries` evicts the least recently used entry.
-All operations are O(1) except `drop_replica`, O(entries), run only when a replica leaves the pool.
+Keys are stored as their 128-bit xxh3 digest, so a client's key of any length (a `user` field can be megabytes)
+costs 16 bytes. An `OrderedDict` in LRU order holds (replica, expiry); every lookup of a live entry and every bind
+refreshes its TTL and moves it to the end, so the order is also expiry order: each operation first drops the
+expired entries at the front (amortized O(1)), and a bind past `max_entries` evicts the least recently used entry.
+All operations are O(1) amortized except `drop_replica`, O(entries), run only when a replica leaves the pool.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+
+import xxhash
 
 
 class SessionTable:
@@ -19,28 +23,37 @@ class SessionTable:
         self._ttl = ttl_s
         self._max = max_entries
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._entries: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _expire(self, now: float) -> None:
+        entries = self._entries
+        while entries:
+            first = next(iter(entries.values()))
+            if first[1] >= now:
+                return
+            entries.popitem(last=False)
+
     def get(self, key: str) -> str | None:
         """The replica the session is bound to, refreshing its TTL; None when unbound or expired."""
-        entry = self._entries.get(key)
+        now = self._clock()
+        self._expire(now)
+        digest = xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
+        entry = self._entries.get(digest)
         if entry is None:
             return None
-        now = self._clock()
-        replica, expiry = entry
-        if expiry < now:
-            del self._entries[key]
-            return None
-        self._entries[key] = (replica, now + self._ttl)
-        self._entries.move_to_end(key)
-        return replica
+        self._entries[digest] = (entry[0], now + self._ttl)
+        self._entries.move_to_end(digest)
+        return entry[0]
 
     def bind(self, key: str, replica: str) -> None:
-        self._entries[key] = (replica, self._clock() + self._ttl)
-        self._entries.move_to_end(key)
+        now = self._clock()
+        self._expire(now)
+        digest = xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
+        self._entries[digest] = (replica, now + self._ttl)
+        self._entries.move_to_end(digest)
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
 
