@@ -35,6 +35,12 @@ class ServerConfig(StrictModel):
         "off/false and on/true are read as off and plain)",
     )
     route_headers: bool = Field(True, description="add x-kvgate-replica / x-kvgate-route-reason to responses")
+    metrics_access: Literal["auto", "public", "admin"] = Field(
+        "auto",
+        description="who may read /metrics and the per-replica detail of /ready (tenant names, engine addresses): "
+        "admin = only with the admin key as bearer (others get /ready's verdict alone, /metrics 401/404); public = "
+        "anyone; auto = admin when admission.auth is on (ingress), public otherwise",
+    )
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
     head_timeout_s: float = Field(
         10.0,

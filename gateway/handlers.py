@@ -9,7 +9,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import admin
+from gateway.admission.auth import check_admin
 from gateway.body import expect_handler
+from gateway.errors import GatewayError
 from gateway.keys import CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID
 
 
@@ -60,12 +62,27 @@ def readiness(request: web.Request) -> dict[str, Any]:
     return state
 
 
+def check_observability(request: web.Request) -> None:
+    """Raise unless this request may see /metrics and /ready's detail (`server.metrics_access`): 401 without the
+    admin key, 404 when none is configured."""
+    cfg = request.app[CONFIG]
+    access = cfg.server.metrics_access
+    if access == "admin" or (access == "auto" and cfg.admission.auth):
+        check_admin(request.headers, cfg.admin.key)
+
+
 async def ready(request: web.Request) -> web.Response:
     state = readiness(request)
-    return web.json_response(state, status=200 if state["ready"] else 503)
+    status = 200 if state["ready"] else 503
+    try:
+        check_observability(request)
+    except GatewayError:  # a load balancer's probe: the verdict, not the pool's inventory
+        return web.json_response({"ready": state["ready"]}, status=status)
+    return web.json_response(state, status=status)
 
 
 async def metrics(request: web.Request) -> web.Response:
+    check_observability(request)
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 
 from gateway.admission.config import hash_key
 from gateway.config import GatewayConfig
@@ -21,10 +22,12 @@ from tests.conftest import wait_for
 MODEL = "sim-model"
 
 
-def gateway_config(engines: Sequence[SimServer], admission: dict[str, Any]) -> GatewayConfig:
+def gateway_config(
+    engines: Sequence[SimServer], admission: dict[str, Any], server: dict[str, Any] | None = None
+) -> GatewayConfig:
     return GatewayConfig.model_validate(
         {
-            "server": {"port": 0, "access_log": "off", "shutdown_grace_s": 1},
+            "server": {"port": 0, "access_log": "off", "shutdown_grace_s": 1, **(server or {})},
             "health": {"interval_s": 0.2, "metrics_interval_s": 0.1},
             "engines": [{"url": e.url, "model": MODEL} for e in engines],
             "admin": {"key": "admin-key"},
@@ -35,13 +38,13 @@ def gateway_config(engines: Sequence[SimServer], admission: dict[str, Any]) -> G
 
 @asynccontextmanager
 async def stack(
-    admission: dict[str, Any], engines: int = 1, **sim: Any
+    admission: dict[str, Any], engines: int = 1, server: dict[str, Any] | None = None, **sim: Any
 ) -> AsyncIterator[tuple[RunningGateway, list[SimServer], aiohttp.ClientSession]]:
     async with AsyncExitStack() as es:
         servers = [
             await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, seed=i, **sim))) for i in range(engines)
         ]
-        gw = await es.enter_async_context(running_gateway(gateway_config(servers, admission)))
+        gw = await es.enter_async_context(running_gateway(gateway_config(servers, admission, server)))
         session = await es.enter_async_context(aiohttp.ClientSession())
         await wait_ready(session, gw.url)
         yield gw, servers, session
@@ -231,3 +234,19 @@ async def test_fairness_light_tenant_is_not_starved() -> None:
             return total / count
 
         assert mean_wait("light") < mean_wait("flood")
+
+
+@pytest.mark.parametrize("access", ["auto", "public"])
+async def test_metrics_and_readiness_detail_need_the_admin_key_on_an_authenticated_gateway(access: str) -> None:
+    async with stack(ADMISSION_CFG, server={"metrics_access": access}) as (gw, _, session):
+        admin = {"Authorization": "Bearer admin-key"}
+        async with session.get(gw.url + "/metrics") as resp:
+            assert resp.status == (401 if access == "auto" else 200)
+        async with session.get(gw.url + "/metrics", headers=admin) as resp:
+            assert resp.status == 200 and "kvgate_requests_total" in await resp.text()
+        async with session.get(gw.url + "/ready") as resp:
+            body = await resp.json()
+            assert resp.status == 200 and body["ready"] is True
+            assert ("models" in body) == (access == "public")  # no tenant or engine inventory for anyone
+        async with session.get(gw.url + "/ready", headers=admin) as resp:
+            assert "models" in await resp.json()
