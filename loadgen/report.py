@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -181,7 +183,12 @@ def plot_cdf_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
 
 
 def write_charts(docs: Sequence[tuple[str, Doc]], out_dir: Path, prefix: str = "") -> list[Path]:
+    """The PNG charts; none (with a note on stderr) when matplotlib, the `report` extra, is not installed: the
+    tables, JSON and HTML report are written either way."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec("matplotlib") is None:
+        print("kvgate loadgen: no charts (pip install 'kvgate[report]' for them)", file=sys.stderr)
+        return []
     return [
         plot_load_chart(docs, out_dir / f"{prefix}throughput_ttft.png"),
         plot_cdf_chart(docs, out_dir / f"{prefix}latency_cdf.png"),

@@ -13,4 +13,6 @@ mypy
 echo "[test] import-linter (package layers, no cycles)" >&2
 lint-imports
 echo "[test] pytest" >&2
-exec python -m pytest "$@"
+python -m pytest "$@"
+echo "[test] bare install (pip install kvgate, no extras)" >&2
+bash scripts/bare_install_test.sh

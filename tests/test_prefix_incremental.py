@@ -24,6 +24,7 @@ SEED = context_seed("m", None, "salt")
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers", reason="the tokenizer extra is not installed")
     from engine_pool.tiny_model import _build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-tokenizer")

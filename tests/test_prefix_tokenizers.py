@@ -45,6 +45,7 @@ TEMPLATES = {
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers", reason="the tokenizer extra is not installed")
     from engine_pool.tiny_model import _build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-tokenizer")
@@ -180,5 +181,6 @@ def test_chars_tokenizer_is_deterministic_and_prefix_preserving() -> None:
 
 
 def test_hf_dir_that_does_not_exist_fails_to_load(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the tokenizer extra is not installed")
     with pytest.raises(OSError):
         build_tokenizer(str(tmp_path / "missing"))
