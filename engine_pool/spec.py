@@ -36,8 +36,14 @@ class DeviceAssignment(_Strict):
     """Where one replica runs: GPU ids (CUDA_VISIBLE_DEVICES) or the CPU cores it runs on (CPU): its processes are
     pinned to them at launch and vLLM's OpenMP threads bind to them (VLLM_CPU_OMP_THREADS_BIND)."""
 
-    cuda_visible_devices: str | None = None  # "0", "2,3" (GPU)
-    cpu_bind: str | None = None  # "0", "1", "0-3", "0,2", or "nobind" (CPU)
+    cuda_visible_devices: str | None = Field(
+        None, description='GPU only: CUDA_VISIBLE_DEVICES of the replica, e.g. "0" or "2,3"; None = inherited'
+    )
+    cpu_bind: str | None = Field(
+        None,
+        description='CPU only: cores the replica is pinned to and VLLM_CPU_OMP_THREADS_BIND ("0", "0-3", "0,2"); '
+        '"nobind" = not pinned',
+    )
 
     @field_validator("cpu_bind")
     @classmethod
@@ -66,16 +72,31 @@ def parse_cpu_list(text: str) -> frozenset[int] | None:
 
 
 class LivenessConfig(_Strict):
-    interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(5.0, gt=0)
-    failures: int = Field(3, ge=1)  # consecutive failed probes that make a ready replica "hung" -> restart
+    interval_s: float = Field(2.0, gt=0, description="seconds between GET /health probes of a ready replica")
+    timeout_s: float = Field(
+        5.0, gt=0, description="deadline (seconds) of each /health probe, the start-up probes included"
+    )
+    failures: int = Field(
+        3,
+        ge=1,
+        description="consecutive failed probes that mark a ready replica hung (killed, restarted); one failure takes "
+        "it out of routing",
+    )
 
 
 class RestartConfig(_Strict):
-    backoff_base_s: float = Field(1.0, gt=0)  # delay before restart attempt k: min(base * 2**(k-1), max)
-    backoff_max_s: float = Field(60.0, gt=0)
-    crash_loop_window_s: float = Field(300.0, gt=0)
-    crash_loop_limit: int = Field(5, ge=1)  # this many failures inside the window -> state "failed", no restart
+    backoff_base_s: float = Field(
+        1.0,
+        gt=0,
+        description="seconds before restart attempt k after a failure: min(base * 2**(k-1), backoff_max_s)",
+    )
+    backoff_max_s: float = Field(60.0, gt=0, description="longest delay (seconds) before a restart attempt")
+    crash_loop_window_s: float = Field(
+        300.0, gt=0, description="seconds over which failures are counted against crash_loop_limit"
+    )
+    crash_loop_limit: int = Field(
+        5, ge=1, description='this many failures inside crash_loop_window_s -> state "failed", no more restarts'
+    )
 
 
 class DegradationRule(_Strict):
@@ -83,47 +104,125 @@ class DegradationRule(_Strict):
     mean time to first token exceeds `ttft_mean_max_s`, or its share of 5xx answers exceeds `error_rate_max`
     (with at least `min_requests` answers), or its KV cache free fraction never rose above `kv_free_min`."""
 
-    window_s: float = Field(120.0, gt=0)
-    check_interval_s: float = Field(5.0, gt=0)
-    ttft_mean_max_s: float | None = Field(None, gt=0)
-    error_rate_max: float | None = Field(None, gt=0, le=1)
-    min_requests: int = Field(20, ge=1)
-    kv_free_min: float | None = Field(None, gt=0, lt=1)
-    cooldown_s: float = Field(600.0, ge=0)  # at least this long between two automatic restarts of one replica
+    window_s: float = Field(120.0, gt=0, description="span (seconds) of the recent samples each check judges")
+    check_interval_s: float = Field(
+        5.0, gt=0, description="seconds between samples (engine metrics, attempt counts) of each ready replica"
+    )
+    ttft_mean_max_s: float | None = Field(
+        None,
+        gt=0,
+        description="restart when the engine's mean time to first token (seconds) over the window exceeds "
+        "this; None = not checked",
+    )
+    error_rate_max: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="restart when failed attempts (connect, reset, timeout, 5xx) / all attempts in the window exceed "
+        "this; None = not checked",
+    )
+    min_requests: int = Field(20, ge=1, description="fewest attempts in the window before error_rate_max is checked")
+    kv_free_min: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="restart when the KV cache free fraction stayed below this in every sample of the window; "
+        "None = not checked",
+    )
+    cooldown_s: float = Field(
+        600.0, ge=0, description="at least this long (seconds) between two automatic restarts of one replica"
+    )
 
 
 class ModelPoolConfig(_Strict):
-    name: str = Field(min_length=1)  # served model name
-    model: str | None = None  # model dir or HF id (vllm); None = the tiny model built under pool.model_dir
-    kind: Literal["vllm", "sim"] = "vllm"
-    replicas: int = Field(1, ge=0)
-    device: Literal["auto", "cpu", "gpu"] = "auto"
-    devices: list[DeviceAssignment] = Field(default_factory=list)
-    tensor_parallel_size: int = Field(1, ge=1)
-    kv_cache_bytes: int | None = Field(None, gt=0)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    block_size: int | None = Field(None, gt=0)
-    prefix_caching: bool = True
-    kv_events: bool = False  # publish KV events on a per-replica port (the cache-aware index subscribes)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=16)
-    dtype: str = "auto"
-    enforce_eager: bool = True
-    tokenizer: str | None = None  # for the gateway's prefix index; defaults to the model dir (vllm)
-    max_concurrency: int | None = Field(None, ge=1)  # gateway-side gate per replica
-    extra_args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    startup_deadline_s: float = Field(600.0, gt=0)  # launch -> /health 200 and warm-up done
-    # while starting: less than 1 CPU-second used by the replica's processes in this many seconds -> stalled,
-    # killed and restarted with backoff (None: only the deadline applies)
-    startup_stall_s: float | None = Field(120.0, gt=0)
-    warmup_prompt: str = "Hello"
-    warmup_max_tokens: int = Field(4, ge=1)
-    liveness: LivenessConfig = Field(default_factory=LivenessConfig)
-    restart: RestartConfig = Field(default_factory=RestartConfig)
-    drain_grace_s: float = Field(30.0, ge=0)  # wait for in-flight requests before stopping a drained replica
-    stop_timeout_s: float = Field(15.0, gt=0)  # SIGTERM -> SIGKILL of the process group
-    degradation: DegradationRule | None = None
+    name: str = Field(
+        min_length=1, description='served model name (what clients send as "model"); replica ids are <name>-<index>'
+    )
+    model: str | None = Field(
+        None,
+        description="vllm: model directory or Hugging Face id; None = the tiny model built under pool.model_dir "
+        "(unused by sim)",
+    )
+    kind: Literal["vllm", "sim"] = Field(
+        "vllm", description="vllm = vLLM's OpenAI server; sim = kvgate's simulated engine (tests, benchmarks)"
+    )
+    replicas: int = Field(1, ge=0, description="replicas launched at start (at most pool.max_replicas)")
+    device: Literal["auto", "cpu", "gpu"] = Field(
+        "auto",
+        description="vllm: device to serve on; auto = gpu when nvidia-smi sees one and vLLM is not the CPU build "
+        "(KVGATE_DEVICE overrides)",
+    )
+    devices: list[DeviceAssignment] = Field(
+        default_factory=list,
+        description="replica i runs on devices[i % len(devices)]; empty = unpinned, CUDA_VISIBLE_DEVICES inherited",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm on GPU: --tensor-parallel-size (ignored on CPU)")
+    kv_cache_bytes: int | None = Field(
+        None, gt=0, description="vllm: KV cache size per replica in bytes (--kv-cache-memory-bytes); None = vLLM's"
+    )
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vllm on GPU: --gpu-memory-utilization (fraction of GPU memory); None = vLLM's"
+    )
+    block_size: int | None = Field(
+        None, gt=0, description="tokens per KV block (--block-size; vllm on CPU: a multiple of 32); None = engine's"
+    )
+    prefix_caching: bool = Field(
+        True, description="vllm: automatic prefix caching (--enable-prefix-caching / --no-enable-prefix-caching)"
+    )
+    kv_events: bool = Field(
+        False, description="publish KV events on a per-replica port (the cache-aware index subscribes)"
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        description="engine batch slots (--max-num-seqs), also used for routing's queueing estimate; None = engine's",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="engine context length in tokens (--max-model-len); None = the model's"
+    )
+    dtype: str = Field("auto", description="vllm: --dtype; auto = the model config's")
+    enforce_eager: bool = Field(True, description="vllm: --enforce-eager (no graph compilation, faster start-up)")
+    tokenizer: str | None = Field(
+        None,
+        description='for the gateway\'s prefix index: local HF dir, "sim" or "chars"; None = the model dir (vllm) '
+        'or "sim"',
+    )
+    max_concurrency: int | None = Field(
+        None, ge=1, description="gateway-side gate per replica; None = admission's default gate, if any"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="arguments appended to the engine's command line")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="environment variables for the engine processes (win over inherited ones)"
+    )
+    startup_deadline_s: float = Field(
+        600.0,
+        gt=0,
+        description="launch -> /health 200 and warm-up done must take at most this (seconds), else killed and "
+        "restarted with backoff",
+    )
+    startup_stall_s: float | None = Field(
+        120.0,
+        gt=0,
+        description="a starting replica using under 1 CPU-second in this many seconds is stalled: killed and "
+        "restarted with backoff; None = only the deadline",
+    )
+    warmup_prompt: str = Field(
+        "Hello", description="prompt of the warm-up completion a replica must answer before it is ready"
+    )
+    warmup_max_tokens: int = Field(4, ge=1, description="max_tokens of the warm-up completion")
+    liveness: LivenessConfig = Field(
+        default_factory=LivenessConfig, description="health probes of ready replicas, and when they count as hung"
+    )
+    restart: RestartConfig = Field(
+        default_factory=RestartConfig, description="backoff and crash-loop limit of restarts after failures"
+    )
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="seconds a drained replica's in-flight requests may take before it is stopped"
+    )
+    stop_timeout_s: float = Field(15.0, gt=0, description="seconds from SIGTERM to SIGKILL of the process group")
+    degradation: DegradationRule | None = Field(
+        None, description="restart a replica automatically when its service degrades; None = never"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelPoolConfig:
@@ -136,14 +235,23 @@ class ModelPoolConfig(_Strict):
 
 
 class PoolConfig(_Strict):
-    models: list[ModelPoolConfig] = Field(default_factory=list)
-    host: str = "127.0.0.1"  # engines listen on loopback
-    log_dir: str = ".kvgate/logs"  # one rotating log per replica: <log_dir>/<replica id>.log
-    log_max_bytes: int = Field(16 * 1024 * 1024, ge=1024)
-    log_backups: int = Field(3, ge=0)
-    model_dir: str = ".kvgate/tiny-model"  # where the tiny model is built when a vllm model has no `model`
-    cache_root: str | None = ".kvgate/vllm-cache"  # VLLM_CACHE_ROOT
-    max_replicas: int = Field(64, ge=1)  # upper bound for scale requests (per model)
+    models: list[ModelPoolConfig] = Field(
+        default_factory=list, description="one entry per served model: its engine, replicas and supervision"
+    )
+    host: str = Field("127.0.0.1", description="address the engines listen on and the gateway connects to")
+    log_dir: str = Field(".kvgate/logs", description="one rotating log per replica: <log_dir>/<replica id>.log")
+    log_max_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="size in bytes at which a replica's log rotates")
+    log_backups: int = Field(
+        3, ge=0, description="rotated logs kept per replica (<id>.log.1 ...); 0 = the log is truncated instead"
+    )
+    model_dir: str = Field(
+        ".kvgate/tiny-model", description="where the tiny model is built (or reused) when a vllm model has no `model`"
+    )
+    cache_root: str | None = Field(
+        ".kvgate/vllm-cache",
+        description="VLLM_CACHE_ROOT of the vLLM engines; None = left as inherited (else vLLM's default)",
+    )
+    max_replicas: int = Field(64, ge=1, description="most replicas per model, in the config and in scale requests")
 
     @model_validator(mode="after")
     def _unique(self) -> PoolConfig:

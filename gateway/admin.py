@@ -181,7 +181,7 @@ async def _ops_ctx(app: web.Application) -> AsyncIterator[None]:
 def add_routes(app: web.Application, expect: ExpectHandler) -> None:
     app.cleanup_ctx.append(_ops_ctx)
     app.router.add_post("/admin/reload", reload_admission, expect_handler=expect)
-    app.router.add_get("/admin/replicas", list_replicas)
+    app.router.add_get("/admin/replicas", list_replicas, expect_handler=expect)
     app.router.add_post("/admin/replicas/{id}/drain", drain, expect_handler=expect)
     app.router.add_post("/admin/replicas/{id}/restart", restart, expect_handler=expect)
     app.router.add_post("/admin/models/{model}/rolling-restart", rolling_restart, expect_handler=expect)

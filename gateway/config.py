@@ -153,16 +153,33 @@ class AdminConfig(StrictModel):
 
 
 class GatewayConfig(StrictModel):
-    server: ServerConfig = Field(default_factory=ServerConfig)
-    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
-    retry: RetryConfig = Field(default_factory=RetryConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    routing: RoutingConfig = Field(default_factory=RoutingConfig)
-    admin: AdminConfig = Field(default_factory=AdminConfig)
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
-    cache: CacheConfig = Field(default_factory=CacheConfig)  # prefix hashing, KV index, sessions
-    engines: list[EngineConfig] = Field(default_factory=list)
-    pool: PoolConfig | None = None  # engines kvgate launches and supervises (engine_pool.spec)
+    server: ServerConfig = Field(
+        default_factory=ServerConfig, description="the HTTP listener: address, request and connection limits, logging"
+    )
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig, description="deadlines of requests sent to engines")
+    retry: RetryConfig = Field(
+        default_factory=RetryConfig, description="retries on other replicas and per-replica circuit breakers"
+    )
+    health: HealthConfig = Field(
+        default_factory=HealthConfig, description="health probes and /metrics scrapes of every engine"
+    )
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="routing policy and its parameters")
+    admin: AdminConfig = Field(default_factory=AdminConfig, description="the /admin/* API and its bearer key")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="tenants, API keys, quotas, capacity gate and fair queue"
+    )
+    cache: CacheConfig = Field(
+        default_factory=CacheConfig,
+        description="prefix hashing, KV block index, KV events and sessions; used only by the cache-aware routing "
+        "policy",
+    )
+    engines: list[EngineConfig] = Field(
+        default_factory=list,
+        description="engines kvgate did not start (attached): probed and routed to, never restarted",
+    )
+    pool: PoolConfig | None = Field(
+        None, description="engines kvgate launches and supervises (engine_pool.spec); None = none"
+    )
 
 
 class ConfigError(ValueError):

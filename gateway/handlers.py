@@ -92,8 +92,8 @@ def add_routes(app: web.Application) -> None:
     expect = expect_handler(app[CONFIG].server.max_body_bytes, app[IDS])
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
     app.router.add_post("/v1/completions", completions, expect_handler=expect)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", list_models, expect_handler=expect)
+    app.router.add_get("/health", health, expect_handler=expect)
+    app.router.add_get("/ready", ready, expect_handler=expect)
+    app.router.add_get("/metrics", metrics, expect_handler=expect)
     admin.add_routes(app, expect)  # /admin/*: reload, drain, restart, rolling restart, scale

@@ -55,6 +55,8 @@ def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
         if isinstance(exc, LineTooLong) or "too many headers" in text.lower():
             return HeadersTooLarge(f"request head too large: {text}")
         return BadRequest(f"malformed HTTP request: {text}", code="invalid_http_request")
+    if isinstance(exc, UnicodeError):  # the client's bytes (a header aiohttp decoded with surrogates) did this
+        return BadRequest("the request carries bytes that are not valid UTF-8", code="invalid_http_request")
     err = GatewayError("internal gateway error")
     err.status = status
     return err
@@ -98,7 +100,7 @@ class GuardedRequestHandler(RequestHandler):
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
-        if status >= 500:
+        if status >= 500 and not isinstance(exc, UnicodeError):
             log.error("error handling a request from %s", request.remote, exc_info=exc)
         if request.writer.output_size > 0:
             raise ConnectionError("the response is under way: no error answer can follow")

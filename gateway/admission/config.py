@@ -29,11 +29,27 @@ class _Strict(BaseModel):
 class LimitsConfig(_Strict):
     """Per-tenant quotas; None = unlimited."""
 
-    max_concurrency: int | None = Field(None, ge=1)  # concurrent requests (queued ones included)
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)  # prompt + completion, reconciled at the end
-    tokens_per_day: int | None = Field(None, ge=1)  # optional daily budget
-    cached_token_weight: float = Field(1.0, ge=0.0, le=1.0)  # charge for a prompt token that hit the cache
+    max_concurrency: int | None = Field(
+        None, ge=1, description="the tenant's requests at once, queued ones included (429 beyond); None = unlimited"
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, description="requests admitted per clock minute (fixed window; 429 beyond); None = unlimited"
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="tokens charged per clock minute: prompt estimate up front, reconciled to prompt + completion "
+        "at the end; None = unlimited",
+    )
+    tokens_per_day: int | None = Field(
+        None, ge=1, description="tokens charged per UTC day (same accounting as tokens_per_minute); None = unlimited"
+    )
+    cached_token_weight: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="fraction of a token charged for each prompt token the engine served from cache",
+    )
 
     @cached_property
     def unlimited(self) -> bool:
@@ -47,13 +63,31 @@ class LimitsConfig(_Strict):
 
 
 class TenantConfig(_Strict):
-    keys: list[str] = Field(default_factory=list)  # "sha256:<hex>" (see hash_key)
-    limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    weight: float = Field(1.0, gt=0.0)  # share in the weighted fair queue
-    priority: str | None = None  # highest priority class this tenant may use; None = the first class
-    max_queued: int | None = Field(None, ge=0)  # per-tenant queue bound; None = queue.max_queued_per_tenant
-    cache_isolation: bool = False  # inject a tenant-specific cache_salt
-    cache_salt: str | None = None  # explicit salt (implies isolation); default derived from the tenant name
+    keys: list[str] = Field(
+        default_factory=list,
+        description='the tenant\'s API keys as "sha256:<hex>" (see hash_key); a key belongs to one tenant only',
+    )
+    limits: LimitsConfig = Field(
+        default_factory=LimitsConfig, description="the tenant's quotas; unset ones are unlimited"
+    )
+    weight: float = Field(
+        1.0, gt=0.0, description="share of queue dispatches against other queued tenants of the same priority class"
+    )
+    priority: str | None = Field(
+        None,
+        description="highest priority class the tenant's requests get (also their default); None = the first class",
+    )
+    max_queued: int | None = Field(
+        None, ge=0, description="most queued requests of this tenant (all models); None = queue.max_queued_per_tenant"
+    )
+    cache_isolation: bool = Field(
+        False,
+        description="inject a tenant-specific cache_salt (HMAC of the tenant name with cache_salt_secret) so its "
+        "prompts never share KV blocks with other tenants'",
+    )
+    cache_salt: str | None = Field(
+        None, description="explicit salt for the tenant (implies isolation); None = derived as for cache_isolation"
+    )
 
     @field_validator("keys")
     @classmethod
@@ -66,35 +100,95 @@ class TenantConfig(_Strict):
 
 
 class QueueConfig(_Strict):
-    max_queued: int = Field(1024, ge=0)  # global bound across tenants and models
-    max_queued_per_tenant: int = Field(256, ge=0)
-    max_wait_s: float = Field(30.0, gt=0)
-    tick_s: float = Field(0.05, gt=0)  # re-check capacity at least this often (engine metrics change unannounced)
+    max_queued: int = Field(
+        1024, ge=0, description="most queued requests across tenants and models; a full queue answers 503; 0 = no queue"
+    )
+    max_queued_per_tenant: int = Field(
+        256, ge=0, description="most queued requests of one tenant (across models) unless its max_queued says otherwise"
+    )
+    max_wait_s: float = Field(
+        30.0, gt=0, description="seconds a request may wait in the queue before 503 queue_timeout"
+    )
+    tick_s: float = Field(
+        0.05,
+        gt=0,
+        description="seconds between re-checks of capacity for queued requests (engine metrics change unannounced)",
+    )
 
 
 class RedisConfig(_Strict):
-    url: str
-    key_prefix: str = "kvgate"
-    failure_policy: Literal["open", "closed"] = "open"  # open: local limits while Redis is down; closed: 503
-    timeout_s: float = Field(0.25, gt=0)  # per command; a slow Redis counts as down
-    reconnect_min_s: float = Field(0.1, gt=0)
-    reconnect_max_s: float = Field(5.0, gt=0)
-    lease_s: float = Field(120.0, gt=0)  # concurrency slot lease, renewed while the request runs
+    url: str = Field(description="Redis URL of the quota store shared by gateways, e.g. redis://127.0.0.1:6379/0")
+    key_prefix: str = Field("kvgate", description="prefix of every Redis key: <prefix>:{<tenant>}:...")
+    failure_policy: Literal["open", "closed"] = Field(
+        "open",
+        description="while Redis is down: open = each gateway enforces the limits from memory; closed = 503 "
+        "quota_store_unavailable",
+    )
+    timeout_s: float = Field(
+        0.25, gt=0, description="seconds per Redis connect or command; a slower Redis is marked down"
+    )
+    reconnect_min_s: float = Field(
+        0.1, gt=0, description="first delay (seconds) between PINGs while Redis is down; doubles up to reconnect_max_s"
+    )
+    reconnect_max_s: float = Field(
+        5.0, gt=0, description="longest delay (seconds) between reconnect PINGs; also Retry-After of fail-closed 503s"
+    )
+    lease_s: float = Field(
+        120.0,
+        gt=0,
+        description="expiry (seconds) of a concurrency slot in Redis, renewed every lease_s/3 while the request runs; "
+        "bounds how long a crashed gateway's slots stay taken",
+    )
 
 
 class AdmissionConfig(_Strict):
-    auth: bool = False  # True: every request needs a known `Authorization: Bearer` key
-    anonymous_tenant: str = ANONYMOUS  # the tenant of every request when auth is off
-    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
-    priority_classes: list[str] = Field(default_factory=lambda: ["interactive", "batch"])  # highest first
-    queue: QueueConfig = Field(default_factory=QueueConfig)
-    enabled: bool = True  # False: no capacity gate and no queue (quotas and auth still apply)
-    redis: RedisConfig | None = None  # None: quotas in process memory
-    replica_max_concurrency: int | None = Field(None, ge=1)  # default gate for replicas configured without one
-    expected_context_tokens: int | None = Field(None, ge=1)  # derive a gate from KV capacity / this length
-    saturation_kv_usage: float = Field(0.95, gt=0.0, le=1.0)  # waiting > 0 and kv usage above this = saturated
-    max_tenants: int = Field(10_000, ge=1)  # bound on per-tenant state
-    cache_salt_secret: str | None = None  # HMAC key for derived tenant salts; required by cache_isolation
+    auth: bool = Field(
+        False,
+        description="every request needs `Authorization: Bearer` with a configured tenant key (else 401); "
+        "off = every request is anonymous_tenant",
+    )
+    anonymous_tenant: str = Field(
+        ANONYMOUS, description="tenant of every request while auth is off (its limits come from tenants.<name>)"
+    )
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict, description="tenant name -> its keys, quotas, queue weight, priority and cache isolation"
+    )
+    priority_classes: list[str] = Field(
+        default_factory=lambda: ["interactive", "batch"],
+        description="priority class names, highest first; a request may pick a lower one with x-kvgate-priority",
+    )
+    queue: QueueConfig = Field(
+        default_factory=QueueConfig, description="bounds and timing of the per-model weighted fair queue"
+    )
+    enabled: bool = Field(
+        True, description="capacity gate and fair queue; false = neither (auth and quotas still apply)"
+    )
+    redis: RedisConfig | None = Field(
+        None, description="quota store shared by gateways; None = quotas in this process's memory"
+    )
+    replica_max_concurrency: int | None = Field(
+        None, ge=1, description="gate (requests in flight) for replicas configured without max_concurrency; None = none"
+    )
+    expected_context_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="for replicas without a gate: gate = engine KV capacity in tokens / this, once the engine reports "
+        "it (overrides replica_max_concurrency)",
+    )
+    saturation_kv_usage: float = Field(
+        0.95,
+        gt=0.0,
+        le=1.0,
+        description="a replica with waiting requests and KV usage at or above this fraction is saturated: no capacity",
+    )
+    max_tenants: int = Field(
+        10_000, ge=1, description="most configured tenants, and most tenants whose quota state is kept in memory"
+    )
+    cache_salt_secret: str | None = Field(
+        None,
+        description="HMAC key of derived tenant salts; required by cache_isolation without cache_salt; same on every "
+        "gateway",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> AdmissionConfig:
