@@ -1,0 +1,44 @@
+"""The route table: every endpoint of vLLM's OpenAI-compatible server that kvgate serves, one line each.
+
+Every entry goes through the one request path (`CompletionService.handle`): tenant authentication, body limits,
+admission and quotas (tokens from the answer's `usage` where it has one), routing, retries before the first byte,
+cancellation, metrics (labelled with `name`) and the access log. `body` says how the request is read:
+- "chat" / "completions": validated as OpenAI's chat and completions requests, prefix-hashed for cache-aware
+  routing, streams relayed event by event and required to end with `[DONE]`;
+- "json": any JSON object with a `model` (optional where `model_optional`: the pool's only model is meant then),
+  routed by load, a `"stream": true` answer relayed as it comes.
+The engine is asked at the same path. A new vLLM endpoint is one more line here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+BodyKind = Literal["chat", "completions", "json"]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    name: str  # the `endpoint` label of metrics and the access log
+    path: str  # on the gateway and on the engine
+    body: BodyKind
+    model_optional: bool = False
+
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("chat", "/v1/chat/completions", "chat"),
+    Endpoint("completions", "/v1/completions", "completions"),
+    Endpoint("responses", "/v1/responses", "json"),
+    Endpoint("embeddings", "/v1/embeddings", "json"),
+    Endpoint("tokenize", "/tokenize", "json", model_optional=True),
+    Endpoint("detokenize", "/detokenize", "json", model_optional=True),
+    Endpoint("pooling", "/pooling", "json"),
+    Endpoint("classify", "/classify", "json"),
+    Endpoint("score", "/score", "json"),
+    Endpoint("score", "/v1/score", "json"),
+    Endpoint("rerank", "/rerank", "json"),
+    Endpoint("rerank", "/v1/rerank", "json"),
+    Endpoint("rerank", "/v2/rerank", "json"),
+)
+CHAT, COMPLETIONS = ENDPOINTS[0], ENDPOINTS[1]
