@@ -1,4 +1,4 @@
-"""The two OpenAI completion endpoints: the one request path, top to bottom.
+"""The one request path, top to bottom, for every endpoint of the route table (`gateway.endpoints`).
 
 Per request: identify the tenant (401) -> read and validate the body (400/404/408/413) -> cache salt -> prefix info
 for routing -> admission slot (429/503; an async context manager that always releases) -> route and forward with
@@ -20,10 +20,11 @@ from gateway.admission.controller import AdmissionController
 from gateway.body import read_body
 from gateway.config import GatewayConfig
 from gateway.context import RequestContext
-from gateway.errors import GatewayError, NotFound, Overloaded, render_error
+from gateway.endpoints import Endpoint
+from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, render_error
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
-from gateway.request_parse import Endpoint, parse_request
+from gateway.request_parse import parse_request
 from gateway.responder import Responder
 from gateway.router import Router
 from policies.base import RequestInfo
@@ -55,7 +56,7 @@ class CompletionService:
 
     async def handle(self, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
         """Answer one request; returns the response for aiohttp to finish (a stream is already written)."""
-        ctx = RequestContext(request_id, endpoint, time.monotonic())
+        ctx = RequestContext(request_id, endpoint.name, time.monotonic())
         out = Responder(request)
         admission = self.admission
         info: RequestInfo | None = None
@@ -64,7 +65,9 @@ class CompletionService:
             identity = admission.identify(headers)  # 401 before anything else when auth is on
             ctx.tenant = identity.tenant
             raw = await read_body(request, self.config.server)
-            parsed = parse_request(endpoint, raw)
+            parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
+            if not parsed.model:
+                parsed.model = self._only_model()
             if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
                 if self.replicas.undiscovered():  # an engine not reached yet may serve it: ask again soon
                     raise Overloaded(
@@ -76,13 +79,13 @@ class CompletionService:
             salted = admission.apply_cache_salt(identity, parsed.body)
             info = await self.router.request_info(
                 model=parsed.model,
-                endpoint=endpoint,
+                endpoint=endpoint.body,
                 body=parsed.body,
                 tenant=identity.tenant,
                 session_key=headers.get(self._session_header),
             )
             async with admission.slot(identity, parsed.model, info.prompt_tokens or len(raw) // 4, ctx):
-                ctx.status = await self.proxy.forward(out, parsed, info, ctx, raw, salted)
+                ctx.status = await self.proxy.forward(out, endpoint.path, parsed, info, ctx, raw, salted)
         except GatewayError as err:
             await self._error(err, ctx, out)
         except ConnectionResetError:  # a write found the client gone
@@ -90,7 +93,7 @@ class CompletionService:
         except Exception:
             if out.started:
                 raise
-            log.exception("unhandled error in %s (request %s)", endpoint, request_id)
+            log.exception("unhandled error in %s (request %s)", endpoint.path, request_id)
             await self._error(GatewayError("internal gateway error"), ctx, out)
         except BaseException:  # cancelled: the client left (or shutdown)
             self.client_left(ctx)
@@ -100,6 +103,13 @@ class CompletionService:
         if out.response is None:  # the client left before anything could be sent: nothing will be
             return web.Response(status=499)
         return out.response
+
+    def _only_model(self) -> str:
+        """The model a request without one means: the pool's only model; 400 when it serves several."""
+        models = self.replicas.models()
+        if len(models) != 1:
+            raise BadRequest("'model' is required: this gateway serves several models", param="model")
+        return next(iter(models))
 
     def done(self, ctx: RequestContext, info: RequestInfo | None) -> None:
         """A request's end, however it ended: the cache state learns what was cached, metrics, the access log."""

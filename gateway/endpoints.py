@@ -13,9 +13,8 @@ The engine is asked at the same path. A new vLLM endpoint is one more line here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-BodyKind = Literal["chat", "completions", "json"]
+from gateway.request_parse import BodyKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,12 @@
-"""HTTP handlers: the OpenAI endpoints (logic in gateway.completion), models, health, readiness and metrics."""
+"""HTTP handlers: the route table's endpoints (`gateway.endpoints`, all on the one request path in
+gateway.completion), models, version, health, readiness and metrics."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Awaitable, Callable
+from importlib import metadata
 from typing import Any
 
 from aiohttp import web
@@ -11,16 +15,39 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import admin
 from gateway.admission.auth import check_admin
 from gateway.body import expect_handler
+from gateway.endpoints import ENDPOINTS, Endpoint
 from gateway.errors import GatewayError
-from gateway.keys import CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID
+from gateway.keys import CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID, UPSTREAM
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[COMPLETIONS].handle(request, "chat", request[REQUEST_ID])
+def _endpoint_handler(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await request.app[COMPLETIONS].handle(request, endpoint, request[REQUEST_ID])
+
+    return handle
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[COMPLETIONS].handle(request, "completions", request[REQUEST_ID])
+async def version(request: web.Request) -> web.Response:
+    """vLLM's `/version` of a ready replica (what clients check the engine by), with kvgate's own beside it."""
+    out: dict[str, Any] = {"kvgate": _kvgate_version()}
+    now = time.monotonic()
+    for replica in request.app[REPLICAS]:
+        if replica.routable(now):
+            try:
+                status, raw = await request.app[UPSTREAM].fetch("GET", replica.url + "/version", timeout_s=2.0)
+                if status == 200:
+                    out = {**json.loads(raw), **out}
+                    break
+            except (ConnectionError, TimeoutError, ValueError):
+                continue
+    return web.json_response(out)
+
+
+def _kvgate_version() -> str:
+    try:
+        return metadata.version("kvgate")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -90,8 +117,9 @@ async def metrics(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     """Every route of the gateway's one server."""
     expect = expect_handler(app[CONFIG].server.max_body_bytes, app[IDS])
-    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
-    app.router.add_post("/v1/completions", completions, expect_handler=expect)
+    for endpoint in ENDPOINTS:
+        app.router.add_post(endpoint.path, _endpoint_handler(endpoint), expect_handler=expect)
+    app.router.add_get("/version", version, expect_handler=expect)
     app.router.add_get("/v1/models", list_models, expect_handler=expect)
     app.router.add_get("/health", health, expect_handler=expect)
     app.router.add_get("/ready", ready, expect_handler=expect)

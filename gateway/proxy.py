@@ -38,7 +38,6 @@ from gateway.responder import Responder
 from gateway.router import Router
 from policies.base import Decision, RequestInfo
 
-_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _DONE = b"data: [DONE]"
 
 
@@ -84,13 +83,15 @@ class UpstreamProxy:
     async def forward(
         self,
         out: Responder,
+        path: str,
         parsed: ParsedRequest,
         info: RequestInfo,
         ctx: RequestContext,
         raw_body: bytes,
         salted: bool = False,
     ) -> int:
-        """Relay the request and write the engine's answer to `out`; returns the HTTP status sent."""
+        """Relay the request to `path` on a replica and write the engine's answer to `out`; returns the HTTP status
+        recorded."""
         data = upstream_body(parsed, raw_body, salted)
         deadline = time.monotonic() + self.settings.timeouts.total_s
         tried: list[str] = []
@@ -105,7 +106,7 @@ class UpstreamProxy:
                 raise
             tried.append(replica.id)
             try:
-                status = await self._attempt(out, parsed, replica, decision, ctx, data, deadline)
+                status = await self._attempt(out, path, parsed, replica, decision, ctx, data, deadline)
             except _Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 last_error = exc.error
@@ -185,6 +186,7 @@ class UpstreamProxy:
     async def _attempt(
         self,
         out: Responder,
+        path: str,
         parsed: ParsedRequest,
         replica: Replica,
         decision: Decision,
@@ -194,7 +196,7 @@ class UpstreamProxy:
     ) -> int:
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            upstream = await self._send(replica, _PATHS[parsed.endpoint], data, ctx, deadline, parsed.stream)
+            upstream = await self._send(replica, path, data, ctx, deadline, parsed.stream)
             try:
                 if upstream.status >= 500:
                     raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
@@ -340,7 +342,9 @@ class UpstreamProxy:
             self._count_failure(replica)
         if not started:
             raise _Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
-        if failure is None and not done:  # ended without its [DONE]: cut short, however cleanly it closed
+        if failure is None and parsed.endpoint == "json":  # other endpoints' streams end when the body does
+            ctx.delivered = True
+        elif failure is None and not done:  # chat and completions end with [DONE]: cut short without it
             ctx.error = "upstream_truncated"
             failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
         if failure is not None:

@@ -14,16 +14,16 @@ import orjson
 
 from gateway.errors import BadRequest
 
-Endpoint = Literal["chat", "completions"]
+BodyKind = Literal["chat", "completions", "json"]  # see gateway.endpoints
 
 
 @dataclass(slots=True)
 class ParsedRequest:
-    endpoint: Endpoint
+    endpoint: BodyKind
     body: dict[str, Any]
     model: str
     stream: bool
-    include_usage: bool  # client asked for stream_options.include_usage
+    include_usage: bool  # client asked for stream_options.include_usage (always True for "json": nothing stripped)
     max_tokens: int | None
     stdlib_json: bool = False  # parsed by the standard library (orjson refused it: perhaps not UTF-8)
 
@@ -91,7 +91,7 @@ def _refuse_duplicate_keys(raw: bytes) -> None:
             pass  # not JSON: the parser below says so
 
 
-def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
+def parse_request(endpoint: BodyKind, raw: bytes, *, model_optional: bool = False) -> ParsedRequest:
     """The body parsed by orjson (about 10x the standard library's speed); what orjson refuses (UTF-16 bodies, a
     byte order mark, NaN, lone surrogates) is read by the standard library, so nothing that parsed before is
     refused now. The parsed body is for validation and routing: the engine gets the client's bytes
@@ -109,8 +109,15 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None and model_optional:
+        model = ""  # the pool's only model (the caller resolves it); the engine uses its own
+    elif not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    if endpoint == "json":  # any other vLLM endpoint: the engine validates the rest
+        stream = body.get("stream", False)
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest("'stream' must be a boolean", param="stream")
+        return ParsedRequest(endpoint, body, model, bool(stream), True, None, stdlib)
     if endpoint == "chat":
         _check_messages(body.get("messages"))
     else:
@@ -142,7 +149,7 @@ def upstream_body(parsed: ParsedRequest, raw: bytes, salted: bool) -> bytes:
     of a stream (`stream_options.include_usage`) or set the tenant's `cache_salt` (`salted`). A stream option
     alone is spliced in after the opening brace when the client sent no `stream_options` (UTF-8 bodies); otherwise
     the body is re-read and re-written by the standard library, which keeps every value exactly as sent."""
-    wants_usage = parsed.stream and not parsed.include_usage
+    wants_usage = parsed.stream and not parsed.include_usage  # include_usage is True for "json" bodies
     if not (wants_usage or salted):
         return raw
     if not salted and not parsed.stdlib_json and "stream_options" not in parsed.body:

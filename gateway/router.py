@@ -14,6 +14,7 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.errors import Overloaded
 from gateway.metrics import GatewayMetrics
+from gateway.request_parse import BodyKind
 from policies.base import EMPTY_MAPPING, Decision, Footprint, NoCandidate, Policy, RequestInfo, RoutingView
 
 
@@ -58,15 +59,15 @@ class Router:
         self,
         *,
         model: str,
-        endpoint: Literal["chat", "completions"],
+        endpoint: BodyKind,
         body: Mapping[str, Any],
         tenant: str,
         session_key: str | None,
     ) -> RequestInfo:
-        """What the policy needs to know of the request: prefix block hashes from the cache hooks, or (without
-        hooks) just model, tenant and session, one immutable info shared per model and tenant when there is no
-        session (bounded by both)."""
-        if self.cache is not None:
+        """What the policy needs to know of the request: prefix block hashes from the cache hooks (chat and
+        completions bodies), or just model, tenant and session, one immutable info shared per model and tenant
+        when there is no session (bounded by both)."""
+        if self.cache is not None and endpoint != "json":
             return await self.cache.request_info(
                 model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key
             )

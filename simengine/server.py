@@ -1,10 +1,10 @@
 """aiohttp front of the simulated engine: vLLM's OpenAI server endpoints plus ``/sim/*`` test hooks.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /load``, ``GET /version``,
-``POST /reset_prefix_cache``, ``GET /sim/stats``, ``GET|POST /sim/faults``. Errors are OpenAI-shaped. The
-``X-Request-Id`` request header is echoed on every response. Handlers are cancelled when the client disconnects
-(``handler_cancellation=True``), which is how a dropped request stops generating.
+``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/embeddings`` (deterministic vectors),
+``GET /load``, ``GET /version``, ``POST /reset_prefix_cache``, ``GET /sim/stats``, ``GET|POST /sim/faults``.
+Errors are OpenAI-shaped. The ``X-Request-Id`` request header is echoed on every response. Handlers are cancelled
+when the client disconnects (``handler_cancellation=True``), which is how a dropped request stops generating.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from simengine.protocol import (
     prompt_tokens,
     usage,
 )
-from simengine.tokenize import detokenize
+from simengine.tokenize import detokenize, tokenize_text
 
 SIM_VERSION = "0.0.0+kvgate.sim"
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
@@ -170,6 +170,32 @@ async def tokenize(request: web.Request) -> web.Response:
     return _json({"count": len(tokens), "max_model_len": engine.config.max_model_len, "tokens": tokens})
 
 
+EMBEDDING_DIM = 8
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """OpenAI's embeddings: one vector per input string, a deterministic function of its tokens (unit length)."""
+    engine = request.app[ENGINE_KEY]
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = check_model(body, engine.config)
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) for x in inputs):
+        raise bad_request("'input' must be a string or a non-empty list of strings", "input")
+    data, total = [], 0
+    for i, text in enumerate(inputs):
+        tokens = tokenize_text(text)
+        total += len(tokens)
+        raw = [((sum(tokens) * (k + 1) + len(tokens) * 7919) % 1000) / 1000 - 0.5 for k in range(EMBEDDING_DIM)]
+        norm = sum(x * x for x in raw) ** 0.5 or 1.0
+        data.append({"object": "embedding", "index": i, "embedding": [x / norm for x in raw]})
+    usage = {"prompt_tokens": total, "total_tokens": total}
+    return _json({"object": "list", "model": model, "data": data, "usage": usage})
+
+
 async def detokenize_handler(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     body = await _body(request)
@@ -266,6 +292,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/detokenize", detokenize_handler)
     app.router.add_get("/load", load)
     app.router.add_get("/version", version)

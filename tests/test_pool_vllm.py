@@ -150,6 +150,24 @@ async def test_nothing_routed_before_warm_up(gateway: Gateway) -> None:
 
 
 @pytest.mark.timeout(480)
+async def test_vllm_endpoints_beyond_completions_go_through_the_gateway(gateway: Gateway) -> None:
+    """Real vLLM behind the route table: /tokenize and /detokenize round-trip, /version is vLLM's, and an endpoint
+    a generative model does not serve (embeddings) is the engine's own error, never a gateway 5xx."""
+    async with aiohttp.ClientSession() as session:
+        await wait_all_ready(session, gateway, 420)
+        async with session.post(f"{gateway.url}/tokenize", json={"model": MODEL, "prompt": "hello world"}) as resp:
+            assert resp.status == 200, await resp.text()
+            tokens = (await resp.json())["tokens"]
+        async with session.post(f"{gateway.url}/detokenize", json={"model": MODEL, "tokens": tokens}) as resp:
+            assert resp.status == 200 and "hello world" in (await resp.json())["prompt"]
+        async with session.get(f"{gateway.url}/version") as resp:
+            body = await resp.json()
+            assert resp.status == 200 and body["version"] and body["kvgate"]
+        async with session.post(f"{gateway.url}/v1/embeddings", json={"model": MODEL, "input": "x"}) as resp:
+            assert 400 <= resp.status < 500, await resp.text()
+
+
+@pytest.mark.timeout(480)
 async def test_kill_9_one_replica_under_load(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as session, oai(gateway) as client:
         before = await wait_all_ready(session, gateway, 420)

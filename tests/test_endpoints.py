@@ -1,0 +1,85 @@
+"""Every vLLM endpoint through the one request path, as a client sees it: the official openai client for embeddings,
+plain HTTP for vLLM's own endpoints, with tenant auth, retries, metrics and the access log applying to all."""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.admission.auth import hash_key
+from simengine import Faults, SimConfig
+from tests.conftest import gateway_over_sims
+
+SIM = SimConfig(model="sim", instant=True)
+
+
+async def requests_total(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        (s.labels["endpoint"], s.labels["status"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvgate_requests_total"
+    }
+
+
+async def test_embeddings_with_the_openai_client(http: aiohttp.ClientSession) -> None:
+    async with gateway_over_sims([SIM, SIM]) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            raw = await client.embeddings.with_raw_response.create(model="sim", input=["hello", "kvgate"])
+            result = raw.parse()
+        assert [len(d.embedding) for d in result.data] == [8, 8] and result.usage.prompt_tokens > 0
+        assert raw.headers["x-kvgate-replica"] and raw.headers["x-request-id"]
+        assert (await requests_total(http, gw.url))[("embeddings", "200")] == 1
+
+
+async def test_tokenize_and_detokenize_without_a_model_mean_the_only_one(http: aiohttp.ClientSession) -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        async with http.post(gw.url + "/tokenize", json={"prompt": "hello world"}) as resp:
+            assert resp.status == 200, await resp.text()
+            tokens = (await resp.json())["tokens"]
+        async with http.post(gw.url + "/detokenize", json={"model": "sim", "tokens": tokens}) as resp:
+            assert resp.status == 200 and (await resp.json())["prompt"] == "hello world"
+        async with http.post(gw.url + "/tokenize", json={"model": "nope", "prompt": "x"}) as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["param"] == "model"
+        counted = await requests_total(http, gw.url)
+        assert counted[("tokenize", "200")] == 1 and counted[("detokenize", "200")] == 1
+
+
+async def test_an_endpoint_the_engine_lacks_answers_the_engines_error(http: aiohttp.ClientSession) -> None:
+    """/v1/rerank on an engine that serves no reranker: the engine's own 404, OpenAI-shaped."""
+    async with gateway_over_sims([SIM, SIM]) as (gw, _):
+        async with http.post(gw.url + "/v1/rerank", json={"model": "sim", "query": "q", "documents": ["d"]}) as resp:
+            assert resp.status == 404
+            assert set((await resp.json())["error"]) >= {"message", "type", "code"}
+
+
+async def test_other_endpoints_get_auth_retries_and_the_access_log(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = SIM.model_copy(update={"faults": Faults(error_rate=1.0)})
+    admission = {"auth": True, "tenants": {"acme": {"keys": [hash_key("sk-acme")]}}}
+    async with gateway_over_sims([broken, SIM], admission=admission, server={"access_log": "plain"}) as (gw, _):
+        body = {"model": "sim", "input": "hello"}
+        async with http.post(gw.url + "/v1/embeddings", json=body) as resp:
+            assert resp.status == 401
+        with caplog.at_level(logging.INFO, logger="kvgate.access"):
+            for _ in range(4):  # the broken replica answers 500 for all: retried on the good one
+                async with http.post(
+                    gw.url + "/v1/embeddings", json=body, headers={"Authorization": "Bearer sk-acme"}
+                ) as resp:
+                    assert resp.status == 200
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.access"]
+        assert len(lines) == 4 and all("endpoint=embeddings" in x and "tenant=acme" in x for x in lines)
+
+
+async def test_version_reports_the_engine_and_kvgate(http: aiohttp.ClientSession) -> None:
+    async with gateway_over_sims([SIM]) as (gw, _):
+        async with http.get(gw.url + "/version") as resp:
+            body = await resp.json()
+        assert resp.status == 200 and body["version"] and body["kvgate"]
