@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -165,3 +166,64 @@ async def test_fail_closed_refuses_with_503_while_redis_is_down(redis_server: Re
         assert isinstance(store, RedisQuotaStore)
         await wait_for(lambda: store.up, 30.0, "redis store up again")
         assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200
+
+
+async def wait_store_up(session: aiohttp.ClientSession, gws: list[RunningGateway]) -> None:
+    for gw in gws:
+        await post(session, gw.url, chat(), key="sk-acme")  # a check notices the loss if it has not yet
+    stores = [gw.app[ADMISSION].store for gw in gws]
+    assert all(isinstance(s, RedisQuotaStore) for s in stores)
+    await wait_for(lambda: all(s.up for s in stores if isinstance(s, RedisQuotaStore)), 30.0, "redis stores up")
+
+
+async def test_requests_granted_while_redis_was_down_count_once_it_is_back(redis_server: RedisProcess) -> None:
+    """A limit of 2 shared by two gateways: two requests granted from memory while Redis was down are still
+    running when it comes back (empty, restarted); they are counted there, so both gateways refuse a third."""
+    await redis_server.start()
+    async with two_gateways(redis_server.url, "open") as (gws, _, session):
+        # concurrent checks: each gateway's Redis client pools several connections, all stale after the restart
+        await asyncio.gather(*(post(session, gw.url, chat(), key="sk-acme") for gw in gws for _ in range(8)))
+        await redis_server.stop()
+        for gw in gws:
+            await post(session, gw.url, chat(), key="sk-acme")  # the gateways see the loss
+        held = [
+            asyncio.create_task(post(session, gw.url, chat(max_tokens=120), key="sk-acme")) for gw in gws
+        ]  # about 3.6 s each: still running after the restart
+        controllers = [gw.app[ADMISSION] for gw in gws]
+        await wait_for(lambda: all(c.tenant_in_flight("acme") for c in controllers), 30.0, "local grants running")
+        await redis_server.start()
+        stores = [c.store for c in controllers]
+        await wait_for(lambda: all(isinstance(s, RedisQuotaStore) and s.up for s in stores), 30.0, "stores up")
+        assert not all(t.done() for t in held), "the held requests ended before the store recovered"
+        for gw in gws:
+            assert (await post(session, gw.url, chat(), key="sk-acme"))[0] == 429  # 2 live grants, counted
+        assert [(await t)[0] for t in held] == [200, 200]
+        both = await asyncio.gather(*(post(session, gw.url, chat(max_tokens=20), key="sk-acme") for gw in gws))
+        assert [r[0] for r in both] == [200, 200]  # and released there: nothing left behind
+        for gw in gws:  # stale pooled connections to the old server were retried, not taken for new outages
+            for _ in range(5):
+                await post(session, gw.url, chat(), key="sk-acme")
+            reg = gw.app[REGISTRY]
+            assert (
+                reg.get_sample_value("kvgate_quota_store_transitions_total", {"store": "redis", "state": "down"}) == 1
+            )
+
+
+async def test_requests_that_finished_while_redis_was_frozen_leave_no_lease(redis_server: RedisProcess) -> None:
+    """Redis stopped (SIGSTOP) with both slots held in it; the requests finish while it is frozen; once it resumes,
+    both slots are free at once (not after the lease expiry)."""
+    await redis_server.start()
+    async with two_gateways(redis_server.url, "open") as (gws, _, session):
+        held = await hold_two_slots(session, gws)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert [(await t)[0] for t in held] == [200, 200]  # their releases cannot reach Redis now
+            for gw in gws:
+                await post(session, gw.url, chat(), key="sk-acme")  # the gateways see the store down
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        stores = [gw.app[ADMISSION].store for gw in gws]
+        await wait_for(lambda: all(isinstance(s, RedisQuotaStore) and s.up for s in stores), 30.0, "stores up")
+        both = await asyncio.gather(*(post(session, gw.url, chat(max_tokens=20), key="sk-acme") for gw in gws))
+        assert [r[0] for r in both] == [200, 200]

@@ -9,11 +9,15 @@ Keys (all under the `{tenant}` hash tag, so a tenant's keys share a cluster slot
   <prefix>:{t}:day:<day>   tokens charged in the UTC day (expires after 2 days)
 Times come from Redis' TIME, so gateways with skewed clocks still share one window.
 
-Failure policy: a command error or a command slower than `timeout_s` marks the store down (metric, one warning
-log) and starts a reconnect task (PING with exponential backoff from reconnect_min_s to reconnect_max_s). While
-down, checks never touch Redis: policy "open" answers from an in-process `LocalQuotaStore` (each gateway enforces
-the limits alone), "closed" refuses (503). Leases taken locally are released locally; releases of Redis leases
-that fail are dropped (the lease expires).
+Failure policy: a command that fails on a connection is retried once on a fresh one (a pooled connection to a
+restarted server fails once: that is not an outage); a second failure, or a command slower than its timeout, marks
+the store down (metric, one warning log) and starts a reconnect task (PING with exponential backoff from
+reconnect_min_s to reconnect_max_s). While down, checks never touch Redis: policy "open" answers from an in-process
+`LocalQuotaStore` (each gateway enforces the limits alone), "closed" refuses (503).
+Recovery makes the shared counts exact again before the store is marked up: the releases of Redis leases that
+came while it was down (and the lease of a check whose outcome was lost) are applied, and the live leases granted
+locally while it was down are adopted into Redis (slot, request and tokens counted there; later renewed and
+released there like any other). Memory: both tables are bounded by the requests in flight during the outage.
 """
 
 from __future__ import annotations
@@ -97,6 +101,26 @@ end
 return 1
 """
 
+_ADOPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
+local lease_ms = tonumber(ARGV[2])
+for i = 3, #ARGV, 3 do
+  local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
+  local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
+  redis.call('ZADD', ck, now + lease_ms, ARGV[i + 1])
+  redis.call('PEXPIRE', ck, lease_ms * 2)
+  redis.call('INCR', rk)
+  redis.call('PEXPIRE', rk, 120000)
+  redis.call('INCRBY', tk, tonumber(ARGV[i + 2]))
+  redis.call('PEXPIRE', tk, 120000)
+  redis.call('INCRBY', dk, tonumber(ARGV[i + 2]))
+  redis.call('PEXPIRE', dk, 172800000)
+end
+return 1
+"""
+
 _ERRORS = (RedisError, OSError, TimeoutError)
 
 
@@ -110,15 +134,19 @@ class RedisQuotaStore:
             config.url,
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 1),  # once more on a fresh connection: a stale pooled one fails once
             health_check_interval=0,
         )
         self._check = self.client.register_script(_CHECK)
         self._release = self.client.register_script(_RELEASE)
         self._renew = self.client.register_script(_RENEW)
+        self._adopt = self.client.register_script(_ADOPT)
         self.fallback = LocalQuotaStore(max_tenants=max_tenants)
         self.up = True
+        self._call_timeout_s = 2 * config.timeout_s  # the retry on a fresh connection included
         self._leases: dict[str, str] = {}  # lease_id -> tenant, for renewal; bounded by requests in flight
+        self._unreleased: dict[str, tuple[str, int]] = {}  # Redis lease -> (tenant, token delta), while down
+        self._granted_locally: dict[str, Lease] = {}  # live leases the fallback granted while down
         self._reconnect: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
         metrics.store_up.labels("redis").set(1)
@@ -141,9 +169,10 @@ class RedisQuotaStore:
                 round(self.config.lease_s * 1000),
             ]
             try:
-                async with asyncio.timeout(self.config.timeout_s):
+                async with asyncio.timeout(self._call_timeout_s):
                     raw = await self._check(args=args)
             except _ERRORS as exc:
+                self._unreleased[lease_id] = (tenant, 0)  # it may have been granted: undone on recovery
                 self._mark_down(exc)
             else:
                 return self._result(tenant, limits, tokens, lease_id, raw)
@@ -151,7 +180,10 @@ class RedisQuotaStore:
             self.metrics.store_fallbacks.labels("closed").inc()
             return QuotaResult(allowed=False, reason="store_unavailable", retry_after_s=self.config.reconnect_max_s)
         self.metrics.store_fallbacks.labels("open").inc()
-        return await self.fallback.check(tenant, limits, tokens, lease_id)
+        result = await self.fallback.check(tenant, limits, tokens, lease_id)
+        if result.lease is not None:
+            self._granted_locally[lease_id] = result.lease
+        return result
 
     def _result(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str, raw: list[Any]) -> QuotaResult:
         reason_raw, retry_ms, reqs, toks, to_min_ms = raw
@@ -176,18 +208,47 @@ class RedisQuotaStore:
 
     async def release(self, lease: Lease, tokens: int) -> None:
         if lease.store != self.name:
+            self._granted_locally.pop(lease.lease_id, None)
             await self.fallback.release(lease, tokens)
             return
         self._leases.pop(lease.lease_id, None)
+        delta = tokens - lease.charged_tokens
+        lease.charged_tokens = tokens
         if not self.up:
-            return  # the lease expires by itself; the token difference is lost
-        args: list[str | int] = [self.config.key_prefix, lease.tenant, lease.lease_id, tokens - lease.charged_tokens]
+            self._unreleased[lease.lease_id] = (lease.tenant, delta)  # applied when Redis answers again
+            return
         try:
-            async with asyncio.timeout(self.config.timeout_s):
-                await self._release(args=args)
-            lease.charged_tokens = tokens
+            async with asyncio.timeout(self._call_timeout_s):
+                await self._release(args=[self.config.key_prefix, lease.tenant, lease.lease_id, delta])
         except _ERRORS as exc:
+            self._unreleased[lease.lease_id] = (lease.tenant, delta)
             self._mark_down(exc)
+
+    async def _reconcile(self) -> None:
+        """Make Redis' counts what they would be had it never been down (see the module header); raises on a
+        Redis error (the reconnect loop tries again)."""
+        while self._unreleased:
+            lease_id, (tenant, delta) = next(iter(self._unreleased.items()))
+            async with asyncio.timeout(self._call_timeout_s):
+                await self._release(args=[self.config.key_prefix, tenant, lease_id, delta])
+            del self._unreleased[lease_id]
+        adopted = list(self._granted_locally.values())
+        if not adopted:
+            return
+        args: list[str | int] = [self.config.key_prefix, round(self.config.lease_s * 1000)]
+        for lease in adopted:
+            args += [lease.tenant, lease.lease_id, lease.charged_tokens]
+        async with asyncio.timeout(self._call_timeout_s):
+            await self._adopt(args=args)
+        for lease in adopted:
+            if self._granted_locally.pop(lease.lease_id, None) is None:  # it finished while being adopted
+                self._unreleased[lease.lease_id] = (lease.tenant, 0)
+                continue
+            await self.fallback.release(lease, lease.charged_tokens)  # the local slot is Redis' now
+            lease.store = self.name
+            self._leases[lease.lease_id] = lease.tenant
+        if self._unreleased or self._granted_locally:  # more came during the awaits: until none is left
+            await self._reconcile()
 
     def _mark_down(self, exc: BaseException) -> None:
         if not self.up:
@@ -209,8 +270,9 @@ class RedisQuotaStore:
         while True:
             await asyncio.sleep(delay)
             try:
-                async with asyncio.timeout(self.config.timeout_s):
+                async with asyncio.timeout(self._call_timeout_s):
                     await self.client.ping()
+                await self._reconcile()
             except _ERRORS:
                 delay = min(delay * 2, self.config.reconnect_max_s)
                 continue
@@ -230,7 +292,7 @@ class RedisQuotaStore:
             for lease_id, tenant in self._leases.items():
                 args += [tenant, lease_id]
             try:
-                async with asyncio.timeout(self.config.timeout_s):
+                async with asyncio.timeout(self._call_timeout_s):
                     await self._renew(args=args)
             except _ERRORS as exc:
                 self._mark_down(exc)
