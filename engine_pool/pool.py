@@ -274,6 +274,8 @@ class EnginePool:
             ):
                 if value is not None:
                     argv += [flag, str(value)]
+            if m.lora_modules:
+                argv += ["--lora-modules", *(f"{name}={path}" for name, path in m.lora_modules.items())]
             return LaunchCommand(argv + list(m.extra_args), env, parse_cpu_list(assign.cpu_bind or ""))
         device = self._devices.get(m.name, "cpu")
         spec = EngineLaunchSpec(
@@ -295,6 +297,9 @@ class EnginePool:
             enforce_eager=m.enforce_eager,
             dtype=m.dtype,
             cache_root=str(Path(self.config.cache_root).resolve()) if self.config.cache_root else None,
+            lora_modules=dict(m.lora_modules),
+            max_loras=m.max_loras,
+            max_lora_rank=m.max_lora_rank,
             extra_args=tuple(m.extra_args),
             extra_env=dict(m.env),
         )

@@ -61,6 +61,7 @@ class Replica:
         self.max_num_seqs = max_num_seqs  # the engine's batch slots, when configured
         self.managed = managed  # started by kvgate's engine pool (restartable) or attached
         self.max_model_len: int | None = None
+        self.adapters: dict[str, str] = {}  # LoRA adapter name -> root (its path), from the engine's /v1/models
         self.healthy = False  # last health probe passed
         self.warm = not managed  # managed replicas become warm after a real warm-up inference
         self.draining = False

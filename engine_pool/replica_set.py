@@ -90,11 +90,12 @@ class ReplicaSet:
         return len(self._replicas)
 
     def for_model(self, model: str) -> list[Replica]:
-        """The model's replicas (a shared list: do not modify). Cached per model, several lookups per request;
-        the cache is dropped whenever a replica is added or removed or learns its model."""
+        """The replicas that serve `model`: a base model, or a LoRA adapter (only the replicas that have it loaded).
+        A shared list (do not modify), cached per name, several lookups per request; the cache is dropped whenever
+        a replica is added or removed or learns its model or adapters."""
         found = self._by_model.get(model)
         if found is None:
-            found = [r for r in self._replicas.values() if r.model == model]
+            found = [r for r in self._replicas.values() if r.model == model or model in r.adapters]
             if len(self._by_model) < 1024:  # bounded: unknown model names are asked about too
                 self._by_model[model] = found
         return found
@@ -104,11 +105,21 @@ class ReplicaSet:
         return any(r.model is None for r in self._replicas.values())
 
     def models(self) -> dict[str, list[Replica]]:
+        """Every name served (base models and adapters) -> the replicas serving it."""
         out: dict[str, list[Replica]] = {}
         for r in self._replicas.values():
             if r.model:
                 out.setdefault(r.model, []).append(r)
+            for adapter in r.adapters:
+                out.setdefault(adapter, []).append(r)
         return out
+
+    def base_model(self, name: str) -> str:
+        """The base model of a LoRA adapter (whose tokenizer and KV layout it uses); a base model is its own."""
+        for r in self._replicas.values():
+            if name in r.adapters and r.model:
+                return r.model
+        return name
 
     def _notify(self) -> None:
         self.changed.set()
@@ -137,23 +148,33 @@ class ReplicaSet:
         try:
             status, _ = await self._client.fetch("GET", f"{replica.url}/health", timeout_s=self.timeout_s)
             ok = status == 200
-            if ok and (replica.model is None or replica.max_model_len is None):
-                await self._discover_model(replica)
+            if ok:  # every probe: adapters come and go (vLLM's /v1/load_lora_adapter)
+                try:
+                    await self._discover_model(replica)
+                except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
+                    if replica.model is None:
+                        return False  # nothing to route to yet; a model already known stays routable
             return ok and replica.model is not None
         except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
             return False
 
     async def _discover_model(self, replica: Replica) -> None:
         _, raw = await self._client.fetch("GET", f"{replica.url}/v1/models", timeout_s=self.timeout_s)
-        data = json.loads(raw)
-        for entry in data.get("data", []):
-            if replica.model is None or entry.get("id") == replica.model:
+        entries = [e for e in json.loads(raw).get("data", []) if isinstance(e, dict) and isinstance(e.get("id"), str)]
+        bases = [e for e in entries if not e.get("parent")]
+        for entry in bases:
+            if replica.model is None or entry["id"] == replica.model:
                 if replica.model is None:
-                    replica.model = str(entry["id"])
+                    replica.model = entry["id"]
                     self._by_model.clear()
                 if isinstance(entry.get("max_model_len"), int):
                     replica.max_model_len = entry["max_model_len"]
-                return
+                break
+        adapters = {e["id"]: str(e.get("root") or "") for e in entries if e.get("parent") == replica.model}
+        if adapters != replica.adapters:
+            replica.adapters = adapters
+            self._by_model.clear()
+            self._notify()
 
     async def scrape_metrics(self, replica: Replica) -> bool:
         sent = time.monotonic()  # the engine's counts are as of about now

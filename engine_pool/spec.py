@@ -190,6 +190,13 @@ class ModelPoolConfig(_Strict):
     max_concurrency: int | None = Field(
         None, ge=1, description="gateway-side gate per replica; None = admission's default gate, if any"
     )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters to load: name -> local path (vLLM's --enable-lora --lora-modules name=path); a "
+        "request for an adapter's name goes only to replicas that list it",
+    )
+    max_loras: int | None = Field(None, ge=1, description="adapters resident at once per replica (vLLM --max-loras)")
+    max_lora_rank: int | None = Field(None, ge=1, description="largest adapter rank (vLLM --max-lora-rank)")
     extra_args: list[str] = Field(default_factory=list, description="arguments appended to the engine's command line")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for the engine processes (win over inherited ones)"

@@ -70,6 +70,9 @@ class EngineLaunchSpec:
     cache_root: str | None = None  # VLLM_CACHE_ROOT; None = vLLM's (~/.cache/vllm)
     access_log: bool = False
     python: str = field(default_factory=lambda: sys.executable)
+    lora_modules: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path; non-empty enables LoRA
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -177,6 +180,12 @@ def vllm_argv(spec: EngineLaunchSpec) -> list[str]:
     events = kv_events_config(spec)
     if events is not None:
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
+    if spec.lora_modules:
+        argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in spec.lora_modules.items())]
+        if spec.max_loras is not None:
+            argv += ["--max-loras", str(spec.max_loras)]
+        if spec.max_lora_rank is not None:
+            argv += ["--max-lora-rank", str(spec.max_lora_rank)]
     if not spec.access_log:
         argv.append("--disable-uvicorn-access-log")
     argv += list(spec.extra_args)

@@ -52,8 +52,12 @@ def _kvgate_version() -> str:
 
 async def list_models(request: web.Request) -> web.Response:
     data = []
-    for model, replicas in sorted(request.app[REPLICAS].models().items()):
+    replica_set = request.app[REPLICAS]
+    for model, replicas in sorted(replica_set.models().items()):
         entry: dict[str, Any] = {"id": model, "object": "model", "created": 0, "owned_by": "kvgate"}
+        base = replica_set.base_model(model)
+        if base != model:  # a LoRA adapter, deduplicated across the replicas that have it loaded
+            entry["parent"], entry["root"] = base, next(r.adapters[model] for r in replicas)
         lens = [r.max_model_len for r in replicas if r.max_model_len]
         if lens:
             entry["max_model_len"] = min(lens)

@@ -29,6 +29,7 @@ class CacheHooks(Protocol):
         body: Mapping[str, Any],
         tenant: str,
         session_key: str | None,
+        base_model: str | None = None,
     ) -> RequestInfo: ...
 
     def overlap(self, info: RequestInfo, replica_ids: Sequence[str]) -> dict[str, int]: ...
@@ -68,8 +69,9 @@ class Router:
         completions bodies), or just model, tenant and session, one immutable info shared per model and tenant
         when there is no session (bounded by both)."""
         if self.cache is not None and endpoint != "json":
+            base = self.replicas.base_model(model)  # a LoRA adapter is tokenized as its base model
             return await self.cache.request_info(
-                model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key
+                model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key, base_model=base
             )
         if session_key is not None:
             return RequestInfo(model=model, tenant=tenant, session_key=session_key)

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stall-rate", type=float, default=f.stall_rate)
     p.add_argument("--crash-after", type=int, default=f.crash_after)
     p.add_argument("--fail-health", action="store_true")
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="LoRA adapters, as vLLM's flag")
     return p
 
 
@@ -58,8 +59,9 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
         crash_after=ns.crash_after,
         fail_health=ns.fail_health,
     )
-    fields = {k: v for k, v in vars(ns).items() if k in SimConfig.model_fields and k != "faults"}
-    return SimConfig(**fields, faults=faults)
+    fields = {k: v for k, v in vars(ns).items() if k in SimConfig.model_fields and k not in ("faults", "lora_modules")}
+    loras = dict(m.split("=", 1) for m in ns.lora_modules)
+    return SimConfig(**fields, faults=faults, lora_modules=loras)
 
 
 async def serve(config: SimConfig) -> int:

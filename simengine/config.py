@@ -43,6 +43,8 @@ class SimConfig(BaseModel):
     # publish no vllm:cache_config_info (block size and capacity unknown to a router): another engine, an older
     # vLLM, a proxy in between
     hide_cache_config: bool = False
+    # LoRA adapters (vLLM's --lora-modules name=path): listed by /v1/models with `parent`, accepted as `model`
+    lora_modules: dict[str, str] = Field(default_factory=dict)
     max_model_len: int = Field(default=8192, ge=2)
     max_num_seqs: int = Field(default=64, ge=1)  # concurrent running requests
     max_waiting: int = Field(default=10_000, ge=0)  # queued requests beyond this get 503

@@ -57,7 +57,7 @@ def check_model(body: Mapping[str, Any], cfg: SimConfig) -> str:
         return cfg.model
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    if model != cfg.model:
+    if model != cfg.model and model not in cfg.lora_modules:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     return model
 

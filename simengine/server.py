@@ -223,7 +223,8 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": cfg.max_model_len,
         "permission": [],
     }
-    return _json({"object": "list", "data": [card]})
+    adapters = [{**card, "id": name, "root": path, "parent": cfg.model} for name, path in cfg.lora_modules.items()]
+    return _json({"object": "list", "data": [card, *adapters]})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -288,11 +288,14 @@ class CacheAwareState:
         body: Mapping[str, Any],
         tenant: str,
         session_key: str | None,
+        base_model: str | None = None,
     ) -> PrefixRequestInfo:
         """Tokenize and hash the request's prompt. Never raises on a prompt the router cannot tokenize: it then
-        carries no blocks (routing falls back to load) and `kvgate_prefix_tokenize_errors_total` counts it."""
-        tok = await self.tokenizer(self._tokenizer_spec(model))
-        block_size = self._block_size(model)
+        carries no blocks (routing falls back to load) and `kvgate_prefix_tokenize_errors_total` counts it.
+        `base_model`: for a LoRA adapter, the model whose tokenizer and block size it uses; the hashes are seeded
+        with the adapter's own name (`model`), as vLLM's KV events are."""
+        tok = await self.tokenizer(self._tokenizer_spec(base_model or model))
+        block_size = self._block_size(base_model or model)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
 
