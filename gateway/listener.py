@@ -30,6 +30,7 @@ from aiohttp.web_request import BaseRequest
 
 from gateway.config import GatewayConfig, ServerConfig
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, Overloaded, RequestTimeout, render_error
+from gateway.keys import METRICS
 
 log = logging.getLogger("kvgate.server")
 
@@ -156,7 +157,6 @@ class GatewayListener:
         self._server: asyncio.AbstractServer | None = None
         self.open_connections = 0
         self.max_connections = 0
-        self.refused = 0  # connections refused over the cap
         self.port = 0
         self._stopped = False
         self._refusal = _raw_answer(Overloaded("too many connections to this gateway", code="too_many_connections"))
@@ -165,7 +165,7 @@ class GatewayListener:
         server = self.runner.server
         assert server is not None
         if self.open_connections >= self.max_connections:
-            self.refused += 1
+            self.app[METRICS].connections_refused.value += 1
             return _Refused(self._refusal)
         self.open_connections += 1
         return GuardedRequestHandler(self, server, loop=asyncio.get_running_loop(), **self.handler_kwargs)
@@ -174,6 +174,7 @@ class GatewayListener:
         """Run the app's start-up steps and listen; returns the bound port."""
         server_cfg = self.config.server
         self.max_connections = connection_limit(server_cfg)
+        self.app[METRICS].export_connections(lambda: self.open_connections)
         await self.runner.setup()
         try:
             loop = asyncio.get_running_loop()

@@ -6,7 +6,7 @@ Buckets cover sub-millisecond gateway overhead up to multi-minute generations.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
@@ -72,8 +72,21 @@ class GatewayMetrics:
         self.cancelled = FastCounter(
             "kvgate_client_disconnects", "Requests whose client left before the end.", ["model"], r
         )
+        self.connections_refused = FastCounter(
+            "kvgate_client_connections_refused", "Connections refused over server.max_connections.", [], r
+        ).labels()
         self.tokens = FastCounter(
             "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.", ["model", "kind"], r
+        )
+
+    def export_connections(self, open_connections: Callable[[], int]) -> None:
+        """The server's open client connections, read from the listener at scrape time."""
+        CallbackGauge(
+            "kvgate_client_connections",
+            "Open client connections (server.max_connections caps them).",
+            [],
+            self.registry,
+            lambda: [((), open_connections())],
         )
 
     def export_replicas(self, replicas: Iterable[Replica]) -> None:

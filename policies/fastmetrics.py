@@ -9,7 +9,8 @@ Exposition matches prometheus_client's Counter / Gauge / Histogram (names, types
 `_sum` and `_count`), without the `_created` samples. Children are cached by label values, so cardinality is the
 caller's: every label set used here comes from config (models, replicas, tenants) or a fixed vocabulary.
 Cost: `labels()` one dict lookup, `inc`/`set` one attribute update, `observe` one bisect (O(log buckets));
-a scrape is O(children x buckets).
+a scrape is O(children x buckets). `CallbackGauge` holds nothing: it reads its samples from the state's owner at
+scrape time (in-flight counts, queue depth, replica states), so state is never read back from a metric.
 """
 
 from __future__ import annotations

@@ -283,6 +283,9 @@ async def test_connections_over_the_cap_are_refused_with_503() -> None:
         assert error["code"] == "too_many_connections" and extra.done == []
         assert await extra.closed_by_server()
         await extra.close()
+        await held[0].send(get("/metrics"))
+        scraped = (await held[0].response()).body
+        assert b"kvgate_client_connections_refused_total 1.0" in scraped and b"kvgate_client_connections 3.0" in scraped
         await held.pop().close()
         await wait_for(lambda: gw.listener.open_connections < 3, what="a slot to free up")
         again = await RawClient.connect(gw.port)
