@@ -155,12 +155,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 # --- everything else ---------------------------------------------------------------------------------------------
-async def tokenize(request: web.Request) -> web.Response:
+async def _json_object(request: web.Request) -> tuple[SimEngine, dict[str, Any], str]:
+    """The engine, the request's JSON object and the model it names (404 for another model)."""
     engine = request.app[ENGINE_KEY]
     body = await _body(request)
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    check_model(body, engine.config)
+    return engine, body, check_model(body, engine.config)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    engine, body, _ = await _json_object(request)
     if "messages" in body:
         tokens = chat_tokens(body)
     elif isinstance(body.get("prompt"), str):
@@ -175,11 +180,7 @@ EMBEDDING_DIM = 8
 
 async def embeddings(request: web.Request) -> web.Response:
     """OpenAI's embeddings: one vector per input string, a deterministic function of its tokens (unit length)."""
-    engine = request.app[ENGINE_KEY]
-    body = await _body(request)
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = check_model(body, engine.config)
+    _, body, model = await _json_object(request)
     inputs = body.get("input")
     if isinstance(inputs, str):
         inputs = [inputs]
@@ -197,11 +198,7 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 async def detokenize_handler(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    body = await _body(request)
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    check_model(body, engine.config)
+    _, body, _ = await _json_object(request)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_request("'tokens' must be a list of integers", "tokens")
