@@ -41,6 +41,7 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pool.tiny_model import corpus_text
+from loadgen.plan import DEVICES, load_model, plan
 from policies.prefix.hashing import chain_hashes, context_seed, prompt_block_hashes
 from policies.prefix.kv_events import BlockStoredEvent, KvEvent, decode_kv_event_batch
 from policies.prefix.kv_index import KvIndex, StoredBlocks
@@ -57,6 +58,7 @@ MODEL = "tiny"
 BLOCK = 32
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 2  # layers x (K, V) x KV heads x head dim x bf16
 NUM_BLOCKS = 160
+KV_CACHE_BYTES = NUM_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN
 GROUPS, ROUNDS, PREFIX_BLOCKS, SEED = 9, 6, 24, 0
 READY_S = 420
 
@@ -69,7 +71,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "device": "cpu",
         "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}],
         "block_size": BLOCK,
-        "kv_cache_bytes": NUM_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN,
+        "kv_cache_bytes": KV_CACHE_BYTES,
         "max_model_len": 2048,
         "dtype": "bfloat16",
         "kv_events": True,
@@ -209,10 +211,15 @@ def vllm_chain(tokens: list[int]) -> list[int]:
 async def test_predicted_chain_equals_chain_from_kv_events(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as http:
         reps = await ready_replicas(http, gateway)
+        # `kvgate plan`'s KV arithmetic, from the model's own config.json, against what vLLM reports
+        planned = plan(
+            load_model(str(gateway.model_dir)), DEVICES["cpu"], kv_cache_bytes=KV_CACHE_BYTES, block_size=BLOCK
+        )
         for r in reps.values():  # the engine's own view of its cache: block size and capacity as configured
             info = [lab for n, lab, _ in await scrape(http, r["url"]) if n == "vllm:cache_config_info"]
             assert info and info[0]["block_size"] == str(BLOCK), info
             assert abs(int(info[0]["num_gpu_blocks"]) - NUM_BLOCKS) <= 2, info
+            assert abs(int(info[0]["num_gpu_blocks"]) - planned.kv_blocks) <= 2, (info, planned)
         tok = await asyncio.to_thread(HfPromptTokenizer, str(gateway.model_dir))
         rng = random.Random(SEED)
         async with subscribed({rid: r["kv_events_endpoint"] for rid, r in reps.items()}) as logs:

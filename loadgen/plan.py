@@ -1,0 +1,254 @@
+"""`kvgate plan`: how many sequences fit and how fast they can decode, from first principles, before any traffic.
+
+From a model's HF `config.json`, a dtype, a target context and a device description:
+- weights = parameters x bytes per weight (dense; MoE: every expert is resident, only `experts_per_tok` are read per
+  token), split over `tp` devices;
+- KV bytes per token = layers x 2 (K and V) x KV heads x head dim x KV bytes per element (GQA: KV heads, not query
+  heads; MLA: one latent of kv_lora_rank + qk_rope_head_dim per layer instead of K and V); per sequence at the target
+  context (sliding-window layers hold at most their window), split over `tp` when KV heads >= tp;
+- KV budget per device = memory x utilization - weights per device - engine reserve; sequences that fit = budget /
+  KV per sequence; KV blocks = budget / (block size x KV bytes per token per device) (what vLLM reports as
+  num_gpu_blocks);
+- decode is bandwidth-bound: each step reads the active weights once plus each running sequence's KV, so a step at
+  batch B takes (active weight bytes + B x KV bytes per sequence) / bandwidth (per device), B tokens per step;
+- prefill is compute-bound: 2 x active parameters FLOPs per token; tensor parallelism adds two all-reduces of the
+  hidden state per layer and token, 2 (tp - 1) / tp of it crossing the interconnect.
+The predicted knee is the concurrency where KV runs out (sequences that fit), and the recommendation is
+`max_num_seqs` = that (at most 256) and `admission.replica_max_concurrency` = that. Device figures in `DEVICES` are
+nominal (datasheet memory and bandwidth, dense bf16 TFLOPS) and every one can be overridden. Pure arithmetic:
+O(1), no engine involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from loadgen.gatecfg import write_gate
+
+GIB = 1024**3
+BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    memory_gib: float
+    bandwidth_gbs: float  # HBM / memory bandwidth, GB/s (1e9)
+    tflops: float  # dense bf16, TFLOP/s
+    interconnect_gbs: float = 0.0  # per device, between tensor-parallel ranks
+
+
+DEVICES: dict[str, Device] = {  # nominal datasheet figures
+    "h100-sxm": Device(80, 3350, 989, 450),
+    "h200": Device(141, 4800, 989, 450),
+    "a100-80g": Device(80, 2039, 312, 300),
+    "l40s": Device(48, 864, 362, 32),
+    "cpu": Device(24, 40, 1, 0),  # these machines: a sizing sketch, not a datasheet
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    experts: int = 0  # 0: dense
+    experts_per_tok: int = 0
+    expert_intermediate: int = 0
+    kv_latent: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim per layer; 0: ordinary attention
+    sliding_window: int | None = None
+    sliding_layers: int = 0  # layers that hold at most `sliding_window` tokens
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Model:
+        cfg = {**cfg, **cfg.get("text_config", {})}  # multimodal configs keep the language model inside
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        layer_types = cfg.get("layer_types") or []
+        sliding = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (layers if window else 0)
+        experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        latent = 0
+        if cfg.get("kv_lora_rank"):  # MLA: one compressed latent and the rope part, per layer and token
+            latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
+        return cls(
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
+            vocab=int(cfg["vocab_size"]),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            experts=experts,
+            experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            expert_intermediate=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+            kv_latent=latent,
+            sliding_window=int(window) if window else None,
+            sliding_layers=sliding if window else 0,
+        )
+
+    def params(self) -> tuple[float, float]:
+        """(total, active per token) parameters: embeddings, attention, MLP or experts; norms are negligible."""
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        if self.experts:
+            expert = 3 * self.hidden * self.expert_intermediate
+            total_mlp, active_mlp = self.experts * expert, max(1, self.experts_per_tok) * expert
+        else:
+            total_mlp = active_mlp = 3 * self.hidden * self.intermediate  # gated MLP: gate, up, down
+        return embed + self.layers * (attn + total_mlp), embed + self.layers * (attn + active_mlp)
+
+    def kv_bytes_per_token(self, kv_bytes: float) -> float:
+        per_layer = self.kv_latent if self.kv_latent else 2 * self.kv_heads * self.head_dim
+        return self.layers * per_layer * kv_bytes
+
+    def kv_bytes_per_sequence(self, context: int, kv_bytes: float) -> float:
+        per_layer_token = (self.kv_latent if self.kv_latent else 2 * self.kv_heads * self.head_dim) * kv_bytes
+        full = self.layers - self.sliding_layers
+        windowed = min(context, self.sliding_window or context)
+        return per_layer_token * (full * context + self.sliding_layers * windowed)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    weights_gib_per_device: float
+    kv_bytes_per_token: float  # per device
+    kv_gib_per_sequence: float  # per device, at the target context
+    kv_budget_gib_per_device: float
+    sequences_that_fit: int
+    kv_blocks: int
+    decode_tok_s_per_sequence: float  # at batch 1
+    decode_tok_s_aggregate: float  # at `concurrency` (or the knee)
+    prefill_tok_s: float
+    allreduce_ms_per_token: float
+    predicted_knee: int
+    max_num_seqs: int
+    replica_max_concurrency: int
+
+
+def plan(
+    model: Model,
+    device: Device,
+    *,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    context: int = 4096,
+    concurrency: int | None = None,
+    tp: int = 1,
+    utilization: float = 0.9,
+    reserve_gib: float = 1.0,
+    block_size: int = 16,
+    kv_cache_bytes: int | None = None,
+) -> Plan:
+    """The plan for one replica spanning `tp` devices; `kv_cache_bytes` fixes the KV budget per device (vLLM's
+    --kv-cache-memory-bytes) instead of deriving it from memory."""
+    wbytes, kbytes = BYTES[dtype], BYTES[kv_dtype or dtype]
+    total, active = model.params()
+    weights_dev = total * wbytes / tp
+    kv_split = tp if model.kv_heads >= tp and not model.kv_latent else 1
+    kv_tok = model.kv_bytes_per_token(kbytes) / kv_split
+    kv_seq = model.kv_bytes_per_sequence(context, kbytes) / kv_split
+    budget = kv_cache_bytes if kv_cache_bytes is not None else device.memory_gib * GIB * utilization - weights_dev
+    budget -= 0 if kv_cache_bytes is not None else reserve_gib * GIB
+    fit = max(0, int(budget // kv_seq)) if kv_seq else 0
+    blocks = max(0, int(budget // (block_size * kv_tok))) if kv_tok else 0
+    bandwidth = device.bandwidth_gbs * 1e9
+    active_dev = active * wbytes / tp
+    batch = max(1, concurrency if concurrency is not None else fit)
+    aggregate = batch * bandwidth / (active_dev + batch * kv_seq / 2)  # sequences are half full on average
+    allreduce = 2 * model.layers * model.hidden * wbytes * 2 * (tp - 1) / tp
+    return Plan(
+        weights_gib_per_device=weights_dev / GIB,
+        kv_bytes_per_token=kv_tok,
+        kv_gib_per_sequence=kv_seq / GIB,
+        kv_budget_gib_per_device=budget / GIB,
+        sequences_that_fit=fit,
+        kv_blocks=blocks,
+        decode_tok_s_per_sequence=bandwidth / (active_dev + kv_seq / 2),
+        decode_tok_s_aggregate=aggregate,
+        prefill_tok_s=device.tflops * 1e12 * tp / (2 * active),
+        allreduce_ms_per_token=allreduce / (device.interconnect_gbs * 1e9) * 1e3 if device.interconnect_gbs else 0.0,
+        predicted_knee=fit,
+        max_num_seqs=max(1, min(fit, 256)),
+        replica_max_concurrency=max(1, fit),
+    )
+
+
+def load_model(path: str) -> Model:
+    p = Path(path)
+    return Model.from_config(json.loads((p / "config.json" if p.is_dir() else p).read_text()))
+
+
+def table(result: Plan) -> str:
+    rows = [
+        ("weights per device", f"{result.weights_gib_per_device:.2f} GiB"),
+        ("KV per token (per device)", f"{result.kv_bytes_per_token:,.0f} B"),
+        ("KV per sequence at the context", f"{result.kv_gib_per_sequence * 1024:.1f} MiB"),
+        ("KV budget per device", f"{result.kv_budget_gib_per_device:.2f} GiB"),
+        ("sequences that fit", f"{result.sequences_that_fit}"),
+        ("KV blocks (vLLM num_gpu_blocks)", f"{result.kv_blocks}"),
+        ("decode, one sequence", f"{result.decode_tok_s_per_sequence:,.0f} tok/s"),
+        ("decode, aggregate", f"{result.decode_tok_s_aggregate:,.0f} tok/s"),
+        ("prefill (compute-bound)", f"{result.prefill_tok_s:,.0f} tok/s"),
+        ("TP all-reduce per token", f"{result.allreduce_ms_per_token:.3f} ms"),
+        ("predicted knee (concurrency)", f"{result.predicted_knee}"),
+        ("recommended max_num_seqs", f"{result.max_num_seqs}"),
+        ("recommended admission.replica_max_concurrency", f"{result.replica_max_concurrency}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvgate plan", description=__doc__.split("\n")[0])
+    p.add_argument("model", help="a model directory or its config.json (HF layout)")
+    p.add_argument("--dtype", choices=sorted(BYTES), default="bf16", help="weights")
+    p.add_argument("--kv-dtype", choices=sorted(BYTES), help="KV cache (default: the weights' dtype)")
+    p.add_argument("--context", type=int, default=4096, help="target tokens per sequence (prompt + output)")
+    p.add_argument("--concurrency", type=int, help="for the aggregate decode figure (default: the knee)")
+    p.add_argument("--device", choices=sorted(DEVICES), default="h100-sxm", help="nominal figures, overridable")
+    p.add_argument("--memory-gib", type=float)
+    p.add_argument("--bandwidth-gbs", type=float)
+    p.add_argument("--tflops", type=float)
+    p.add_argument("--interconnect-gbs", type=float)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices per replica)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--reserve-gib", type=float, default=1.0, help="engine and system reserve per device")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, help="a fixed KV budget per device (vLLM --kv-cache-memory-bytes)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--write-config", help="set admission.replica_max_concurrency in this kvgate YAML")
+    args = p.parse_args(argv)
+    base = DEVICES[args.device]
+    device = Device(
+        args.memory_gib or base.memory_gib,
+        args.bandwidth_gbs or base.bandwidth_gbs,
+        args.tflops or base.tflops,
+        args.interconnect_gbs if args.interconnect_gbs is not None else base.interconnect_gbs,
+    )
+    try:
+        model = load_model(args.model)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"kvgate plan: cannot read the model config: {exc!r}", file=sys.stderr)
+        return 2
+    result = plan(
+        model, device, dtype=args.dtype, kv_dtype=args.kv_dtype, context=args.context, concurrency=args.concurrency,
+        tp=args.tp, utilization=args.gpu_memory_utilization, reserve_gib=args.reserve_gib,
+        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+    )  # fmt: skip
+    print(json.dumps(asdict(result), indent=2) if args.json else table(result))
+    if args.write_config:
+        write_gate(args.write_config, result.replica_max_concurrency)
+    return 0 if math.isfinite(result.decode_tok_s_aggregate) else 1

@@ -1,0 +1,77 @@
+"""`kvgate plan` on literal model configs: parameter counts of well-known models, KV bytes per token for GQA, MLA
+and sliding windows, the KV budget and blocks, and the CLI's table, JSON and config write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loadgen.plan import DEVICES, GIB, Device, Model, main, plan
+
+LLAMA3_8B = {
+    "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False,
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+}  # fmt: skip
+TINY = {
+    "num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "intermediate_size": 256, "vocab_size": 2048, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def test_parameter_counts_match_the_published_sizes() -> None:
+    total, active = Model.from_config(LLAMA3_8B).params()
+    assert total == active and total == pytest.approx(8.03e9, rel=0.01)
+    total, active = Model.from_config(MIXTRAL_8X7B).params()
+    assert total == pytest.approx(46.7e9, rel=0.01) and active == pytest.approx(12.9e9, rel=0.01)
+
+
+def test_kv_bytes_per_token_gqa_mla_and_sliding_windows() -> None:
+    llama = Model.from_config(LLAMA3_8B)
+    assert llama.kv_bytes_per_token(2) == 32 * 2 * 8 * 128 * 2  # 128 KiB: KV heads, not query heads
+    mla = Model.from_config({**LLAMA3_8B, "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64})
+    assert mla.kv_bytes_per_token(2) == 61 * 576 * 2  # one latent per layer, no separate K and V
+    windowed = Model.from_config({**TINY, "sliding_window": 1024})
+    assert windowed.kv_bytes_per_sequence(8192, 2) == windowed.kv_bytes_per_sequence(1024, 2)
+    mixed = Model.from_config({**TINY, "sliding_window": 1024, "layer_types": ["sliding_attention", "full_attention"]})
+    per_layer_token = 2 * 2 * 32 * 2
+    assert mixed.kv_bytes_per_sequence(8192, 2) == per_layer_token * (8192 + 1024)
+
+
+def test_the_kv_budget_and_what_fits() -> None:
+    # the tiny model with a fixed 64 MiB KV cache and 32-token blocks (what tests/test_cache_vllm.py checks against
+    # vLLM's own num_gpu_blocks): 512 bytes per token
+    p = plan(Model.from_config(TINY), DEVICES["cpu"], kv_cache_bytes=64 << 20, block_size=32, context=2048)
+    assert p.kv_bytes_per_token == 512 and p.kv_blocks == 4096 and p.sequences_that_fit == 64
+    # Llama 3 8B on one 80 GiB device at 90 %: about 15 GiB of weights, 56 GiB of KV at 128 KiB per token
+    h100 = Device(80, 3350, 989, 450)
+    p = plan(Model.from_config(LLAMA3_8B), h100, context=8192, reserve_gib=1.0)
+    assert p.weights_gib_per_device == pytest.approx(14.96, abs=0.05)
+    assert p.kv_budget_gib_per_device == pytest.approx(80 * 0.9 - 14.96 - 1.0, abs=0.05)
+    assert p.sequences_that_fit == int(p.kv_budget_gib_per_device * GIB // (8192 * 131072))
+    assert p.max_num_seqs == min(p.sequences_that_fit, 256) and p.predicted_knee == p.sequences_that_fit
+    # decode at batch 1 is bounded by reading the weights once per token: bandwidth / weight bytes
+    assert p.decode_tok_s_per_sequence < 3350e9 / (8.03e9 * 2)
+    two = plan(Model.from_config(LLAMA3_8B), h100, context=8192, tp=2)
+    assert two.weights_gib_per_device == pytest.approx(p.weights_gib_per_device / 2)
+    assert two.sequences_that_fit > 2 * p.sequences_that_fit  # KV heads split too, and the weights left room
+    assert two.allreduce_ms_per_token > 0 == p.allreduce_ms_per_token
+
+
+def test_the_cli_prints_json_and_writes_the_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text("server:\n  port: 9000  # keep\n")
+    argv = [str(tmp_path), "--device", "cpu", "--kv-cache-bytes", str(64 << 20), "--block-size", "32"]
+    assert main([*argv, "--context", "2048", "--json", "--write-config", str(cfg)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_blocks"] == 4096 and out["replica_max_concurrency"] == 64
+    assert yaml.safe_load(cfg.read_text()) == {"server": {"port": 9000}, "admission": {"replica_max_concurrency": 64}}
+    assert "# keep" in cfg.read_text()
+    assert main([str(tmp_path / "missing")]) == 2
