@@ -22,8 +22,8 @@ from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTim
 from gateway.ids import IdSource
 
 
-async def read_body(request: web.Request, limits: ServerConfig) -> bytes:
-    """The whole body, or PayloadTooLarge / RequestTimeout / BadRequest (nesting) raised."""
+async def read_body(request: web.Request, limits: ServerConfig, *, json: bool = True) -> bytes:
+    """The whole body, or PayloadTooLarge / RequestTimeout / BadRequest (nesting of a JSON body) raised."""
     try:
         if request.content.is_eof():  # all of it arrived with the head (the common case): nothing to wait for
             raw = await request.read()
@@ -34,7 +34,7 @@ async def read_body(request: web.Request, limits: ServerConfig) -> bytes:
         raise PayloadTooLarge("request body exceeds the configured limit") from None
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
-    if nested_deeper(raw, limits.max_json_depth):
+    if json and nested_deeper(raw, limits.max_json_depth):
         raise BadRequest(f"the JSON body is nested deeper than {limits.max_json_depth} levels", code="too_deep")
     return raw
 

@@ -24,7 +24,7 @@ from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, render_error
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
-from gateway.request_parse import parse_request
+from gateway.request_parse import parse_multipart, parse_request
 from gateway.responder import Responder
 from gateway.router import Router
 from policies.base import RequestInfo
@@ -64,8 +64,12 @@ class CompletionService:
             headers = request.headers
             identity = admission.identify(headers)  # 401 before anything else when auth is on
             ctx.tenant = identity.tenant
-            raw = await read_body(request, self.config.server)
-            parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
+            if endpoint.body == "multipart":
+                raw = await read_body(request, self.config.server, json=False)
+                parsed = parse_multipart(raw, request.headers.get("Content-Type", ""))
+            else:
+                raw = await read_body(request, self.config.server)
+                parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
             if not parsed.model:
                 parsed.model = self._only_model()
             if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
@@ -76,7 +80,7 @@ class CompletionService:
                     )
                 raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
             ctx.model, ctx.stream = parsed.model, parsed.stream
-            salted = admission.apply_cache_salt(identity, parsed.body)
+            salted = endpoint.body != "multipart" and admission.apply_cache_salt(identity, parsed.body)
             info = await self.router.request_info(
                 model=parsed.model,
                 endpoint=endpoint.body,

@@ -6,7 +6,9 @@ cancellation, metrics (labelled with `name`) and the access log. `body` says how
 - "chat" / "completions": validated as OpenAI's chat and completions requests, prefix-hashed for cache-aware
   routing, streams relayed event by event and required to end with `[DONE]`;
 - "json": any JSON object with a `model` (optional where `model_optional`: the pool's only model is meant then),
-  routed by load, a `"stream": true` answer relayed as it comes.
+  routed by load, a `"stream": true` answer relayed as it comes;
+- "multipart": a multipart/form-data body (audio), read whole up to `server.max_body_bytes` and forwarded as the
+  client sent it; only its `model` and `stream` fields are read.
 The engine is asked at the same path. A new vLLM endpoint is one more line here.
 """
 
@@ -39,5 +41,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("rerank", "/rerank", "json"),
     Endpoint("rerank", "/v1/rerank", "json"),
     Endpoint("rerank", "/v2/rerank", "json"),
+    Endpoint("transcriptions", "/v1/audio/transcriptions", "multipart"),
+    Endpoint("translations", "/v1/audio/translations", "multipart"),
 )
 CHAT, COMPLETIONS = ENDPOINTS[0], ENDPOINTS[1]

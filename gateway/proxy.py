@@ -138,11 +138,18 @@ class UpstreamProxy:
         return headers
 
     @staticmethod
-    def _ask_headers(ctx: RequestContext) -> dict[str, str]:
-        return {"Content-Type": "application/json", "x-request-id": ctx.request_id}
+    def _ask_headers(ctx: RequestContext, content_type: str) -> dict[str, str]:
+        return {"Content-Type": content_type, "x-request-id": ctx.request_id}
 
     async def _send(
-        self, replica: Replica, path: str, data: bytes, ctx: RequestContext, deadline: float, stream: bool
+        self,
+        replica: Replica,
+        path: str,
+        data: bytes,
+        ctx: RequestContext,
+        deadline: float,
+        stream: bool,
+        content_type: str = "application/json",
     ) -> UpstreamResponse:
         """POST and wait for the response headers; a kept-alive connection that turns out stale is replaced once.
         A stream's headers come with its first event: waited for `first_byte_s`, then retried elsewhere. A whole
@@ -150,7 +157,7 @@ class UpstreamProxy:
         then is not retried (the engine took the request; running it again elsewhere would only repeat the work)."""
         timeouts = self.settings.timeouts
         pool = self.client.pool(replica.host, replica.port, replica.use_tls)
-        headers = self._ask_headers(ctx)
+        headers = self._ask_headers(ctx, content_type)
         url = replica.base_path + path
         for fresh_retry in (False, True):
             upstream: UpstreamResponse | None = None
@@ -196,7 +203,7 @@ class UpstreamProxy:
     ) -> int:
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            upstream = await self._send(replica, path, data, ctx, deadline, parsed.stream)
+            upstream = await self._send(replica, path, data, ctx, deadline, parsed.stream, parsed.content_type)
             try:
                 if upstream.status >= 500:
                     raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
@@ -342,7 +349,7 @@ class UpstreamProxy:
             self._count_failure(replica)
         if not started:
             raise _Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
-        if failure is None and parsed.endpoint == "json":  # other endpoints' streams end when the body does
+        if failure is None and parsed.endpoint in ("json", "multipart"):  # others' streams end with the body
             ctx.delivered = True
         elif failure is None and not done:  # chat and completions end with [DONE]: cut short without it
             ctx.error = "upstream_truncated"

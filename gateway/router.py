@@ -68,7 +68,7 @@ class Router:
         """What the policy needs to know of the request: prefix block hashes from the cache hooks (chat and
         completions bodies), or just model, tenant and session, one immutable info shared per model and tenant
         when there is no session (bounded by both)."""
-        if self.cache is not None and endpoint != "json":
+        if self.cache is not None and (endpoint == "chat" or endpoint == "completions"):
             base = self.replicas.base_model(model)  # a LoRA adapter is tokenized as its base model
             return await self.cache.request_info(
                 model=model, endpoint=endpoint, body=body, tenant=tenant, session_key=session_key, base_model=base

@@ -2,6 +2,7 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/embeddings`` (deterministic vectors),
+``POST /v1/audio/transcriptions`` and ``/translations`` (multipart; the text describes the file received),
 ``GET /load``, ``GET /version``, ``POST /reset_prefix_cache``, ``GET /sim/stats``, ``GET|POST /sim/faults``.
 Errors are OpenAI-shaped. The ``X-Request-Id`` request header is echoed on every response. Handlers are cancelled
 when the client disconnects (``handler_cancellation=True``), which is how a dropped request stops generating.
@@ -197,6 +198,19 @@ async def embeddings(request: web.Request) -> web.Response:
     return _json({"object": "list", "model": model, "data": data, "usage": usage})
 
 
+async def transcriptions(request: web.Request) -> web.Response:
+    """OpenAI's audio transcription/translation form: the text is a description of the file received (its size
+    and first bytes' checksum), so a test can tell the bytes arrived intact."""
+    engine = request.app[ENGINE_KEY]
+    form = await request.post()
+    check_model({"model": form.get("model")}, engine.config)
+    upload = form.get("file")
+    if not isinstance(upload, web.FileField):
+        raise bad_request("'file' is required (a form file)", "file")
+    data = upload.file.read()
+    return _json({"text": f"{len(data)} bytes, sum {sum(data) % 65536}", "usage": {"type": "duration", "seconds": 1}})
+
+
 async def detokenize_handler(request: web.Request) -> web.Response:
     _, body, _ = await _json_object(request)
     tokens = body.get("tokens")
@@ -291,6 +305,8 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    app.router.add_post("/v1/audio/translations", transcriptions)
     app.router.add_post("/detokenize", detokenize_handler)
     app.router.add_get("/load", load)
     app.router.add_get("/version", version)

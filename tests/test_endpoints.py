@@ -83,3 +83,24 @@ async def test_version_reports_the_engine_and_kvgate(http: aiohttp.ClientSession
         async with http.get(gw.url + "/version") as resp:
             body = await resp.json()
         assert resp.status == 200 and body["version"] and body["kvgate"]
+
+
+async def test_audio_forms_are_forwarded_intact(http: aiohttp.ClientSession) -> None:
+    audio = bytes(range(256)) * 400  # 100 KiB of "audio", every byte value: binary, brackets included
+    expected = f"{len(audio)} bytes, sum {sum(audio) % 65536}"
+    async with gateway_over_sims([SIM, SIM]) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            result = await client.audio.transcriptions.create(model="sim", file=("clip.wav", audio))
+        assert result.text == expected
+        for fields, status in (({"model": "sim"}, 200), ({}, 400)):
+            form = aiohttp.FormData({**fields})
+            form.add_field("file", audio, filename="clip.wav")
+            async with http.post(f"{gw.url}/v1/audio/translations", data=form) as resp:
+                body = await resp.json()
+                assert resp.status == status, body
+                if status == 200:
+                    assert body["text"] == expected  # every byte arrived as sent
+                else:
+                    assert body["error"]["param"] == "model"
+        counted = await requests_total(http, gw.url)
+        assert counted[("transcriptions", "200")] == 1 and counted[("translations", "200")] == 1
