@@ -110,10 +110,10 @@ class CompletionService:
 
     def _only_model(self) -> str:
         """The model a request without one means: the pool's only model; 400 when it serves several."""
-        models = self.replicas.models()
-        if len(models) != 1:
+        bases = {self.replicas.base_model(name) for name in self.replicas.models()}  # adapters belong to a base
+        if len(bases) != 1:
             raise BadRequest("'model' is required: this gateway serves several models", param="model")
-        return next(iter(models))
+        return next(iter(bases))
 
     def done(self, ctx: RequestContext, info: RequestInfo | None) -> None:
         """A request's end, however it ended: the cache state learns what was cached, metrics, the access log."""
