@@ -1,8 +1,10 @@
 """Simulated vLLM OpenAI server for tests and benchmarks: tokenizer, prefix-cache model, KV events, HTTP server.
 
-`tokenize`, `cache` and `kv_events` import neither aiohttp nor the server, so the gateway can reproduce the
-simulator's tokens and block hashes and decode (real or simulated) KV events cheaply; `run_sim_engine` and
-`SimServer` are loaded from `simengine.server` on first use.
+A package of its own: the product (gateway, engine_pool, policies) never imports it (import-linter checks), and it
+imports nothing of the product; the gateway implements the simulator's documented tokenizer and vLLM's hashing on
+its own side, and tests check both sides agree. `tokenize`, `cache` and `kv_events` import neither aiohttp nor the
+server, so tests and benchmarks can use them cheaply; `run_sim_engine` and `SimServer` are loaded from
+`simengine.server` on first use.
 """
 
 from __future__ import annotations
