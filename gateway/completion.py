@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 from aiohttp import web
 
+from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
 from gateway.admission.controller import AdmissionController
@@ -24,13 +26,33 @@ from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, render_error
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
-from gateway.request_parse import parse_multipart, parse_request
+from gateway.request_parse import ParsedRequest, parse_multipart, parse_request
 from gateway.responder import Responder
 from gateway.router import Router
 from policies.base import RequestInfo
 from policies.prefix.state import CacheAwareState
 
 log = logging.getLogger("kvgate.gateway")
+
+HELD_MAX = 100_000  # stored responses remembered (id -> replica), least recently used dropped first
+
+
+class ResponseHolders:
+    """Which replica created which stored response (vLLM keeps a response where it ran): a bounded LRU map."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+        self._held: OrderedDict[str, str] = OrderedDict()
+
+    def record(self, response_id: str, replica_id: str) -> None:
+        self._held[response_id] = replica_id
+        self._held.move_to_end(response_id)
+        if len(self._held) > HELD_MAX:
+            self._held.popitem(last=False)
+
+    def get(self, response_id: str) -> Replica | None:
+        replica_id = self._held.get(response_id)
+        return None if replica_id is None else self.replicas.get(replica_id)
 
 
 class CompletionService:
@@ -51,6 +73,7 @@ class CompletionService:
         self.router = router
         self.proxy = proxy
         self.cache = cache
+        self.holders = ResponseHolders(replicas)
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
 
@@ -64,12 +87,19 @@ class CompletionService:
             headers = request.headers
             identity = admission.identify(headers)  # 401 before anything else when auth is on
             ctx.tenant = identity.tenant
-            if endpoint.body == "multipart":
+            holder = None
+            if endpoint.body == "held":  # a stored response: only the replica that created it has it
+                raw, holder = b"", self.holders.get(request.match_info["response_id"])
+                if holder is None or holder.model is None:
+                    raise NotFound("no replica is known to hold this response", code="response_not_found")
+                parsed = ParsedRequest("held", {}, holder.model, False, True, None)
+            elif endpoint.body == "multipart":
                 raw = await read_body(request, self.config.server, json=False)
                 parsed = parse_multipart(raw, request.headers.get("Content-Type", ""))
             else:
                 raw = await read_body(request, self.config.server)
                 parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
+            parsed.records_id = endpoint.records_id
             if not parsed.model:
                 parsed.model = self._only_model()
             if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
@@ -89,7 +119,9 @@ class CompletionService:
                 session_key=headers.get(self._session_header),
             )
             async with admission.slot(identity, parsed.model, info.prompt_tokens or len(raw) // 4, ctx):
-                ctx.status = await self.proxy.forward(out, endpoint.path, parsed, info, ctx, raw, salted)
+                ctx.status = await self.proxy.forward(
+                    out, request.raw_path, parsed, info, ctx, raw, salted, method=endpoint.method, pinned=holder
+                )
         except GatewayError as err:
             await self._error(err, ctx, out)
         except ConnectionResetError:  # a write found the client gone
@@ -119,6 +151,8 @@ class CompletionService:
         """A request's end, however it ended: the cache state learns what was cached, metrics, the access log."""
         if info is not None and self.cache is not None:
             self.cache.on_finished(info, ctx.replica, ctx.cached_tokens if ctx.status == 200 else None)
+        if ctx.answer_id is not None and ctx.status == 200:
+            self.holders.record(ctx.answer_id, ctx.replica)
         ctx.duration_s = time.monotonic() - ctx.started
         self._observe(ctx)
         if self._access_log != "off":

@@ -27,6 +27,7 @@ class RequestContext:
     queue_wait_s: float = 0.0
     error: str | None = None
     client_disconnected: bool = False
+    answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
     delivered: bool = False  # the engine's whole response was relayed (the client may still leave before EOF)
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
 

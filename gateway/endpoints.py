@@ -8,7 +8,9 @@ cancellation, metrics (labelled with `name`) and the access log. `body` says how
 - "json": any JSON object with a `model` (optional where `model_optional`: the pool's only model is meant then),
   routed by load, a `"stream": true` answer relayed as it comes;
 - "multipart": a multipart/form-data body (audio), read whole up to `server.max_body_bytes` and forwarded as the
-  client sent it; only its `model` and `stream` fields are read.
+  client sent it; only its `model` and `stream` fields are read;
+- "held": a call about a stored response (`{response_id}` in the path): sent to the replica that created it
+  (`records_id` endpoints remember which replica answered which id), 404 when no replica is known to hold it.
 The engine is asked at the same path. A new vLLM endpoint is one more line here.
 """
 
@@ -25,12 +27,16 @@ class Endpoint:
     path: str  # on the gateway and on the engine
     body: BodyKind
     model_optional: bool = False
+    method: str = "POST"
+    records_id: bool = False  # the answer's `id` names state the replica keeps (vLLM's stored responses)
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("chat", "/v1/chat/completions", "chat"),
     Endpoint("completions", "/v1/completions", "completions"),
-    Endpoint("responses", "/v1/responses", "json"),
+    Endpoint("responses", "/v1/responses", "json", records_id=True),
+    Endpoint("responses", "/v1/responses/{response_id}", "held", method="GET"),
+    Endpoint("responses", "/v1/responses/{response_id}/cancel", "held"),
     Endpoint("embeddings", "/v1/embeddings", "json"),
     Endpoint("tokenize", "/tokenize", "json", model_optional=True),
     Endpoint("detokenize", "/detokenize", "json", model_optional=True),

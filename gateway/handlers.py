@@ -122,7 +122,7 @@ def add_routes(app: web.Application) -> None:
     """Every route of the gateway's one server."""
     expect = expect_handler(app[CONFIG].server.max_body_bytes, app[IDS])
     for endpoint in ENDPOINTS:
-        app.router.add_post(endpoint.path, _endpoint_handler(endpoint), expect_handler=expect)
+        app.router.add_route(endpoint.method, endpoint.path, _endpoint_handler(endpoint), expect_handler=expect)
     app.router.add_get("/version", version, expect_handler=expect)
     app.router.add_get("/v1/models", list_models, expect_handler=expect)
     app.router.add_get("/health", health, expect_handler=expect)

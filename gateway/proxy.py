@@ -89,24 +89,31 @@ class UpstreamProxy:
         ctx: RequestContext,
         raw_body: bytes,
         salted: bool = False,
+        *,
+        method: str = "POST",
+        pinned: Replica | None = None,
     ) -> int:
-        """Relay the request to `path` on a replica and write the engine's answer to `out`; returns the HTTP status
-        recorded."""
+        """Relay the request to `path` on a replica (`pinned`: that one, no retry elsewhere) and write the engine's
+        answer to `out`; returns the HTTP status recorded."""
         data = upstream_body(parsed, raw_body, salted)
         deadline = time.monotonic() + self.settings.timeouts.total_s
         tried: list[str] = []
         refused: list[Replica] = []  # replicas that answered this request with a 5xx (see below)
         last_error: GatewayError | None = None
-        for attempt in range(self.settings.retry.max_attempts):
+        for attempt in range(1 if pinned is not None else self.settings.retry.max_attempts):
             try:
-                replica, decision = self._route(parsed, info, ctx, tried, attempt)
+                if pinned is not None:
+                    replica, decision = pinned, Decision(pinned.id, "holds-response")
+                    ctx.attempts, ctx.replica, ctx.route_reason = 1, pinned.id, decision.reason
+                else:
+                    replica, decision = self._route(parsed, info, ctx, tried, attempt)
             except GatewayError:
                 if last_error is not None:
                     raise last_error from None
                 raise
             tried.append(replica.id)
             try:
-                status = await self._attempt(out, path, parsed, replica, decision, ctx, data, deadline)
+                status = await self._attempt(out, method, path, parsed, replica, decision, ctx, data, deadline)
             except _Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 last_error = exc.error
@@ -144,6 +151,7 @@ class UpstreamProxy:
     async def _send(
         self,
         replica: Replica,
+        method: str,
         path: str,
         data: bytes,
         ctx: RequestContext,
@@ -166,7 +174,7 @@ class UpstreamProxy:
             try:
                 started = time.monotonic()  # on an idle kept-alive connection (the common case) nothing waits
                 upstream = await pool.request(
-                    "POST", url, data, headers, connect_timeout_s=min(timeouts.connect_s, budget)
+                    method, url, data, headers, connect_timeout_s=min(timeouts.connect_s, budget)
                 )
                 # one timer on the response (the client's DeadlineWatch), not a task timeout around the wait
                 upstream.set_timeout(budget - (time.monotonic() - started))
@@ -193,6 +201,7 @@ class UpstreamProxy:
     async def _attempt(
         self,
         out: Responder,
+        method: str,
         path: str,
         parsed: ParsedRequest,
         replica: Replica,
@@ -203,7 +212,7 @@ class UpstreamProxy:
     ) -> int:
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            upstream = await self._send(replica, path, data, ctx, deadline, parsed.stream, parsed.content_type)
+            upstream = await self._send(replica, method, path, data, ctx, deadline, parsed.stream, parsed.content_type)
             try:
                 if upstream.status >= 500:
                     raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
@@ -214,7 +223,7 @@ class UpstreamProxy:
                     raise err
                 if parsed.stream:
                     return await self._relay_stream(out, parsed, upstream, replica, decision, ctx, deadline)
-                await self._relay_whole(out, upstream, replica, decision, ctx, deadline)
+                await self._relay_whole(out, upstream, replica, decision, ctx, deadline, parsed.records_id)
                 return upstream.status
             except BaseException:
                 upstream.close()  # never reuse a connection mid-response: closing it aborts the engine request
@@ -254,6 +263,7 @@ class UpstreamProxy:
         decision: Decision,
         ctx: RequestContext,
         deadline: float,
+        records_id: bool = False,
     ) -> None:
         if not upstream.complete:  # usually the whole body came with the headers
             upstream.set_timeout(deadline - time.monotonic())
@@ -271,6 +281,8 @@ class UpstreamProxy:
             await out.send(upstream.status, headers, raw)
         finally:
             ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
+            if records_id:
+                ctx.answer_id = answer_id(raw)
         ctx.delivered = True
 
     async def _relay_stream(
@@ -307,6 +319,8 @@ class UpstreamProxy:
                         event, buf = buf[: end + 2], buf[end + 2 :]
                         if b'"usage"' in event and not event.startswith(_DONE):
                             event = self._usage_event(event, ctx, strip_usage)
+                        if parsed.records_id and ctx.answer_id is None and b'"response"' in event:
+                            ctx.answer_id = answer_id(event[event.find(b"{") :])
                         if event:
                             events.append(event)
                     if not events:
@@ -372,6 +386,18 @@ class UpstreamProxy:
         if strip_usage and not payload.get("choices"):
             return b""
         return event
+
+
+def answer_id(raw: bytes) -> str | None:
+    """The `id` of a stored response: a whole answer's own, or the `response.id` of a stream's event."""
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
+        payload = payload["response"]
+    found = payload.get("id") if isinstance(payload, dict) else None
+    return found if isinstance(found, str) and len(found) <= 256 else None
 
 
 _DECODER = json.JSONDecoder()

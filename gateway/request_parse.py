@@ -14,7 +14,7 @@ import orjson
 
 from gateway.errors import BadRequest
 
-BodyKind = Literal["chat", "completions", "json", "multipart"]  # see gateway.endpoints
+BodyKind = Literal["chat", "completions", "json", "multipart", "held"]  # see gateway.endpoints
 
 
 @dataclass(slots=True)
@@ -27,6 +27,7 @@ class ParsedRequest:
     max_tokens: int | None
     stdlib_json: bool = False  # parsed by the standard library (orjson refused it: perhaps not UTF-8)
     content_type: str = "application/json"  # sent to the engine with the body
+    records_id: bool = False  # remember which replica answered the answer's `id` (gateway.endpoints)
 
 
 def _check_int(body: dict[str, Any], key: str, minimum: int) -> int | None:

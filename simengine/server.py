@@ -211,6 +211,41 @@ async def transcriptions(request: web.Request) -> web.Response:
     return _json({"text": f"{len(data)} bytes, sum {sum(data) % 65536}", "usage": {"type": "duration", "seconds": 1}})
 
 
+RESPONSES = web.AppKey("sim_responses", dict)  # stored responses of this engine (bounded below)
+
+
+async def responses(request: web.Request) -> web.Response:
+    """OpenAI's Responses API, non-streamed: the answer is stored here (as vLLM stores it where it ran)."""
+    engine, body, model = await _json_object(request)
+    text = body.get("input")
+    if not isinstance(text, str):
+        raise bad_request("'input' must be a string", "input")
+    res = await engine.generate(tokenize_text(text), [], int(body.get("max_output_tokens") or 8), _ignore)
+    answer = {
+        "id": engine.new_id("resp"), "object": "response", "model": model, "status": "completed",
+        "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
+        "usage": {"input_tokens": res.prompt_tokens, "output_tokens": res.completion_tokens},
+    }  # fmt: skip
+    stored = request.app[RESPONSES]
+    stored[answer["id"]] = answer
+    while len(stored) > 1000:
+        stored.pop(next(iter(stored)))
+    return _json(answer)
+
+
+async def _ignore(words: Sequence[str], cached: int) -> None:
+    return None
+
+
+async def stored_response(request: web.Request) -> web.Response:
+    answer = request.app[RESPONSES].get(request.match_info["response_id"])
+    if answer is None:
+        raise OpenAIError(404, "Response not found", "NotFoundError", "response_id")
+    if request.path.endswith("/cancel"):
+        answer["status"] = "cancelled"
+    return _json(answer)
+
+
 async def detokenize_handler(request: web.Request) -> web.Response:
     _, body, _ = await _json_object(request)
     tokens = body.get("tokens")
@@ -296,6 +331,7 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
 def build_app(engine: SimEngine) -> web.Application:
     app = web.Application(middlewares=[_errors_mw], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
+    app[RESPONSES] = {}
     app.on_response_prepare.append(_echo_request_id)
     app.cleanup_ctx.append(_kv_events_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -305,6 +341,9 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", stored_response)
     app.router.add_post("/v1/audio/transcriptions", transcriptions)
     app.router.add_post("/v1/audio/translations", transcriptions)
     app.router.add_post("/detokenize", detokenize_handler)

@@ -104,3 +104,24 @@ async def test_audio_forms_are_forwarded_intact(http: aiohttp.ClientSession) -> 
                     assert body["error"]["param"] == "model"
         counted = await requests_total(http, gw.url)
         assert counted[("transcriptions", "200")] == 1 and counted[("translations", "200")] == 1
+
+
+async def test_a_stored_response_is_retrieved_and_cancelled_on_the_replica_that_holds_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Three replicas, each keeping the responses it ran: retrieve and cancel go where the response is, every time
+    (routed by load, two calls in three would reach a replica that answers 404)."""
+    async with gateway_over_sims([SIM, SIM, SIM]) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            created = await client.responses.with_raw_response.create(model="sim", input="hello")
+            response = created.parse()
+            holder = created.headers["x-kvgate-replica"]
+            for _ in range(6):
+                raw = await client.responses.with_raw_response.retrieve(response.id)
+                assert raw.parse().id == response.id and raw.headers["x-kvgate-replica"] == holder
+                assert raw.headers["x-kvgate-route-reason"] == "holds-response"
+            cancelled = await client.responses.cancel(response.id)
+            assert cancelled.status == "cancelled"
+        async with http.get(gw.url + "/v1/responses/resp-unknown") as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == "response_not_found"
+        assert (await requests_total(http, gw.url))[("responses", "200")] == 8
