@@ -1,0 +1,52 @@
+"""The Kubernetes kit renders, is valid against the Kubernetes schemas (offline), and agrees with kvgate: the
+gateway's config in it loads, its probes name the gateway's endpoints, and pods get longer to stop than the
+gateway's own drain. Nothing here needs a cluster (there is none on these machines)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+KIT = ROOT / "deploy" / "k8s"
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None or not KIT.is_dir(), reason="needs kubectl and the source checkout's deploy/"
+)
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[dict[str, Any]]:
+    rendered = subprocess.run(["kubectl", "kustomize", str(KIT)], check=True, capture_output=True, text=True).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def test_every_manifest_is_valid_kubernetes(documents: list[dict[str, Any]]) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kinds = sorted(d["kind"] for d in documents)
+    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service", "Service", "StatefulSet"]
+    for doc in documents:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+def test_the_kit_agrees_with_the_gateway(documents: list[dict[str, Any]], tmp_path: Path) -> None:
+    config_map = next(d for d in documents if d["kind"] == "ConfigMap")
+    (tmp_path / "kvgate.yaml").write_text(config_map["data"]["kvgate.yaml"])
+    config = load_config(str(tmp_path / "kvgate.yaml"), environ={"KVGATE__ADMIN__KEY": "k"})
+    assert config.routing.policy == "cache-aware" and config.admin.key == "k"
+    pod = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    gateway = pod["containers"][0]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert pod["terminationGracePeriodSeconds"] > config.server.shutdown_grace_s
+    assert {e["name"] for e in gateway["env"]} == {"KVGATE__ADMIN__KEY"}
+    statefulset = next(d for d in documents if d["kind"] == "StatefulSet")
+    hosts = {e.url.split("//", 1)[1].split(":", 1)[0] for e in config.engines}
+    expected = {f"vllm-{i}.{statefulset['spec']['serviceName']}" for i in range(statefulset["spec"]["replicas"])}
+    assert hosts == expected  # the engines kvgate lists are the StatefulSet's pods
