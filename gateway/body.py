@@ -6,7 +6,8 @@ bodies), else one regex pass over its strings and brackets.
 
 `expect_handler` answers `Expect: 100-continue` for every route (aiohttp calls it before the handler): 413 at once
 when the declared Content-Length is over the limit, so the client need not send the body; otherwise
-"100 Continue"; another expectation gets 417. Cost: one `request.read()` under one timeout.
+"100 Continue"; another expectation gets 417. Reading costs one `request.read()`, under a timer only when the body
+had not all arrived with the head.
 """
 
 from __future__ import annotations

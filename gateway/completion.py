@@ -87,21 +87,7 @@ class CompletionService:
             headers = request.headers
             identity = admission.identify(headers)  # 401 before anything else when auth is on
             ctx.tenant = identity.tenant
-            holder = None
-            if endpoint.body == "held":  # a stored response: only the replica that created it has it
-                raw, holder = b"", self.holders.get(request.match_info["response_id"])
-                if holder is None or holder.model is None:
-                    raise NotFound("no replica is known to hold this response", code="response_not_found")
-                parsed = ParsedRequest("held", {}, holder.model, False, True, None)
-            elif endpoint.body == "multipart":
-                raw = await read_body(request, self.config.server, json=False)
-                parsed = parse_multipart(raw, request.headers.get("Content-Type", ""))
-            else:
-                raw = await read_body(request, self.config.server)
-                parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
-            parsed.records_id = endpoint.records_id
-            if not parsed.model:
-                parsed.model = self._only_model()
+            raw, parsed, holder = await self._read(request, endpoint)
             if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
                 if self.replicas.undiscovered():  # an engine not reached yet may serve it: ask again soon
                     raise Overloaded(
@@ -139,6 +125,26 @@ class CompletionService:
         if out.response is None:  # the client left before anything could be sent: nothing will be
             return web.Response(status=499)
         return out.response
+
+    async def _read(self, request: web.Request, endpoint: Endpoint) -> tuple[bytes, ParsedRequest, Replica | None]:
+        """The body as sent, what kvgate reads of it, and the replica the request must go to (a stored response's
+        holder), by the endpoint's body kind (`gateway.endpoints`)."""
+        holder = None
+        if endpoint.body == "held":  # a stored response: only the replica that created it has it
+            raw, holder = b"", self.holders.get(request.match_info["response_id"])
+            if holder is None or holder.model is None:
+                raise NotFound("no replica is known to hold this response", code="response_not_found")
+            parsed = ParsedRequest("held", {}, holder.model, False, True, None)
+        elif endpoint.body == "multipart":
+            raw = await read_body(request, self.config.server, json=False)
+            parsed = parse_multipart(raw, request.headers.get("Content-Type", ""))
+        else:
+            raw = await read_body(request, self.config.server)
+            parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
+        parsed.records_id = endpoint.records_id
+        if not parsed.model:
+            parsed.model = self._only_model()
+        return raw, parsed, holder
 
     def _only_model(self) -> str:
         """The model a request without one means: the pool's only model; 400 when it serves several."""
