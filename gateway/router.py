@@ -34,6 +34,8 @@ class CacheHooks(Protocol):
 
     def overlap(self, info: RequestInfo, replica_ids: Sequence[str]) -> dict[str, int]: ...
 
+    def offloaded(self, info: RequestInfo, overlap: Mapping[str, int]) -> Mapping[str, int]: ...
+
     def session_replica(self, info: RequestInfo) -> str | None: ...
 
     def footprint(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, Footprint]: ...
@@ -91,15 +93,17 @@ class Router:
         snaps = tuple([r.snapshot(now) for r in replicas])
         overlap: Mapping[str, int] = EMPTY_MAPPING
         footprint: Mapping[str, Footprint] = EMPTY_MAPPING
+        offloaded: Mapping[str, int] = EMPTY_MAPPING
         session = None
         if self.cache is not None:
             if info.block_hashes:
                 ids = [s.id for s in snaps]
                 overlap = self.cache.overlap(info, ids)
+                offloaded = self.cache.offloaded(info, overlap)
                 footprint = self.cache.footprint(info, ids)
             session = self.cache.session_replica(info)
         self._seq += 1
-        return RoutingView(info, snaps, overlap, session, self._seq, footprint)
+        return RoutingView(info, snaps, overlap, session, self._seq, footprint, offloaded)
 
     def choose(self, info: RequestInfo, exclude: Collection[str] = ()) -> tuple[Replica, Decision]:
         """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it."""

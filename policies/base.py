@@ -82,6 +82,8 @@ class RoutingView(NamedTuple):
     seq: int = 0
     # replica id -> its hot footprint and capacity (cache-aware placement); absent = unknown
     footprint: Mapping[str, Footprint] = EMPTY_MAPPING
+    # replica id -> blocks after its `overlap` run held by its offloading tier (CPU memory): loaded, not recomputed
+    offloaded: Mapping[str, int] = EMPTY_MAPPING
 
 
 class Decision(NamedTuple):

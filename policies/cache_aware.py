@@ -7,13 +7,17 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
    load > `session_max_ratio` x min_load, SGLang's rule), it gets the request: reason `session`.
 3. Cost, in prompt-token equivalents, per candidate r (lower is better):
        cost(r) = prefill_token_cost  * uncached_tokens(r)
+               + prefill_token_cost  * offload_token_cost * loaded_tokens(r)
                + queued_request_cost * load(r)
                + waiting_request_cost * waiting(r)
                + kv_pressure_cost    * max(0, kv_usage(r) - kv_usage_threshold) / (1 - kv_usage_threshold)
                + prefill_token_cost  * block_size * eviction_cost * evicted_hot_blocks(r)
                + prefill_token_cost  * placement_cost * new_tokens(r) * hot_blocks(r) / capacity_blocks(r)
-   where uncached_tokens = prompt_tokens - overlap(r) x block_size (overlap = leading prompt blocks believed
-   cached there, `view.overlap`) and load = max(gateway in-flight, engine running + waiting).
+   where uncached_tokens = prompt_tokens - (overlap(r) + offloaded(r)) x block_size (overlap = leading prompt
+   blocks believed cached on its GPU, `view.overlap`; offloaded = the blocks after those its offloading tier holds,
+   `view.offloaded`, from KV events with medium CPU), loaded_tokens = offloaded(r) x block_size (a CPU-tier hit is
+   a copy back over the host link: priced between a GPU hit, 0, and a recompute, 1), and
+   load = max(gateway in-flight, engine running + waiting).
    The last two terms place the working set in the pool's cache (`view.footprint`: per replica the distinct blocks
    routed there within the hot window, its KV capacity, and how many leading prompt blocks are in that window):
    new blocks = the prompt's blocks that are neither cached there nor part of its hot set, new_tokens the same in
@@ -39,7 +43,8 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
 Reason labels:
 - `session`: the session's bound replica (step 2).
 - `cold-least-load`: no candidate holds any block of the prompt; the cost reduces to load (+ KV pressure).
-- `cache-hit`: the chosen replica holds the longest cached prefix among the candidates.
+- `cache-hit`: the chosen replica holds the longest cached prefix among the candidates (counting both tiers).
+- `offload-hit`: the same, and part of that prefix is in its offloading tier (it will be loaded back).
 - `spread-hot-prefix`: some candidate holds a longer prefix but is loaded enough that another one is cheaper.
 
 Scores in the decision: per candidate `(1 + min_cost) / (1 + cost)`, in (0, 1], 1 for the cheapest.
@@ -54,6 +59,8 @@ Parameters (all optional; an unknown name or a bad value raises ValueError):
   session_max_ratio    float >= 1  default 1.5
   eviction_cost        float >= 0  default 1.0     (future misses per hot block a placement evicts)
   placement_cost       float >= 0  default 1.0     (weight of the destination's cache occupancy on new tokens)
+  offload_token_cost   0 <= x <= 1 default 0.2     (a token loaded from the offloading tier, per recomputed token;
+                                                    PCIe copy vs prefill: a few % on GPUs, more on a busy host)
 
 Tuning history (bench/bench_routing.py, docs/routing.md):
 - v1 (this): `waiting_request_cost` added (was implicitly 0): a holder whose engine queues stops attracting its
@@ -93,6 +100,7 @@ class CacheAwareParams:
     session_max_ratio: float = 1.5
     eviction_cost: float = 1.0
     placement_cost: float = 1.0
+    offload_token_cost: float = 0.2
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> CacheAwareParams:
@@ -120,6 +128,7 @@ class CacheAwareParams:
             (p.session_max_ratio >= 1, "session_max_ratio must be >= 1"),
             (p.eviction_cost >= 0, "eviction_cost must be >= 0"),
             (p.placement_cost >= 0, "placement_cost must be >= 0"),
+            (0 <= p.offload_token_cost <= 1, "offload_token_cost must be in [0, 1]"),
         )
         for ok, message in checks:
             if not ok:
@@ -151,9 +160,10 @@ class CacheAware:
         req = view.request
         held = view.overlap.get(r.id, 0)
         cached = min(held * req.block_size, req.prompt_tokens)
+        loaded = min(view.offloaded.get(r.id, 0) * req.block_size, req.prompt_tokens - cached)
         pressure = max(0.0, r.kv_usage - p.kv_usage_threshold) / (1.0 - p.kv_usage_threshold)
         cost = (
-            p.prefill_token_cost * (req.prompt_tokens - cached)
+            p.prefill_token_cost * (req.prompt_tokens - cached - loaded * (1.0 - p.offload_token_cost))
             + p.queued_request_cost * r.load
             + p.waiting_request_cost * expected_waiting(r)
             + p.kv_pressure_cost * min(pressure, 1.0)
@@ -189,7 +199,8 @@ class CacheAware:
             if bound is not None and not self._session_overloaded(bound, candidates):
                 return Decision(bound.id, "session", scores)
 
-        overlap = {r.id: view.overlap.get(r.id, 0) for r in candidates}
+        offloaded = view.offloaded
+        overlap = {r.id: view.overlap.get(r.id, 0) + offloaded.get(r.id, 0) for r in candidates}
         best_key = min((costs[r.id], -overlap[r.id], _load_key(r)) for r in candidates)
         tied = [r for r in candidates if (costs[r.id], -overlap[r.id], _load_key(r)) == best_key]
         chosen = tied[view.seq % len(tied)]
@@ -198,7 +209,7 @@ class CacheAware:
         if max_overlap == 0 or view.request.block_size == 0:
             reason = "cold-least-load"
         elif overlap[chosen.id] >= max_overlap:
-            reason = "cache-hit"
+            reason = "offload-hit" if offloaded.get(chosen.id) else "cache-hit"
         else:
             reason = "spread-hot-prefix"
         return Decision(chosen.id, reason, scores)

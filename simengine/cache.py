@@ -21,6 +21,14 @@ prompt token is always recomputed); cached tokens = B x hit blocks. On release t
 unpinned tail first, so under pressure a prefix is evicted from its end. Admit / release cost O(blocks of the
 request) plus O(1) per eviction.
 
+CPU tier (``cpu_blocks`` > 0: vLLM's KV offloading, ``--kv-offloading-size``): a second LRU of C_cpu blocks,
+written through as vLLM's offloading connector does: every prompt block a request stores on the GPU (computed or
+loaded) is stored in the CPU tier too, and a hit there refreshes it. A lookup takes the GPU's leading run first,
+then continues in the CPU tier from the first GPU miss (vLLM's connector is asked for the tokens after the local
+hit); those blocks are loaded, not recomputed (`Allocation.loaded_blocks`, priced by the engine at its load cost
+per token) and become GPU blocks again. ``cached_tokens`` counts both, as vLLM's ``num_cached_tokens`` does.
+Events for the tier carry ``medium="CPU"`` (stores with token ids and parent: self-describing).
+
 Deviation from vLLM: blocks of generated tokens are not hashed or cached (only prompt blocks are), and a request's
 blocks are allocated in full at admission (no preemption).
 
@@ -37,7 +45,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from simengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from simengine.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def root_hash(model: str) -> int:
@@ -69,8 +77,9 @@ class Allocation:
 
     block_hashes: tuple[int, ...]  # the prompt's full blocks, pinned
     private_blocks: int
-    hit_blocks: int
-    cached_tokens: int
+    hit_blocks: int  # leading prompt blocks found on the GPU
+    cached_tokens: int  # (hit_blocks + loaded_blocks) x block size
+    loaded_blocks: int = 0  # the blocks after those found in the CPU tier and loaded from it
 
 
 class CacheFullError(RuntimeError):
@@ -86,6 +95,7 @@ class PrefixCache:
         *,
         record_events: bool = False,
         max_pending_events: int = 100_000,
+        cpu_blocks: int = 0,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -96,9 +106,12 @@ class PrefixCache:
         self._refs: dict[int, int] = {}  # pinned hash -> ref count (> 0)
         self._free: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; first = evicted first
         self._private = 0
+        self.cpu_blocks = cpu_blocks
+        self._cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier's LRU; first = evicted first
         self._events: deque[KVEvent] = deque(maxlen=max_pending_events)
         self.queries_tokens = 0  # prompt tokens looked up (vllm:prefix_cache_queries)
-        self.hit_tokens = 0  # of which cached (vllm:prefix_cache_hits)
+        self.hit_tokens = 0  # of which cached on the GPU (vllm:prefix_cache_hits)
+        self.loaded_tokens = 0  # of which loaded from the CPU tier (vllm:external_prefix_cache_hits)
         self.evictions = 0
 
     # --- queries -----------------------------------------------------------------------------------------
@@ -119,6 +132,20 @@ class PrefixCache:
                 break
             n += 1
         return n
+
+    def lookup_offloaded(self, block_hashes: Sequence[int], start: int) -> int:
+        """Number of blocks from ``start`` on held by the CPU tier (0 without one)."""
+        n, cpu = 0, self._cpu
+        if cpu:
+            for h in block_hashes[start:]:
+                if h not in cpu:
+                    break
+                n += 1
+        return n
+
+    @property
+    def offloaded_blocks(self) -> int:
+        return len(self._cpu)
 
     def fits(self, block_hashes: Sequence[int], total_tokens: int) -> bool:
         shared = sum(1 for h in block_hashes if h in self._refs)
@@ -146,7 +173,9 @@ class PrefixCache:
             raise CacheFullError("request does not fit in the KV cache now")
         bs = self.block_size
         prompt_len = len(token_ids)
-        hit_blocks = min(self.lookup(block_hashes), max(0, (prompt_len - 1) // bs))
+        max_hit = max(0, (prompt_len - 1) // bs)
+        hit_blocks = min(self.lookup(block_hashes), max_hit)
+        loaded = min(self.lookup_offloaded(block_hashes, hit_blocks), max_hit - hit_blocks)
         private = self.blocks_needed(total_tokens) - len(block_hashes)
         new_idx: list[int] = []
         for i, h in enumerate(block_hashes):
@@ -164,11 +193,29 @@ class PrefixCache:
         if self.record_events:
             if removed:
                 self._events.append(BlockRemoved(block_hashes=tuple(removed)))
-            self._record_stored(token_ids, block_hashes, new_idx)
-        cached = hit_blocks * bs
+            self._record_stored(token_ids, block_hashes, new_idx, MEDIUM_GPU)
+        self._offload(token_ids, block_hashes)
         self.queries_tokens += prompt_len
-        self.hit_tokens += cached
-        return Allocation(tuple(block_hashes), private, hit_blocks, cached)
+        self.hit_tokens += hit_blocks * bs
+        self.loaded_tokens += loaded * bs
+        return Allocation(tuple(block_hashes), private, hit_blocks, (hit_blocks + loaded) * bs, loaded)
+
+    def _offload(self, token_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """Write the request's prompt blocks through to the CPU tier (refreshing those it holds), evicting LRU."""
+        if self.cpu_blocks <= 0:
+            return
+        cpu, new_idx = self._cpu, []
+        for i, h in enumerate(block_hashes):
+            if h in cpu:
+                cpu.move_to_end(h)
+            else:
+                cpu[h] = None
+                new_idx.append(i)
+        removed = [cpu.popitem(last=False)[0] for _ in range(max(0, len(cpu) - self.cpu_blocks))]
+        if self.record_events:
+            if removed:
+                self._events.append(BlockRemoved(block_hashes=tuple(removed), medium=MEDIUM_CPU))
+            self._record_stored(token_ids, block_hashes, new_idx, MEDIUM_CPU)
 
     def _evict(self, resident_after: int) -> list[int]:
         removed: list[int] = []
@@ -178,7 +225,7 @@ class PrefixCache:
         self.evictions += len(removed)
         return removed
 
-    def _record_stored(self, token_ids: Sequence[int], hashes: Sequence[int], new_idx: list[int]) -> None:
+    def _record_stored(self, token_ids: Sequence[int], hashes: Sequence[int], new_idx: list[int], medium: str) -> None:
         bs = self.block_size
         start = 0
         while start < len(new_idx):
@@ -192,6 +239,7 @@ class PrefixCache:
                     parent_block_hash=hashes[first - 1] if first > 0 else None,
                     token_ids=tuple(token_ids[first * bs : (last + 1) * bs]),
                     block_size=bs,
+                    medium=medium,
                 )
             )
             start = end + 1
@@ -212,6 +260,7 @@ class PrefixCache:
         if self._refs or self._private:
             return False
         self._free.clear()
+        self._cpu.clear()
         if self.record_events:
             self._events.append(AllBlocksCleared())
         return True

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model, help="served model name")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV capacity in blocks")
+    p.add_argument("--cpu-blocks", type=int, default=d.cpu_blocks, help="KV offloading tier in blocks (0 = none)")
+    p.add_argument("--cpu-load-us-per-token", type=float, default=d.cpu_load_us_per_token)
     p.add_argument(
         "--hide-cache-config", action="store_true", help="publish no vllm:cache_config_info (capacity unknown)"
     )

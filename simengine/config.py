@@ -40,6 +40,8 @@ class SimConfig(BaseModel):
     # capacity
     block_size: int = Field(default=16, ge=1)
     num_blocks: int = Field(default=8192, ge=1)  # KV capacity in blocks (vLLM's num_gpu_blocks)
+    # a CPU tier of this many blocks (vLLM's KV offloading; 0 = none): written through, loaded at the cost below
+    cpu_blocks: int = Field(default=0, ge=0)
     # publish no vllm:cache_config_info (block size and capacity unknown to a router): another engine, an older
     # vLLM, a proxy in between
     hide_cache_config: bool = False
@@ -52,6 +54,7 @@ class SimConfig(BaseModel):
     # cost model: TTFT = queueing + overhead + uncached prompt tokens x prefill; ITL = decode + per-seq x running
     overhead_ms: float = Field(default=2.0, ge=0.0)
     prefill_us_per_token: float = Field(default=50.0, ge=0.0)
+    cpu_load_us_per_token: float = Field(default=10.0, ge=0.0)  # loading a CPU-tier block back, per token
     decode_ms: float = Field(default=5.0, ge=0.0)
     decode_ms_per_seq: float = Field(default=0.1, ge=0.0)
     instant: bool = False  # every cost zero and no sleeps at all (gateway overhead measurements)

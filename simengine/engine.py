@@ -3,7 +3,8 @@
 A request is admitted FCFS (a strict FIFO: the head blocks the queue, like vLLM's default scheduler) when a sequence
 slot is free (``running < max_num_seqs``) and its blocks fit in the KV cache next to the pinned ones
 (`PrefixCache.fits`). Then: time to first token = queueing + ``overhead_ms`` + uncached prompt tokens x
-``prefill_us_per_token``; each further token after ``decode_ms + decode_ms_per_seq x running``. Every request sleeps
+``prefill_us_per_token`` + tokens loaded from the CPU tier (``cpu_blocks``) x ``cpu_load_us_per_token``; each
+further token after ``decode_ms + decode_ms_per_seq x running``. Every request sleeps
 on its own timer (no global step loop), so the cost per token is one ``asyncio.sleep``. With ``instant`` nothing
 sleeps and all tokens are emitted in one call. Output is exactly ``max_tokens`` words ``" w<k>"`` chosen by the
 prompt's hash: deterministic. Cancellation (the client went away) at any await stops the request, frees its slot
@@ -68,7 +69,7 @@ class SimEngine:
     def __init__(self, config: SimConfig, *, exit_fn: Callable[[int], object] = os._exit) -> None:
         self.config = config
         self.faults: Faults = config.faults
-        self.cache = PrefixCache(config.num_blocks, config.block_size, config.model)
+        self.cache = PrefixCache(config.num_blocks, config.block_size, config.model, cpu_blocks=config.cpu_blocks)
         self.metrics = SimMetrics(
             config.model, config.block_size, config.num_blocks, cache_config=not config.hide_cache_config
         )
@@ -99,6 +100,8 @@ class SimEngine:
             "waiting": len(self._waiters),
             "kv_usage": self.cache.usage,
             "cached_blocks": self.cache.cached_blocks,
+            "offloaded_blocks": self.cache.offloaded_blocks,
+            "loaded_tokens": self.cache.loaded_tokens,
             "evictions": self.cache.evictions,
             "kv_event_batches": self.publisher.sent_batches if self.publisher else 0,
         }
@@ -149,8 +152,13 @@ class SimEngine:
     def itl_s(self) -> float:
         return (self.config.decode_ms + self.config.decode_ms_per_seq * self._running) / 1e3
 
-    def prefill_s(self, uncached_tokens: int) -> float:
-        return self.config.overhead_ms / 1e3 + uncached_tokens * self.config.prefill_us_per_token / 1e6
+    def prefill_s(self, uncached_tokens: int, loaded_tokens: int = 0) -> float:
+        cfg = self.config
+        return (
+            cfg.overhead_ms / 1e3
+            + uncached_tokens * cfg.prefill_us_per_token / 1e6
+            + loaded_tokens * cfg.cpu_load_us_per_token / 1e6
+        )
 
     def output_words(self, prompt_len: int, hashes: Sequence[int], n: int) -> list[str]:
         base = hashes[-1] if hashes else prompt_len * 2_654_435_761
@@ -242,7 +250,11 @@ class SimEngine:
         m = self.metrics
         m.queue_time.observe(time.monotonic() - arrival)
         m.prefix_queries.inc(prompt_len)
-        m.prefix_hits.inc(alloc.cached_tokens)
+        loaded = alloc.loaded_blocks * self.cache.block_size
+        m.prefix_hits.inc(alloc.cached_tokens - loaded)
+        if self.cache.cpu_blocks:
+            m.external_queries.inc(prompt_len - (alloc.cached_tokens - loaded))
+            m.external_hits.inc(loaded)
         m.prompt_tokens.inc(prompt_len)
         stats.prompt_tokens_total += prompt_len
         stats.cached_tokens_total += alloc.cached_tokens
@@ -255,7 +267,7 @@ class SimEngine:
                 m.generation_tokens.inc(max_tokens)
                 await emit(words, alloc.cached_tokens)
             else:
-                await asyncio.sleep(self.prefill_s(prompt_len - alloc.cached_tokens))
+                await asyncio.sleep(self.prefill_s(prompt_len - alloc.cached_tokens, loaded))
                 last = time.monotonic()
                 m.ttft.observe(last - arrival)
                 for i, word in enumerate(words):

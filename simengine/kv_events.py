@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # vLLM's KV offloading tier
 _MASK64 = (1 << 64) - 1
 
 BlockHash = int | bytes

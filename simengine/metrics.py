@@ -47,6 +47,16 @@ class SimMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         ).labels(*values)
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+            "queried tokens.",
+        ).labels(*values)
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+            "cached tokens.",
+        ).labels(*values)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(*values)
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.").labels(
             *values

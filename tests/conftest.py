@@ -43,7 +43,10 @@ async def gateway_over_sims(
 ) -> AsyncIterator[tuple[RunningGateway, list[SimServer]]]:
     async with AsyncExitStack() as stack:
         servers = [await stack.enter_async_context(run_sim_engine(cfg)) for cfg in sims]
-        gw = await stack.enter_async_context(running_gateway(gateway_config([s.url for s in servers], **overrides)))
+        # attached with their KV-events endpoint when they publish events
+        engines = [{"url": s.url, "kv_events_endpoint": s.kv_events_endpoint} for s in servers]
+        config = gateway_config([], **{"engines": engines, **overrides})
+        gw = await stack.enter_async_context(running_gateway(config))
         replicas = gw.app[REPLICAS]
         await wait_for(lambda: all(r.routable(time.monotonic()) for r in replicas), what="replicas ready")
         yield gw, servers

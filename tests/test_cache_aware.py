@@ -240,3 +240,41 @@ def test_footprint_terms_can_be_turned_off() -> None:
     assert d.replica == "a"
     with pytest.raises(ValueError, match="eviction_cost"):
         CacheAware({"eviction_cost": -1})
+
+
+# --- the offloading tier (view.offloaded) --------------------------------------------------------------------------
+def decide_tiers(
+    replicas: list[ReplicaState], overlap: dict[str, int], offloaded: dict[str, int], **params: Any
+) -> Decision:
+    view = RoutingView(req(), tuple(replicas), overlap, None, 0, {}, offloaded)
+    return CacheAware(params).decide(view)
+
+
+def test_a_prefix_in_the_cpu_tier_beats_recomputing_it_elsewhere() -> None:
+    # a holds the 64-block prompt in CPU memory only: loading 1024 tokens costs 0.2 x 1024 ~ 205, less than
+    # recomputing them on idle b, and more than the 3 requests' queue it has (3 x 64)
+    d = decide_tiers([rep("a", 3), rep("b", 0)], {"a": 0, "b": 0}, {"a": 64})
+    assert (d.replica, d.reason) == ("a", "offload-hit")
+    assert d.scores["b"] < 1.0
+
+
+def test_a_gpu_hit_beats_the_same_prefix_in_the_cpu_tier() -> None:
+    d = decide_tiers([rep("a"), rep("b")], {"a": 0, "b": 64}, {"a": 64})
+    assert (d.replica, d.reason) == ("b", "cache-hit")
+
+
+def test_the_cpu_tier_extends_a_gpu_run() -> None:
+    # a: 16 blocks on the GPU and the next 48 in CPU memory; b: 32 on the GPU and nothing more
+    d = decide_tiers([rep("a"), rep("b")], {"a": 16, "b": 32}, {"a": 48})
+    assert (d.replica, d.reason) == ("a", "offload-hit")
+
+
+def test_a_cpu_hit_priced_as_a_recompute_is_no_hit() -> None:
+    d = decide_tiers([rep("a", 1), rep("b", 0)], {"a": 0, "b": 0}, {"a": 64}, offload_token_cost=1.0)
+    assert d.replica == "b"
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_offload_token_cost_is_a_fraction(value: float) -> None:
+    with pytest.raises(ValueError, match="offload_token_cost"):
+        CacheAware({"offload_token_cost": value})

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import aiohttp
 
+from gateway.keys import CACHE
 from simengine import SimConfig
-from tests.conftest import gateway_over_sims
+from simengine.tokenize import tokenize_text
+from tests.conftest import gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", block_size=16, overhead_ms=0, prefill_us_per_token=0, decode_ms=0, decode_ms_per_seq=0)
 CACHE_AWARE = {"routing": {"policy": "cache-aware"}, "cache": {"tokenizers": {"sim": "sim"}}}
@@ -56,3 +58,38 @@ async def test_session_header_keeps_a_conversation_in_place(http: aiohttp.Client
                 http, gw.url, "totally different " * turn, f"turn {turn}", **{"x-session-id": "agent-7"}
             )
             assert replica == first and reason == "session"
+
+
+async def test_a_prefix_the_gpu_evicted_but_cpu_memory_holds_is_routed_back_and_loaded(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Two engines with a 48-block GPU cache and a CPU tier (vLLM's KV offloading), KV events on. A prompt is
+    stored on engine 0, then pushed out of its GPU by three others sent straight to it (kvgate sees all of it only
+    through the events). Sent through kvgate, the prompt goes back to engine 0, which loads it from CPU memory."""
+    tiered = SIM.model_copy(update={"num_blocks": 48, "cpu_blocks": 1024, "kv_events_port": 0})
+    async with gateway_over_sims([tiered, tiered], **CACHE_AWARE) as (gw, sims):
+        holder = sims[0]
+        prompts = [f"document {d}: " + "lorem ipsum dolor sit amet " * 70 for d in range(4)]  # ~30 blocks each
+
+        async def straight(prompt: str) -> None:
+            body = {"model": "sim", "prompt": prompt, "max_tokens": 1}
+            async with http.post(holder.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+
+        for p in prompts:
+            await straight(p)
+        cache = holder.engine.cache
+        assert cache.lookup(cache.block_hashes(tokenize_text(prompts[0]))) == 0  # gone from its GPU
+        assert cache.offloaded_blocks >= 4 * 28
+        index = gw.app[CACHE].index
+        await wait_for(lambda: sum(index.offloaded_sizes().values()) >= 4 * 28, what="the CPU tier's events")
+        body = {"model": "sim", "prompt": prompts[0], "max_tokens": 1}
+        async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            data = await resp.json()
+            assert resp.status == 200, data
+            assert resp.headers["x-kvgate-route-reason"] == "offload-hit"
+        assert holder.engine.stats.started == 5 and sims[1].engine.stats.started == 0
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] >= 28 * 16
+        assert cache.loaded_tokens >= 28 * 16
+        metrics = await (await http.get(gw.url + "/metrics")).text()
+        assert "kvgate_prefix_index_offloaded_blocks{" in metrics

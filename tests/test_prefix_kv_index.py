@@ -220,3 +220,35 @@ def test_a_miss_drops_only_what_is_older_than_the_missing_block() -> None:
         idx.record_routed("r", [1000 * p + b for b in range(8)])
     assert idx.observe("r", 8, 0, ages, inserts_at) == 0  # first was just re-inserted; nothing older is left
     assert all(idx.overlap(h, ["r"])["r"] == 8 for h in prompts[1:])
+
+
+def test_the_cpu_tier_holds_what_the_gpu_evicted_and_continues_its_run() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=100, precise=True)
+    tokens = list(range(20))  # 5 blocks
+    h = hashes(tokens)
+    engine = [0xA, 0xB, 0xC, 0xD, 0xE]
+    assert idx.apply_stored("a", StoredBlocks(engine, None, tokens, BS), SEED) == 5
+    # vLLM's offloading events without token ids name blocks the GPU stored: translated through its map
+    assert idx.apply_stored("a", StoredBlocks(engine, None, [], BS), SEED, offloaded=True) == 5
+    assert idx.apply_removed("a", engine[2:]) == 3  # the GPU evicts blocks 2-4
+    assert idx.overlap(h, ["a"]) == {"a": 2}
+    assert idx.offloaded(h, {"a": 2}) == {"a": 3}
+    assert idx.offloaded_sizes() == {"a": 5}
+    # the CPU tier evicts block 3: its run after the GPU's stops there
+    assert idx.apply_removed("a", [0xD], offloaded=True) == 1
+    assert idx.offloaded(h, {"a": 2}) == {"a": 1}
+    # a GPU store whose parent only the CPU tier still maps is placed in the chain
+    assert idx.apply_stored("a", StoredBlocks([0xF], 0xC, tokens[12:16], BS), SEED) == 1
+    assert idx.overlap(h, ["a"]) == {"a": 2}  # block 2 is still missing on the GPU
+    idx.clear("a")
+    assert idx.offloaded(h, {"a": 0}) == {} and idx.offloaded_sizes() == {}
+
+
+def test_a_self_describing_cpu_store_is_rehashed_and_unknown_hashes_are_skipped() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=100, precise=True)
+    tokens = list(range(8))
+    assert idx.apply_stored("a", StoredBlocks([0x1, 0x2], None, tokens, BS), SEED, offloaded=True) == 2
+    assert idx.offloaded(hashes(tokens), {"a": 0}) == {"a": 2}
+    assert idx.apply_stored("a", StoredBlocks([0x77], None, [], BS), SEED, offloaded=True) == -1

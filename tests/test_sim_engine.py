@@ -151,6 +151,29 @@ def test_cache_stored_event_parent_and_reset() -> None:
     assert cache.drain_events() == [AllBlocksCleared()]
 
 
+def test_cpu_tier_keeps_what_the_gpu_evicts_and_loads_it_back() -> None:
+    cache = PrefixCache(3, 4, "m", record_events=True, cpu_blocks=4)
+    a, b = list(range(100, 109)), list(range(200, 209))  # 2 full blocks + 1 token each, +1 private block
+    ha, hb = cache.block_hashes(a), cache.block_hashes(b)
+    cache.release(_admit(cache, a))
+    stored_gpu, stored_cpu = cache.drain_events()
+    assert isinstance(stored_gpu, BlockStored) and stored_gpu.medium == "GPU"
+    assert isinstance(stored_cpu, BlockStored) and stored_cpu.medium == "CPU"
+    assert stored_cpu.block_hashes == tuple(ha) and stored_cpu.token_ids == tuple(a[:8])  # self-describing
+    cache.release(_admit(cache, b))  # the GPU (3 blocks) evicts a; the CPU tier (4) holds both
+    assert cache.lookup(ha) == 0 and cache.lookup_offloaded(ha, 0) == 2
+    events = cache.drain_events()
+    assert BlockRemoved(block_hashes=(ha[1], ha[0])) in events
+    again = _admit(cache, a)
+    assert (again.hit_blocks, again.loaded_blocks, again.cached_tokens) == (0, 2, 8)
+    assert cache.loaded_tokens == 8 and cache.hit_tokens == 0
+    cache.release(again)
+    c = list(range(300, 309))
+    cache.release(_admit(cache, c))  # the CPU tier evicts its least recently used: b
+    assert cache.lookup_offloaded(hb, 0) == 0 and cache.lookup_offloaded(ha, 0) == 2
+    assert BlockRemoved(block_hashes=(hb[0], hb[1]), medium="CPU") in cache.drain_events()
+
+
 # --- scheduler (no HTTP) ------------------------------------------------------------------------------------------
 async def test_engine_waits_for_kv_space_then_admits() -> None:
     engine = SimEngine(SimConfig(instant=True, block_size=4, num_blocks=4, max_num_seqs=8))

@@ -9,14 +9,20 @@ Structure, per replica:
   if its events do not confirm them within `speculative_ttl_s` they stop counting (dropped lazily).
 - `recent`: `OrderedDict[kvgate_hash, last_routed_time]`, the blocks requests routed there used within
   `hot_window_s`: the replica's hot footprint (its working set), which placement weighs against capacity.
+- `offloaded`: the blocks the replica's second tier holds (vLLM's KV offloading to CPU memory: KV events with
+  `medium="CPU"`), an LRU bounded by `max(8 x capacity, 65,536)`, with its own engine-hash map. Only KV events fill
+  it. vLLM looks a prompt up on the GPU first and asks the tier for the blocks after the GPU's leading run, so
+  `offloaded(...)` counts the blocks after that run that the tier holds: they are loaded, not recomputed.
 
 Sources:
 - approximate: `record_routed(replica, hashes)` when a request is sent there (the engine will cache its prompt);
 - precise: KV events. vLLM's block hashes differ from kvgate's, so a `BlockStored` is re-hashed from its
   `token_ids` with kvgate's chain, starting at the kvgate hash of its `parent_block_hash` (looked up in a bounded
-  per-replica map engine_hash -> kvgate_hash) or at the context seed for a root block. `BlockRemoved` carries only
-  engine hashes; the same map translates them. A stored event whose parent is unknown (evicted from the map, or
-  published before kvgate subscribed) cannot be placed in the chain and is skipped (counted by the caller).
+  per-replica map engine_hash -> kvgate_hash, either tier's) or at the context seed for a root block.
+  `BlockRemoved` carries only engine hashes; the same map translates them. A tier store without token ids (vLLM's
+  offloading events unless `self_describing_kv_events`) names blocks the GPU stored first: translated by the maps.
+  A stored event whose parent is unknown (evicted from the map, or published before kvgate subscribed) cannot be
+  placed in the chain and is skipped (counted by the caller).
 - feedback: `observe(...)` with the engine's reported `cached_tokens` of a finished request. Blocks kvgate believed
   cached beyond what the engine reports are dropped (the engine evicted them). When the replica's capacity is not
   known, the LRU age of the first missing block (at routing time) is a sample of that capacity: an LRU of C blocks
@@ -29,7 +35,8 @@ capacity pressure, a prefix is forgotten from its end, as vLLM evicts (it frees 
 Complexity: `overlap` is O(blocks of the prompt) per replica and stops at the first miss (C-level iteration; the
 per-block Python loop only runs when a speculative entry in the run may have expired); inserts, removals and
 evictions are O(1) per block; `footprint` is O(blocks that left the window). Memory: at most `capacity` entries per
-replica in `blocks` and `speculative`, `2 * capacity` in `recent` and in the engine-hash map.
+replica in `blocks` and `speculative`, `2 * capacity` in `recent` and in the engine-hash map, the tier's bound in
+`offloaded` and its map; `offloaded` is O(prompt blocks) per replica whose tier holds anything.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat, takewhile
 
@@ -59,6 +66,8 @@ class _ReplicaBlocks:
     speculative: dict[int, float] = field(default_factory=dict)
     recent: OrderedDict[int, float] = field(default_factory=OrderedDict)
     engine_to_kvgate: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
+    offloaded: OrderedDict[int, None] = field(default_factory=OrderedDict)  # the second tier (CPU), LRU
+    offload_map: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)  # its engine-hash map
     inserts: int = 0  # new blocks taken so far (the LRU age clock)
     age_estimate: float | None = None  # exponential mean of the LRU ages of blocks found evicted
     oldest_hit_age: int = 0  # the largest LRU age seen still cached (a floor under the estimate)
@@ -105,6 +114,26 @@ class _ReplicaBlocks:
         if len(m) > 2 * self.capacity:
             m.popitem(last=False)
 
+    def kvgate_hash(self, engine_hash: EngineHash) -> int | None:
+        h = self.engine_to_kvgate.get(engine_hash)
+        return self.offload_map.get(engine_hash) if h is None else h
+
+    def offload(self, pairs: Iterable[tuple[EngineHash, int]]) -> int:
+        """Store blocks in the second tier (refreshing those it holds), evicting its LRU past its bound."""
+        tier, m, n = self.offloaded, self.offload_map, 0
+        bound = max(_OFFLOAD_FACTOR * self.capacity, _OFFLOAD_MIN)
+        for engine_hash, h in pairs:
+            tier[h] = None
+            tier.move_to_end(h)
+            m[engine_hash] = h
+            m.move_to_end(engine_hash)
+            n += 1
+        while len(tier) > bound:
+            tier.popitem(last=False)
+        while len(m) > bound:
+            m.popitem(last=False)
+        return n
+
 
 @dataclass(frozen=True, slots=True)
 class StoredBlocks:
@@ -122,6 +151,9 @@ _ESTIMATE_WEIGHT = 0.2
 _MIN_CAPACITY = 16
 # LRU ages remembered per routed request (its first blocks): enough to place any miss in the first 256 blocks.
 _MAX_AGES = 256
+# The second tier's bound: a multiple of the GPU capacity (hosts usually give offloading several times the GPU's KV).
+_OFFLOAD_FACTOR = 8
+_OFFLOAD_MIN = 65_536
 
 
 class KvIndex:
@@ -159,6 +191,8 @@ class KvIndex:
             r.blocks.clear()
             r.speculative.clear()
             r.engine_to_kvgate.clear()
+            r.offloaded.clear()
+            r.offload_map.clear()
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._replicas
@@ -169,6 +203,9 @@ class KvIndex:
 
     def sizes(self) -> dict[str, int]:
         return {rid: len(r.blocks) for rid, r in self._replicas.items()}
+
+    def offloaded_sizes(self) -> dict[str, int]:
+        return {rid: len(r.offloaded) for rid, r in self._replicas.items() if r.offloaded}
 
     def replica_size(self, replica_id: str) -> int:
         r = self._replicas.get(replica_id)
@@ -200,6 +237,18 @@ class KvIndex:
                         break
                     n += 1
             out[rid] = n
+        return out
+
+    def offloaded(self, hashes: Sequence[int], overlap: Mapping[str, int]) -> dict[str, int]:
+        """Per replica of `overlap` (its GPU overlap, from `overlap`) whose second tier holds blocks, the number of
+        blocks after its GPU run that the tier holds (absent: none)."""
+        out: dict[str, int] = {}
+        for rid, n in overlap.items():
+            r = self._replicas.get(rid)
+            if r is not None and r.offloaded:
+                k = len(list(takewhile(r.offloaded.__contains__, hashes[n:])))
+                if k:
+                    out[rid] = k
         return out
 
     def footprint(self, hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, Footprint]:
@@ -284,29 +333,53 @@ class KvIndex:
         return before - len(blocks)
 
     # --- precise source (KV events) ---------------------------------------------------------------------------
-    def apply_stored(self, replica_id: str, event: StoredBlocks, root_seed: int) -> int:
-        """Apply a BlockStored event; `root_seed` is the context seed for a root block (no parent). Returns the
-        number of blocks inserted, or -1 when the parent is unknown and the event was skipped."""
+    def apply_stored(self, replica_id: str, event: StoredBlocks, root_seed: int, *, offloaded: bool = False) -> int:
+        """Apply a BlockStored event, of the GPU or (`offloaded`) of the second tier; `root_seed` is the context
+        seed for a root block (no parent). Returns the number of blocks inserted, or -1 when the event could not
+        be placed in the chain (unknown parent; a tier store without token ids naming blocks never seen)."""
         r = self._replicas.get(replica_id)
         if r is None:
             return 0
+        pairs = self._translate(r, event, root_seed)
+        if pairs is None:
+            return -1
+        if offloaded:
+            return r.offload(pairs)
+        for engine_hash, h in pairs:
+            r.map_engine(engine_hash, h)
+        r.insert_all([h for _, h in pairs], None)
+        return len(pairs)
+
+    @staticmethod
+    def _translate(r: _ReplicaBlocks, event: StoredBlocks, root_seed: int) -> list[tuple[EngineHash, int]] | None:
+        """(engine hash, kvgate hash) of each stored block: re-hashed from the token ids in kvgate's chain, or,
+        without them, the hashes the maps already hold."""
+        if not event.token_ids:
+            found = [(e, r.kvgate_hash(e)) for e in event.block_hashes]
+            known = [(e, h) for e, h in found if h is not None]
+            return known if known else None
         if event.parent_block_hash is None:
             parent = root_seed
         else:
-            found = r.engine_to_kvgate.get(event.parent_block_hash)
-            if found is None:
-                return -1
-            parent = found
+            found_parent = r.kvgate_hash(event.parent_block_hash)
+            if found_parent is None:
+                return None
+            parent = found_parent
         ours = chain_hashes(event.token_ids, event.block_size, parent)
-        n = min(len(event.block_hashes), len(ours))
-        for engine_hash, h in zip(event.block_hashes, ours[:n], strict=False):
-            r.map_engine(engine_hash, h)
-        r.insert_all(ours[:n], None)
-        return n
+        return list(zip(event.block_hashes, ours, strict=False))
 
-    def apply_removed(self, replica_id: str, engine_hashes: Iterable[EngineHash]) -> int:
-        """Apply a BlockRemoved event. Returns the number of blocks removed from the index."""
+    def apply_removed(self, replica_id: str, engine_hashes: Iterable[EngineHash], *, offloaded: bool = False) -> int:
+        """Apply a BlockRemoved event of the GPU or (`offloaded`) of the second tier. Returns the number of
+        blocks removed from the index."""
         r = self._replicas.get(replica_id)
         if r is None:
             return 0
+        if offloaded:
+            tier, n = r.offloaded, 0
+            for e in engine_hashes:
+                h = r.offload_map.pop(e, None)
+                if h is not None and h in tier:
+                    del tier[h]
+                    n += 1
+            return n
         return r.drop(h for e in engine_hashes if (h := r.engine_to_kvgate.pop(e, None)) is not None)

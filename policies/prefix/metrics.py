@@ -21,8 +21,10 @@ class _SizeCollector(Collector):
         index_sizes: Callable[[], Mapping[str, int]],
         capacities: Callable[[], Mapping[str, tuple[int, bool]]],
         sessions: Callable[[], int],
+        offloaded_sizes: Callable[[], Mapping[str, int]],
     ) -> None:
         self._index_sizes = index_sizes
+        self._offloaded_sizes = offloaded_sizes
         self._capacities = capacities
         self._sessions = sessions
 
@@ -34,6 +36,14 @@ class _SizeCollector(Collector):
         for rid, n in sorted(sizes.items()):
             per_replica.add_metric([rid], n)
         yield per_replica
+        offloaded = GaugeMetricFamily(
+            "kvgate_prefix_index_offloaded_blocks",
+            "KV blocks kvgate believes each replica's offloading tier (CPU memory) holds, from its KV events",
+            labels=["replica"],
+        )
+        for rid, n in sorted(self._offloaded_sizes().items()):
+            offloaded.add_metric([rid], n)
+        yield offloaded
         capacity = GaugeMetricFamily(
             "kvgate_prefix_index_capacity_blocks",
             "the index's bound per replica in blocks: the engine's num_gpu_blocks (source=engine) or the estimate "
@@ -57,6 +67,7 @@ class PrefixMetrics:
         index_sizes: Callable[[], Mapping[str, int]],
         capacities: Callable[[], Mapping[str, tuple[int, bool]]],
         sessions: Callable[[], int],
+        offloaded_sizes: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         r = registry
         self.requests = FastCounter(
@@ -124,4 +135,4 @@ class PrefixMetrics:
             ["replica"],
             r,
         )
-        registry.register(_SizeCollector(index_sizes, capacities, sessions))
+        registry.register(_SizeCollector(index_sizes, capacities, sessions, offloaded_sizes))

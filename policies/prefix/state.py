@@ -31,16 +31,11 @@ from prometheus_client import CollectorRegistry
 
 from policies.base import Decision, Footprint, RequestInfo
 from policies.prefix.config import CacheConfig
+from policies.prefix.event_sink import KvEventApplier
 from policies.prefix.hashing import context_seed, prompt_block_hashes
 from policies.prefix.incremental import ChatPrefixCache
-from policies.prefix.kv_events import (
-    AllBlocksClearedEvent,
-    BlockRemovedEvent,
-    BlockStoredEvent,
-    KvEvent,
-    KvEventSubscriber,
-)
-from policies.prefix.kv_index import KvIndex, StoredBlocks
+from policies.prefix.kv_events import KvEvent, KvEventSubscriber
+from policies.prefix.kv_index import KvIndex
 from policies.prefix.metrics import PrefixMetrics
 from policies.prefix.routed import Routed, RoutedRequests
 from policies.prefix.sessions import SessionTable
@@ -50,7 +45,6 @@ log = logging.getLogger(__name__)
 
 _MAX_PENDING = 65_536  # routed requests awaiting on_finished (parity); oldest forgotten first
 _MAX_TOKENIZERS = 32
-_GPU_MEDIA = (None, "GPU", "gpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +112,7 @@ class CacheAwareState:
             registry,
             index_sizes=self.index.sizes,
             capacities=self.index.capacities,
+            offloaded_sizes=self.index.offloaded_sizes,
             sessions=lambda: len(self.sessions),
         )
         self._replicas: dict[str, _Replica] = {}
@@ -134,7 +129,7 @@ class CacheAwareState:
         self._parity: dict[str, deque[tuple[int, int]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self._stopping: set[asyncio.Task[None]] = set()
-        self._warned_block_size: set[str] = set()
+        self._events = KvEventApplier(self.index, self.metrics)
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -347,6 +342,14 @@ class CacheAwareState:
             self._last_overlap = (info.request_id, result)  # on_routed's prediction reuses it (same instant)
         return result
 
+    def offloaded(self, info: RequestInfo, overlap: Mapping[str, int]) -> dict[str, int]:
+        """Per replica, the blocks after its GPU overlap that its offloading tier holds (absent: none)."""
+        result = self.index.offloaded(info.block_hashes, overlap)
+        if result and isinstance(info, PrefixRequestInfo) and self._last_overlap[0] == info.request_id:
+            # the engine reports loaded blocks as cached: the prediction on_routed keeps counts them too
+            self._last_overlap = (info.request_id, {rid: n + result.get(rid, 0) for rid, n in overlap.items()})
+        return result
+
     @staticmethod
     def _session_key(info: RequestInfo) -> str | None:
         return None if info.session_key is None else f"{info.tenant}\x00{info.session_key}"
@@ -408,66 +411,12 @@ class CacheAwareState:
                 )  # fmt: skip
             window.clear()
 
-    # --- KV event sink ----------------------------------------------------------------------------------------
+    # --- KV event sink (the subscriber calls these) -----------------------------------------------------------
     def on_kv_events(self, replica_id: str, events: Iterable[KvEvent]) -> None:
         r = self._replicas.get(replica_id)
-        if r is None:
-            return
-        m = self.metrics
-        for ev in events:
-            if isinstance(ev, BlockStoredEvent):
-                reason = self._stored_skip_reason(replica_id, r, ev)
-                if reason is None:
-                    salt, seed_name = None, ev.lora_name or r.model
-                    if ev.parent_block_hash is None and ev.extra_keys:
-                        salt = _salt_of(ev.extra_keys[0], ev.lora_name)
-                    stored = StoredBlocks(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size)
-                    if self.index.apply_stored(replica_id, stored, context_seed(seed_name, None, salt)) < 0:
-                        reason = "unknown-parent"
-                if reason is not None:
-                    m.events_skipped.labels(replica_id, reason).inc()
-                    continue
-                m.events.labels(replica_id, "BlockStored").inc()
-            elif isinstance(ev, BlockRemovedEvent):
-                if ev.medium not in _GPU_MEDIA or ev.group_idx not in (None, 0):
-                    continue
-                self.index.apply_removed(replica_id, ev.block_hashes)
-                m.events.labels(replica_id, "BlockRemoved").inc()
-            elif isinstance(ev, AllBlocksClearedEvent):
-                self.index.clear(replica_id)
-                m.events.labels(replica_id, "AllBlocksCleared").inc()
-
-    def _stored_skip_reason(self, replica_id: str, r: _Replica, ev: BlockStoredEvent) -> str | None:
-        if ev.medium not in _GPU_MEDIA:
-            return "medium"
-        if ev.group_idx not in (None, 0):
-            return "group"
-        if ev.extra_keys and any(_has_mm(k) for k in ev.extra_keys):
-            return "multimodal"
-        if ev.block_size != r.block_size and replica_id not in self._warned_block_size:
-            self._warned_block_size.add(replica_id)
-            log.warning(
-                "replica %s publishes blocks of %d tokens but was registered with %d; using %d",
-                replica_id, ev.block_size, r.block_size, ev.block_size,
-            )  # fmt: skip
-            r.block_size = ev.block_size
-        return None
+        if r is not None:
+            self._events.apply(replica_id, r, events)
 
     def on_kv_reset(self, replica_id: str, reason: str) -> None:
         self.index.clear(replica_id)
         self.metrics.events_resets.labels(replica_id, reason).inc()
-
-
-def _has_mm(keys: Any) -> bool:
-    """Multimodal blocks carry (identifier, offset) pairs in their extra keys; kvgate cannot predict those."""
-    return isinstance(keys, list | tuple) and any(isinstance(k, list | tuple) for k in keys)
-
-
-def _salt_of(keys: Any, lora_name: str | None) -> str | None:
-    """The cache_salt in a root block's extra keys: the first string after the LoRA name (when one is set)."""
-    if not isinstance(keys, list | tuple):
-        return None
-    strings = [k for k in keys if isinstance(k, str)]
-    if lora_name is not None and strings and strings[0] == lora_name:
-        strings = strings[1:]
-    return strings[0] if strings else None
