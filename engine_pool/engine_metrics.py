@@ -13,6 +13,7 @@ import re
 import time
 
 from engine_pool.replica import EngineMetrics
+from policies.queue_price import EngineCounters
 
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _WANTED = (
@@ -25,7 +26,26 @@ _WANTED = (
     "vllm:prefix_cache_hits_total",
     "vllm:time_to_first_token_seconds_sum",
     "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:time_per_output_token_seconds_sum",  # the name before vLLM 0.11
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prefill_kv_computed_tokens_sum",
+    "vllm:request_generation_tokens_sum",
+    "vllm:request_generation_tokens_count",
 )
+# cumulative counters summed into EngineMetrics.counters (QueuePrice's inputs), by family name
+_COUNTERS = {
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:time_per_output_token_seconds_sum": "itl_sum",
+    "vllm:time_per_output_token_seconds_count": "itl_count",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens",
+    "vllm:request_generation_tokens_sum": "output_tokens",
+    "vllm:request_generation_tokens_count": "finished",
+}
 
 
 def _split(line: str) -> tuple[str, dict[str, str], float] | None:
@@ -53,6 +73,7 @@ def parse_engine_metrics(text: str, *, now: float | None = None) -> EngineMetric
     m = EngineMetrics(scraped_at=time.monotonic() if now is None else now)
     running = waiting = 0.0
     usage: list[float] = []
+    counters = dict.fromkeys(_COUNTERS.values(), 0.0)
     for line in text.splitlines():
         if not line.startswith(_WANTED):
             continue
@@ -79,7 +100,10 @@ def parse_engine_metrics(text: str, *, now: float | None = None) -> EngineMetric
             m.ttft_sum += value
         elif name == "vllm:time_to_first_token_seconds_count":
             m.ttft_count += value
+        elif name in _COUNTERS:
+            counters[_COUNTERS[name]] += value
     m.running = int(running)
+    m.counters = EngineCounters(running=running, **counters)
     m.waiting = int(waiting)
     m.kv_usage = max(usage) if usage else 0.0
     return m

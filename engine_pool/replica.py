@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from policies.base import ReplicaState
+from policies.queue_price import EngineCounters, QueuePrice
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class EngineMetrics:
     prefix_hits: float = 0.0
     ttft_sum: float = 0.0  # vllm:time_to_first_token_seconds_sum (cumulative)
     ttft_count: float = 0.0
+    counters: EngineCounters = field(default_factory=EngineCounters)  # decode and prefill timing (QueuePrice)
     scraped_at: float = -math.inf  # time.monotonic()
 
 
@@ -76,6 +78,7 @@ class Replica:
         self.answered = 0
         self.failed = 0
         self.metrics = EngineMetrics()
+        self.queue_price = QueuePrice()  # learned from the scrapes: what one more request here costs
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -83,6 +86,7 @@ class Replica:
         """A new scrape: its running count is current again."""
         self.metrics = metrics
         self.finished_since_scrape = 0
+        self.queue_price.observe(metrics.counters)
 
     # --- routing state -------------------------------------------------------------------------------------
     def breaker_open(self, now: float) -> bool:
@@ -108,6 +112,7 @@ class Replica:
             self.max_num_seqs,
             now - m.scraped_at,
             self.draining,
+            self.queue_price.value,
         )
 
     # --- request accounting ----------------------------------------------------------------------------------

@@ -102,8 +102,21 @@ class GatewayMetrics:
         CallbackGauge(
             "kvgate_replica_in_flight", "Requests in flight per replica.", ["replica"], self.registry, in_flight
         )
+
+        def queue_price() -> list[tuple[tuple[str], float]]:
+            return [((r.id,), price) for r in replicas if (price := r.queue_price.value) is not None]
+
         CallbackGauge(
             "kvgate_replica_ready", "1 when the replica is routable.", ["replica", "model"], self.registry, ready
+        )
+        CallbackGauge(
+            "kvgate_replica_queue_price_tokens",
+            "What one more outstanding request on the replica costs, in prompt tokens of prefill, learned from its "
+            "metrics (2 x decode slowdown per sequence x output tokens / prefill seconds per token); absent until "
+            "known",
+            ["replica"],
+            self.registry,
+            queue_price,
         )
 
     def model(self, name: str) -> ModelMetrics:

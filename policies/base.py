@@ -36,6 +36,9 @@ class ReplicaState(NamedTuple):
     max_num_seqs: int | None = None  # the engine's batch slots (vLLM --max-num-seqs); None = unknown
     metrics_age_s: float = 0.0  # seconds since the engine metrics were scraped (inf = never)
     draining: bool = False
+    # one more outstanding request's cost in prompt tokens, learned from the engine's metrics
+    # (policies.queue_price); None until known
+    queue_price: float | None = None
 
     @property
     def load(self) -> int:

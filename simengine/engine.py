@@ -248,7 +248,8 @@ class SimEngine:
             self._notify()
             raise
         m = self.metrics
-        m.queue_time.observe(time.monotonic() - arrival)
+        admitted = first_token = time.monotonic()
+        m.queue_time.observe(admitted - arrival)
         m.prefix_queries.inc(prompt_len)
         loaded = alloc.loaded_blocks * self.cache.block_size
         m.prefix_hits.inc(alloc.cached_tokens - loaded)
@@ -262,13 +263,13 @@ class SimEngine:
         try:
             words = self.output_words(prompt_len, hashes, max_tokens)
             if cfg.instant:
-                m.ttft.observe(time.monotonic() - arrival)
+                m.ttft.observe(first_token - arrival)
                 stats.generated_tokens += max_tokens
                 m.generation_tokens.inc(max_tokens)
                 await emit(words, alloc.cached_tokens)
             else:
                 await asyncio.sleep(self.prefill_s(prompt_len - alloc.cached_tokens, loaded))
-                last = time.monotonic()
+                last = first_token = time.monotonic()
                 m.ttft.observe(last - arrival)
                 for i, word in enumerate(words):
                     if i:
@@ -282,6 +283,9 @@ class SimEngine:
                     await emit((word,), alloc.cached_tokens)
             stats.completed += 1
             m.success_length.inc()
+            m.prefill_time.observe(first_token - admitted)  # vLLM observes these when a request finishes
+            m.prefill_computed.observe(prompt_len - alloc.cached_tokens)
+            m.generation_length.observe(max_tokens)
             m.e2e.observe(time.monotonic() - arrival)
             return GenResult(prompt_len, max_tokens, alloc.cached_tokens)
         except (asyncio.CancelledError, ConnectionError):

@@ -16,6 +16,7 @@ TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 
                                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                                7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)  # 1-2-5 up to max_model_len
 # fmt: on
 
 _LABELS = ["model_name", "engine"]
@@ -82,6 +83,21 @@ class SimMetrics:
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
+        ).labels(*values)
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*values)
+        self.prefill_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            TOKEN_BUCKETS,
+        ).labels(*values)
+        self.generation_length = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            TOKEN_BUCKETS,
         ).labels(*values)
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds",

@@ -1,0 +1,105 @@
+"""The learned price of a queued request: literal scrape sequences in, the price the model implies out; and the
+same price learned by a gateway from simulated engines whose decode costs differ."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import aiohttp
+import pytest
+
+from gateway.keys import REPLICAS
+from policies.queue_price import EngineCounters, QueuePrice
+from simengine import SimConfig
+from tests.conftest import gateway_over_sims, wait_for
+
+
+def scrapes(d: float, a: float, p: float, out: float, runs: list[float]) -> list[EngineCounters]:
+    """Cumulative counters of an engine whose step takes a + d x running seconds, whose prefill costs p seconds per
+    computed token (100 tokens per request) and whose requests decode `out` tokens; one scrape per running
+    count in `runs`, each interval decoding 100 tokens (at the mean of its two scrapes' running counts) and
+    finishing 4 requests."""
+    c = EngineCounters(running=runs[0])
+    out_list = [c]
+    for running in runs:
+        mean_running = (c.running + running) / 2
+        c = EngineCounters(
+            running=running,
+            itl_sum=c.itl_sum + 100 * (a + d * mean_running),
+            itl_count=c.itl_count + 100,
+            prefill_s=c.prefill_s + 4 * 100 * p,
+            prefill_tokens=c.prefill_tokens + 400,
+            output_tokens=c.output_tokens + 4 * out,
+            finished=c.finished + 4,
+        )
+        out_list.append(c)
+    return out_list
+
+
+def learn(counters: list[EngineCounters]) -> QueuePrice:
+    q = QueuePrice()
+    for c in counters:
+        q.observe(c)
+    return q
+
+
+def test_the_price_is_twice_the_decode_slowdown_of_a_request_in_prefill_tokens() -> None:
+    # d = 1 ms per sequence, 64 output tokens, 50 us per prefill token: 2 x 0.001 x 64 / 0.00005 = 2560 tokens
+    q = learn(scrapes(d=0.001, a=0.004, p=0.00005, out=64, runs=[1, 2, 4, 8, 4, 2, 1, 6]))
+    assert q.value == pytest.approx(2560, rel=1e-6)
+
+
+def test_an_engine_whose_decode_does_not_slow_with_the_batch_prices_a_queued_request_at_nothing() -> None:
+    q = learn(scrapes(d=0.0, a=0.02, p=0.0001, out=200, runs=[1, 3, 6, 2, 9, 4]))
+    assert q.value == pytest.approx(0.0, abs=1e-9)
+
+
+def test_no_price_until_the_running_count_has_varied() -> None:
+    q = learn(scrapes(d=0.001, a=0.004, p=0.00005, out=64, runs=[4, 4, 4, 4, 4]))
+    assert q.value is None
+    assert q.slope() is None
+
+
+def test_an_engine_restart_starts_the_deltas_over() -> None:
+    before = scrapes(d=0.001, a=0.004, p=0.00005, out=64, runs=[1, 2, 4, 8])
+    q = learn(before)
+    price = q.value
+    q.observe(EngineCounters(running=0))  # counters back at zero: no interval is computed from it
+    assert q.value == price
+
+
+async def test_a_gateway_learns_a_higher_price_for_an_engine_whose_decode_slows_with_the_batch(
+    http: aiohttp.ClientSession,
+) -> None:
+    base = SimConfig(model="sim", block_size=16, overhead_ms=0, prefill_us_per_token=100, decode_ms=1)
+    flat = base.model_copy(update={"decode_ms_per_seq": 0.05})
+    steep = base.model_copy(update={"decode_ms_per_seq": 2.0})
+    config = {"routing": {"policy": "round-robin"}, "health": {"metrics_interval_s": 0.1}}
+    async with gateway_over_sims([flat, steep], **config) as (gw, _):
+        replicas = list(gw.app[REPLICAS])
+
+        async def one(i: int) -> None:
+            body = {"model": "sim", "prompt": f"request {i} " + "x" * 600, "max_tokens": 24}
+            async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+
+        async def traffic() -> None:  # closed-loop bursts whose width varies, so the running count does
+            for i in itertools.count():
+                width = (1, 4, 8, 2, 6)[i % 5]
+                await asyncio.gather(*(one(1000 * i + k) for k in range(2 * width)))
+
+        driver = asyncio.create_task(traffic())
+        try:
+            await wait_for(
+                lambda: all(r.queue_price.value is not None for r in replicas), timeout_s=30, what="prices learned"
+            )
+        finally:
+            driver.cancel()
+            await asyncio.gather(driver, return_exceptions=True)
+        prices = {r.id: r.queue_price.value for r in replicas}
+        metrics = await (await http.get(gw.url + "/metrics")).text()
+        assert "kvgate_replica_queue_price_tokens{" in metrics
+    by_engine = sorted(prices.values(), key=lambda v: v or 0.0)
+    assert by_engine[0] is not None and by_engine[1] is not None
+    assert by_engine[1] > 5 * by_engine[0]  # 2 ms vs 0.05 ms of decode per running sequence
