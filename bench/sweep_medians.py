@@ -2,6 +2,7 @@
 cache-aware and round-robin, each run's values beside them, and the ratio of the medians.
 
     python -m bench.sweep_medians --out docs/loadgen/medians.json DIR [DIR ...]   # DIR holds cache-aware/ round-robin/
+    python -m bench.sweep_medians --against fixed DIR [DIR ...]   # a VARIANTS label of vllm_sweep.sh instead
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
-
-POLICIES = ("cache-aware", "round-robin")
 
 
 def points(run_dir: Path, policy: str) -> dict[int, dict[str, float]]:
@@ -34,19 +33,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--against", default="cache-aware", help="the label compared with round-robin")
     args = ap.parse_args(argv)
-    runs = {policy: [points(d, policy) for d in args.dirs] for policy in POLICIES}
+    policies = (args.against, "round-robin")
+    runs = {policy: [points(d, policy) for d in args.dirs] for policy in policies}
     concurrencies = sorted(set.intersection(*(set(r) for rs in runs.values() for r in rs)))
     rows: list[dict[str, Any]] = []
-    print("| concurrency | cache-aware tok/s (runs) | round-robin tok/s (runs) | ratio of medians | TTFT p50 ca / rr |")
+    print(f"| concurrency | {args.against} tok/s (runs) | round-robin tok/s (runs) | ratio of medians | TTFT p50 |")
     print("|---:|---|---|---:|---|")
     for c in concurrencies:
         row: dict[str, Any] = {"concurrency": c}
-        for policy in POLICIES:
+        for policy in policies:
             values = [r[c] for r in runs[policy]]
             row[policy] = {k: statistics.median(v[k] for v in values) for k in values[0]}
             row[policy]["runs_tok_s"] = [v["tok_s"] for v in values]
-        ca, rr = row["cache-aware"], row["round-robin"]
+        ca, rr = row[args.against], row["round-robin"]
         row["ratio"] = ca["tok_s"] / rr["tok_s"] if rr["tok_s"] else None
         rows.append(row)
         fmt = ", ".join

@@ -3,7 +3,9 @@
 # through kvgate, with kvgate's loadgen. Results of the last run: docs/loadgen/{cache-aware,round-robin,compare}/
 # (table, JSON, PNG charts, HTML report); with RUNS=N (default 1) the earlier runs go to .kvgate/sweep-runs/<i>/ and
 # the medians over all runs are printed and written to docs/loadgen/medians.json.
-# Rerun: bash bench/vllm_sweep.sh   (about 8 minutes a run on 2 cores);  RUNS=3 bash bench/vllm_sweep.sh
+# Rerun: bash bench/vllm_sweep.sh   (about 3 minutes a run on 2 cores);  RUNS=3 bash bench/vllm_sweep.sh
+# VARIANTS='label={"param": value} ...' adds cache-aware with those routing params as further policies of each run
+# (reported by `python -m bench.sweep_medians --against label DIR...`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -11,12 +13,18 @@ OUT=${OUT:-docs/loadgen}
 PORT=${PORT:-18000}
 CONC=${CONC:-1,2,4,8,16,32,64}
 RUNS=${RUNS:-1}
+VARIANTS=${VARIANTS:-}
 mkdir -p "$OUT" .kvgate
 
-run_policy() {
-  local policy=$1 out=$2
+run_policy() {  # label out [cache-aware params as JSON]
+  local policy=$1 out=$2 params=${3:-}
   local cfg=.kvgate/sweep-$policy.yaml
-  sed -e "s/policy: cache-aware/policy: $policy/" -e "s/port: 8000/port: $PORT/" deploy/local.yaml > "$cfg"
+  if [ -n "$params" ]; then
+    sed -e "s/policy: cache-aware/policy: cache-aware\n  params: $params/" -e "s/port: 8000/port: $PORT/" \
+      deploy/local.yaml > "$cfg"
+  else
+    sed -e "s/policy: cache-aware/policy: $policy/" -e "s/port: 8000/port: $PORT/" deploy/local.yaml > "$cfg"
+  fi
   kvgate serve --config "$cfg" --access-log off --log-level WARNING &
   local pid=$!
   trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null' RETURN
@@ -39,6 +47,9 @@ for i in $(seq "$RUNS"); do
   mkdir -p "$out"
   run_policy cache-aware "$out"
   run_policy round-robin "$out"
+  for v in $VARIANTS; do
+    run_policy "${v%%=*}" "$out" "${v#*=}"
+  done
   dirs+=("$out")
 done
 kvgate loadgen compare "$OUT/cache-aware/result.json" "$OUT/round-robin/result.json" --out "$OUT/compare"
