@@ -14,6 +14,7 @@ Every operation goes through the `Supervisor`'s command queue and then waits for
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -234,7 +235,8 @@ class EnginePool:
         replica = Replica(
             slot_id,
             f"http://{host}:{port}",
-            m.name,
+            m.served,
+            role=m.role,
             kv_events_endpoint=f"tcp://{host}:{kv_port}" if kv_port is not None else None,
             tokenizer=tokenizer,
             max_concurrency=m.max_concurrency,
@@ -262,7 +264,7 @@ class EnginePool:
                 "--port",
                 str(slot.port),
                 "--model",
-                m.name,
+                m.served,
                 "--seed",
                 str(slot.index),
             ]
@@ -274,6 +276,8 @@ class EnginePool:
             ):
                 if value is not None:
                     argv += [flag, str(value)]
+            if m.kv_transfer_config is not None:
+                argv += ["--kv-transfer-config", json.dumps(m.kv_transfer_config, separators=(",", ":"))]
             if m.lora_modules:
                 argv += ["--lora-modules", *(f"{name}={path}" for name, path in m.lora_modules.items())]
             return LaunchCommand(argv + list(m.extra_args), env, parse_cpu_list(assign.cpu_bind or ""))
@@ -281,7 +285,7 @@ class EnginePool:
         spec = EngineLaunchSpec(
             model=self._model_paths[m.name],
             port=slot.port,
-            served_model_name=m.name,
+            served_model_name=m.served,
             host=host,
             device=device,
             block_size=m.block_size,
@@ -297,6 +301,7 @@ class EnginePool:
             enforce_eager=m.enforce_eager,
             dtype=m.dtype,
             cache_root=str(Path(self.config.cache_root).resolve()) if self.config.cache_root else None,
+            kv_transfer_config=m.kv_transfer_config,
             lora_modules=dict(m.lora_modules),
             max_loras=m.max_loras,
             max_lora_rank=m.max_lora_rank,
@@ -304,4 +309,9 @@ class EnginePool:
             extra_env=dict(m.env),
         )
         cpus = parse_cpu_list(assign.cpu_bind or "") if device == "cpu" else None
-        return LaunchCommand(vllm_argv(spec), vllm_env(spec, self.base_env), cpus)
+        env = vllm_env(spec, self.base_env)
+        if (m.kv_transfer_config or {}).get(
+            "kv_connector"
+        ) == "NixlConnector" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in m.env:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host))  # one per engine: several share the host
+        return LaunchCommand(vllm_argv(spec), env, cpus)

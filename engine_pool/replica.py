@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from policies.base import ReplicaState
+from policies.base import ReplicaState, Role
 from policies.queue_price import EngineCounters, QueuePrice
 
 
@@ -47,6 +47,7 @@ class Replica:
         max_concurrency: int | None = None,
         max_num_seqs: int | None = None,
         managed: bool = False,
+        role: Role = "both",
     ) -> None:
         self.id = replica_id
         self.url = url.rstrip("/")
@@ -62,6 +63,7 @@ class Replica:
         self.max_concurrency = max_concurrency
         self.max_num_seqs = max_num_seqs  # the engine's batch slots, when configured
         self.managed = managed  # started by kvgate's engine pool (restartable) or attached
+        self.role: Role = role  # both, or one side of disaggregated serving (prefill / decode)
         self.max_model_len: int | None = None
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> root (its path), from the engine's /v1/models
         self.healthy = False  # last health probe passed

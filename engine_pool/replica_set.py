@@ -100,6 +100,10 @@ class ReplicaSet:
                 self._by_model[model] = found
         return found
 
+    def disaggregated(self, model: str) -> bool:
+        """Some replica of `model` is a prefill replica (its requests may be split: `gateway.disagg`)."""
+        return any(r.role == "prefill" for r in self.for_model(model))
+
     def undiscovered(self) -> bool:
         """Some replica's model is not known yet (an attached engine that has not answered /v1/models)."""
         return any(r.model is None for r in self._replicas.values())

@@ -27,6 +27,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from policies.base import Role
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -136,7 +138,26 @@ class DegradationRule(_Strict):
 
 class ModelPoolConfig(_Strict):
     name: str = Field(
-        min_length=1, description='served model name (what clients send as "model"); replica ids are <name>-<index>'
+        min_length=1,
+        description='served model name (what clients send as "model"), unless `serves` says otherwise; replica ids '
+        "are <name>-<index>",
+    )
+    serves: str | None = Field(
+        None,
+        description="the model name clients send, when several groups serve one model (a prefill and a decode "
+        "group): each group has its own `name`; None = `name`",
+    )
+    role: Role = Field(
+        "both",
+        description="both = answers whole requests; prefill = computes prompts' KV for decode replicas to load "
+        "(disaggregated serving); decode = answers requests, loading the KV a prefill replica computed",
+    )
+    kv_transfer_config: dict[str, object] | None = Field(
+        None,
+        description="vLLM's --kv-transfer-config (the KV connector of disaggregated serving), e.g. "
+        '{"kv_connector": "NixlConnector", "kv_role": "kv_both"} on GPUs or {"kv_connector": "ExampleConnector", '
+        '"kv_role": "kv_both", "kv_connector_extra_config": {"shared_storage_path": "/shared/kv"}}; the simulated '
+        "engine reads ExampleConnector's shared_storage_path",
     )
     model: str | None = Field(
         None,
@@ -235,7 +256,14 @@ class ModelPoolConfig(_Strict):
     def _check(self) -> ModelPoolConfig:
         if self.kind == "vllm" and self.device == "cpu" and self.block_size is not None and self.block_size % 32:
             raise ValueError("block_size must be a multiple of 32 on CPU")
+        if self.role != "both" and self.kv_transfer_config is None:
+            raise ValueError(f"role {self.role} needs kv_transfer_config (the KV connector that hands KV over)")
         return self
+
+    @property
+    def served(self) -> str:
+        """The model name clients send."""
+        return self.serves or self.name
 
     def device_for(self, index: int) -> DeviceAssignment:
         return self.devices[index % len(self.devices)] if self.devices else DeviceAssignment()
@@ -264,7 +292,13 @@ class PoolConfig(_Strict):
     def _unique(self) -> PoolConfig:
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
-            raise ValueError("pool.models: served names must be unique")
+            raise ValueError("pool.models: names must be unique")
+        roles: dict[str, set[str]] = {}
+        for m in self.models:
+            roles.setdefault(m.served, set()).add(m.role)
+        for served, found in roles.items():
+            if "prefill" in found and not found - {"prefill"}:
+                raise ValueError(f"pool.models: {served} has prefill replicas but none to decode on")
         for m in self.models:
             if m.replicas > self.max_replicas:
                 raise ValueError(f"pool.models[{m.name}].replicas exceeds max_replicas {self.max_replicas}")

@@ -70,6 +70,7 @@ class EngineLaunchSpec:
     cache_root: str | None = None  # VLLM_CACHE_ROOT; None = vLLM's (~/.cache/vllm)
     access_log: bool = False
     python: str = field(default_factory=lambda: sys.executable)
+    kv_transfer_config: Mapping[str, object] | None = None  # --kv-transfer-config (disaggregated serving)
     lora_modules: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path; non-empty enables LoRA
     max_loras: int | None = None
     max_lora_rank: int | None = None
@@ -180,6 +181,8 @@ def vllm_argv(spec: EngineLaunchSpec) -> list[str]:
     events = kv_events_config(spec)
     if events is not None:
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
+    if spec.kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(dict(spec.kv_transfer_config), separators=(",", ":"))]
     if spec.lora_modules:
         argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in spec.lora_modules.items())]
         if spec.max_loras is not None:

@@ -91,6 +91,7 @@ async def list_replicas(request: web.Request) -> web.Response:
             "model": replica.model,
             "url": replica.url,
             "managed": replica.managed,
+            "role": replica.role,
             "routable": replica.routable(now),
             "healthy": replica.healthy,
             "warm": replica.warm,

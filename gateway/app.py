@@ -68,6 +68,7 @@ def attached_replica(engine: EngineConfig) -> Replica:
         max_concurrency=engine.max_concurrency,
         max_num_seqs=engine.max_num_seqs,
         managed=False,
+        role=engine.role,
     )
 
 
@@ -156,7 +157,7 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
         router,
         app[REPLICAS],
         app[METRICS],
-        ProxySettings(cfg.timeouts, cfg.retry, cfg.server.route_headers),
+        ProxySettings(cfg.timeouts, cfg.retry, cfg.server.route_headers, cfg.routing.disaggregation),
     )
     yield
 

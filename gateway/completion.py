@@ -156,7 +156,9 @@ class CompletionService:
     def done(self, ctx: RequestContext, info: RequestInfo | None) -> None:
         """A request's end, however it ended: the cache state learns what was cached, metrics, the access log."""
         if info is not None and self.cache is not None:
-            self.cache.on_finished(info, ctx.replica, ctx.cached_tokens if ctx.status == 200 else None)
+            # a split request's cached tokens are the handed-over KV, not the prefix the index predicted
+            reported = ctx.cached_tokens if ctx.status == 200 and not ctx.split else None
+            self.cache.on_finished(info, ctx.replica, reported)
         if ctx.answer_id is not None and ctx.status == 200:
             self.holders.record(ctx.answer_id, ctx.replica)
         ctx.duration_s = time.monotonic() - ctx.started

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine_pool.spec import PoolConfig
 from gateway.admission.config import AdmissionConfig
+from policies.base import Role
 from policies.prefix.config import CacheConfig
 from policies.registry import build_policy, policy_names
 
@@ -120,6 +121,11 @@ class EngineConfig(StrictModel):
     max_num_seqs: int | None = Field(
         None, ge=1, description="the engine's batch slots (its --max-num-seqs), for routing's queueing estimate"
     )
+    role: Role = Field(
+        "both",
+        description="both = answers whole requests; prefill / decode = one side of disaggregated serving (the engine "
+        "runs a KV connector that hands a prompt's KV from prefill to decode replicas)",
+    )
 
     @field_validator("url")
     @classmethod
@@ -129,10 +135,28 @@ class EngineConfig(StrictModel):
         return v.rstrip("/")
 
 
+class DisaggregationConfig(StrictModel):
+    """Disaggregated serving: used for a model when some of its replicas have role prefill."""
+
+    min_prefill_tokens: int = Field(
+        512,
+        ge=0,
+        description="a prompt whose uncached part (on the decode replica best placed for it) is shorter runs whole "
+        "on a decode replica: computing it costs less than handing its KV over; 0 = split every request",
+    )
+    prefill_timeout_s: float = Field(
+        60.0, gt=0, description="the prefill step's answer must come this soon, else it is tried elsewhere"
+    )
+
+
 class RoutingConfig(StrictModel):
     policy: str = Field("least-load", description="routing policy: cache-aware, least-load, round-robin")
     params: dict[str, Any] = Field(
         default_factory=dict, description="policy parameters (validated by the policy at load time)"
+    )
+    disaggregation: DisaggregationConfig = Field(
+        default_factory=DisaggregationConfig,
+        description="when a request's prompt is computed on a prefill replica and its KV handed to a decode replica",
     )
 
     @field_validator("policy")

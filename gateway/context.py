@@ -29,6 +29,7 @@ class RequestContext:
     client_disconnected: bool = False
     answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
     delivered: bool = False  # the engine's whole response was relayed (the client may still leave before EOF)
+    split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
 
     def set_usage(self, usage: object) -> None:

@@ -141,6 +141,16 @@ class UpstreamUnavailable(GatewayError, ConnectionError):
     code = "upstream_unavailable"
 
 
+class Retryable(Exception):
+    """An attempt on one replica failed before anything reached the client (connect, reset, timeout, 5xx): the
+    proxy tries another replica, and answers `error` when none is left. `kind` labels the failure in metrics."""
+
+    def __init__(self, kind: str, error: GatewayError) -> None:
+        super().__init__(kind)
+        self.kind = kind
+        self.error = error
+
+
 def render_error(err: GatewayError, *, request_id: str | None = None) -> tuple[int, dict[str, str], bytes]:
     """The one rendering of an error: status, headers (the error's own, Content-Type, x-request-id) and body."""
     headers = dict(err.headers)

@@ -75,6 +75,21 @@ class GatewayMetrics:
         self.connections_refused = FastCounter(
             "kvgate_client_connections_refused", "Connections refused over server.max_connections.", [], r
         ).labels()
+        self.disagg = FastCounter(
+            "kvgate_disagg_requests",
+            "Requests of disaggregated models by how they ran: split (prefill step, then decode) or aggregated, "
+            "with why (short-prompt, prefill-saturated, no-prefill-replica, prefill-failed).",
+            ["model", "mode"],
+            r,
+        )
+        self.prefill_step = FastHistogram(
+            "kvgate_disagg_prefill_seconds",
+            "The prefill step of split requests: sent to a prefill replica until its answer (the KV hand-over "
+            "follows in the decode replica's time to first token).",
+            ["model"],
+            r,
+            LATENCY_BUCKETS,
+        )
         self.tokens = FastCounter(
             "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.", ["model", "kind"], r
         )

@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -29,9 +29,10 @@ import orjson
 from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
-from gateway.config import RetryConfig, TimeoutConfig
+from gateway.config import DisaggregationConfig, RetryConfig, TimeoutConfig
 from gateway.context import RequestContext
-from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.disagg import PrefillStep
+from gateway.errors import GatewayError, Retryable, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.request_parse import ParsedRequest, upstream_body
 from gateway.responder import Responder
@@ -41,18 +42,12 @@ from policies.base import Decision, RequestInfo
 _DONE = b"data: [DONE]"
 
 
-class _Retryable(Exception):
-    def __init__(self, kind: str, error: GatewayError) -> None:
-        super().__init__(kind)
-        self.kind = kind
-        self.error = error
-
-
 @dataclass(slots=True)
 class ProxySettings:
     timeouts: TimeoutConfig
     retry: RetryConfig
     route_headers: bool = True
+    disagg: DisaggregationConfig = field(default_factory=DisaggregationConfig)
 
 
 class UpstreamProxy:
@@ -69,6 +64,7 @@ class UpstreamProxy:
         self.replicas = replicas
         self.metrics = metrics
         self.settings = settings
+        self.prefill = PrefillStep(self, router, metrics, settings.disagg, settings.retry)
 
     def _route(
         self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, tried: Collection[str], attempt: int
@@ -97,6 +93,8 @@ class UpstreamProxy:
         answer to `out`; returns the HTTP status recorded."""
         data = upstream_body(parsed, raw_body, salted)
         deadline = time.monotonic() + self.settings.timeouts.total_s
+        if pinned is None:  # a split model's request first takes its prefill step (gateway.disagg)
+            data = await self.prefill.run(path, parsed, info, ctx, data, deadline)
         tried: list[str] = []
         refused: list[Replica] = []  # replicas that answered this request with a 5xx (see below)
         last_error: GatewayError | None = None
@@ -114,25 +112,25 @@ class UpstreamProxy:
             tried.append(replica.id)
             try:
                 status = await self._attempt(out, method, path, parsed, replica, decision, ctx, data, deadline)
-            except _Retryable as exc:
+            except Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 last_error = exc.error
                 if not exc.kind.startswith("http_"):
-                    self._count_failure(replica)  # connect, reset, timeout: the replica's fault
+                    self.count_failure(replica)  # connect, reset, timeout: the replica's fault
                 elif refused:  # a second replica refused the same request: the request is at fault, not them
                     raise exc.error from None
                 else:
                     refused.append(replica)  # counted against it only if another replica answers the request
                 continue
             for bad in refused:
-                self._count_failure(bad)
+                self.count_failure(bad)
             return status
         for bad in refused:
-            self._count_failure(bad)
+            self.count_failure(bad)
         assert last_error is not None
         raise last_error
 
-    def _count_failure(self, replica: Replica) -> None:
+    def count_failure(self, replica: Replica) -> None:
         retry = self.settings.retry
         if replica.record_failure(threshold=retry.breaker_failures, cooldown_s=retry.breaker_cooldown_s):
             self.replicas.breaker_changed()
@@ -148,7 +146,7 @@ class UpstreamProxy:
     def _ask_headers(ctx: RequestContext, content_type: str) -> dict[str, str]:
         return {"Content-Type": content_type, "x-request-id": ctx.request_id}
 
-    async def _send(
+    async def send(
         self,
         replica: Replica,
         method: str,
@@ -185,13 +183,13 @@ class UpstreamProxy:
                     upstream.close()
                 if not stream:
                     raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
-                raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
+                raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
             except UpstreamConnectionError as exc:
                 if upstream is not None:
                     upstream.close()
                     if upstream.reused and not fresh_retry:
                         continue
-                raise _Retryable("connect", UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}")) from None
+                raise Retryable("connect", UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}")) from None
             except BaseException:  # cancelled (the client left) while the engine works: abort the engine request
                 if upstream is not None:
                     upstream.close()
@@ -212,13 +210,13 @@ class UpstreamProxy:
     ) -> int:
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            upstream = await self._send(replica, method, path, data, ctx, deadline, parsed.stream, parsed.content_type)
+            upstream = await self.send(replica, method, path, data, ctx, deadline, parsed.stream, parsed.content_type)
             try:
                 if upstream.status >= 500:
-                    raise _Retryable(f"http_{upstream.status}", await self._upstream_error(upstream)) from None
+                    raise Retryable(f"http_{upstream.status}", await self.upstream_error(upstream)) from None
                 if upstream.status >= 400:
                     replica.record_success()  # the engine works; the request was bad
-                    err = await self._upstream_error(upstream)
+                    err = await self.upstream_error(upstream)
                     err.headers.update(self._headers(ctx, replica, decision))
                     raise err
                 if parsed.stream:
@@ -233,7 +231,7 @@ class UpstreamProxy:
         finally:
             replica.end(started)
 
-    async def _upstream_error(self, upstream: UpstreamResponse) -> UpstreamError:
+    async def upstream_error(self, upstream: UpstreamResponse) -> UpstreamError:
         upstream.set_timeout(5.0)
         try:
             raw = await upstream.read()
@@ -272,7 +270,7 @@ class UpstreamProxy:
         except TimeoutError:  # the total deadline: nothing left to retry with
             raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
         except ConnectionError as exc:
-            raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
+            raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
         replica.record_success()
         ctx.ttft_s = time.monotonic() - ctx.started
         headers = self._headers(ctx, replica, decision)
@@ -343,7 +341,7 @@ class UpstreamProxy:
                         done = ctx.delivered = True  # the client has everything; it may close before the terminator
         except TimeoutError:
             if not started:
-                raise _Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
+                raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
             idle = loop.time() < end_at
             ctx.error = "stream_idle_timeout" if idle else "total_timeout"
             failure = UpstreamTimeout(
@@ -353,16 +351,16 @@ class UpstreamProxy:
                 code=ctx.error,
             )
             if idle:
-                self._count_failure(replica)
+                self.count_failure(replica)
         except UpstreamConnectionError as exc:  # the engine failed mid-stream
             if not started:
-                raise _Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
+                raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
             ctx.error = "upstream_reset"
             failure = UpstreamUnavailable(f"replica {replica.id} failed mid-stream: {exc}", code="upstream_reset")
             self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
-            self._count_failure(replica)
+            self.count_failure(replica)
         if not started:
-            raise _Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
+            raise Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
         if failure is None and parsed.endpoint in ("json", "multipart"):  # others' streams end with the body
             ctx.delivered = True
         elif failure is None and not done:  # chat and completions end with [DONE]: cut short without it

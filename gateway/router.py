@@ -16,6 +16,7 @@ from gateway.errors import Overloaded
 from gateway.metrics import GatewayMetrics
 from gateway.request_parse import BodyKind
 from policies.base import EMPTY_MAPPING, Decision, Footprint, NoCandidate, Policy, RequestInfo, RoutingView
+from policies.disagg import Split, split
 
 
 class CacheHooks(Protocol):
@@ -85,9 +86,13 @@ class Router:
                 self._plain[key] = info
         return info
 
-    def view(self, info: RequestInfo, exclude: Collection[str] = ()) -> RoutingView:
+    def view(self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False) -> RoutingView:
+        """The snapshot for one decision: the model's replicas that answer whole requests (roles both, decode), or
+        with `prefill` its prefill replicas (the first step of a disaggregated request)."""
         now = time.monotonic()
         replicas = self.replicas.for_model(info.model)
+        if prefill or (replicas and self.replicas.disaggregated(info.model)):
+            replicas = [r for r in replicas if (r.role == "prefill") == prefill]
         if exclude:
             replicas = [r for r in replicas if r.id not in exclude]
         snaps = tuple([r.snapshot(now) for r in replicas])
@@ -105,9 +110,21 @@ class Router:
         self._seq += 1
         return RoutingView(info, snaps, overlap, session, self._seq, footprint, offloaded)
 
-    def choose(self, info: RequestInfo, exclude: Collection[str] = ()) -> tuple[Replica, Decision]:
+    def split(self, info: RequestInfo, prompt_tokens: int, min_prefill_tokens: int) -> Split:
+        """Whether the request's prefill runs on a prefill replica (`policies.disagg`)."""
+        decode = self.view(info)
+        prefill = self.view(info, prefill=True)
+        block_size = info.block_size if info.block_hashes else 0
+        return split(
+            prompt_tokens, block_size, prefill.replicas, decode.replicas, decode.overlap,
+            min_prefill_tokens=min_prefill_tokens,
+        )  # fmt: skip
+
+    def choose(
+        self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False
+    ) -> tuple[Replica, Decision]:
         """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it."""
-        view = self.view(info, exclude)
+        view = self.view(info, exclude, prefill=prefill)
         try:
             decision = self.policy.decide(view)
         except NoCandidate as exc:

@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+
+Role = Literal["both", "prefill", "decode"]  # disaggregated serving: which step a replica takes
 
 
 class ReplicaState(NamedTuple):

@@ -29,6 +29,10 @@ hit); those blocks are loaded, not recomputed (`Allocation.loaded_blocks`, price
 per token) and become GPU blocks again. ``cached_tokens`` counts both, as vLLM's ``num_cached_tokens`` does.
 Events for the tier carry ``medium="CPU"`` (stores with token ids and parent: self-describing).
 
+KV connector (`external`, set by the engine when it has a hand-over folder: `simengine.kv_transfer`): after the
+GPU and CPU runs, the blocks a prefill replica stored for this prompt are loaded (`Allocation.handed_blocks`), as
+vLLM's connector reports external hits; counted in ``cached_tokens`` too.
+
 Deviation from vLLM: blocks of generated tokens are not hashed or cached (only prompt blocks are), and a request's
 blocks are allocated in full at admission (no preemption).
 
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -80,6 +84,7 @@ class Allocation:
     hit_blocks: int  # leading prompt blocks found on the GPU
     cached_tokens: int  # (hit_blocks + loaded_blocks) x block size
     loaded_blocks: int = 0  # the blocks after those found in the CPU tier and loaded from it
+    handed_blocks: int = 0  # the blocks after those found in the KV connector's store (handed over by a prefill)
 
 
 class CacheFullError(RuntimeError):
@@ -108,6 +113,8 @@ class PrefixCache:
         self._private = 0
         self.cpu_blocks = cpu_blocks
         self._cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier's LRU; first = evicted first
+        # the KV connector's lookup (simengine.kv_transfer): blocks from a start index it can hand over
+        self.external: Callable[[Sequence[int], int], int] | None = None
         self._events: deque[KVEvent] = deque(maxlen=max_pending_events)
         self.queries_tokens = 0  # prompt tokens looked up (vllm:prefix_cache_queries)
         self.hit_tokens = 0  # of which cached on the GPU (vllm:prefix_cache_hits)
@@ -176,6 +183,9 @@ class PrefixCache:
         max_hit = max(0, (prompt_len - 1) // bs)
         hit_blocks = min(self.lookup(block_hashes), max_hit)
         loaded = min(self.lookup_offloaded(block_hashes, hit_blocks), max_hit - hit_blocks)
+        handed = 0
+        if self.external is not None and hit_blocks + loaded < max_hit:
+            handed = min(self.external(block_hashes, hit_blocks + loaded), max_hit - hit_blocks - loaded)
         private = self.blocks_needed(total_tokens) - len(block_hashes)
         new_idx: list[int] = []
         for i, h in enumerate(block_hashes):
@@ -198,7 +208,8 @@ class PrefixCache:
         self.queries_tokens += prompt_len
         self.hit_tokens += hit_blocks * bs
         self.loaded_tokens += loaded * bs
-        return Allocation(tuple(block_hashes), private, hit_blocks, (hit_blocks + loaded) * bs, loaded)
+        cached = (hit_blocks + loaded + handed) * bs
+        return Allocation(tuple(block_hashes), private, hit_blocks, cached, loaded, handed)
 
     def _offload(self, token_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
         """Write the request's prompt blocks through to the CPU tier (refreshing those it holds), evicting LRU."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from simengine.config import Faults, SimConfig
+from simengine.kv_transfer import shared_storage_path
 from simengine.server import run_sim_engine
 
 
@@ -28,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks, help="KV capacity in blocks")
     p.add_argument("--cpu-blocks", type=int, default=d.cpu_blocks, help="KV offloading tier in blocks (0 = none)")
     p.add_argument("--cpu-load-us-per-token", type=float, default=d.cpu_load_us_per_token)
+    p.add_argument(
+        "--kv-transfer-config",
+        type=json.loads,
+        default=None,
+        help="vLLM's flag: ExampleConnector's kv_connector_extra_config.shared_storage_path is the hand-over folder",
+    )
+    p.add_argument("--handover-us-per-token", type=float, default=d.handover_us_per_token)
+    p.add_argument("--chunked-prefill-budget", type=int, default=d.chunked_prefill_budget)
     p.add_argument(
         "--hide-cache-config", action="store_true", help="publish no vllm:cache_config_info (capacity unknown)"
     )
@@ -63,6 +73,8 @@ def config_from_args(ns: argparse.Namespace) -> SimConfig:
     )
     fields = {k: v for k, v in vars(ns).items() if k in SimConfig.model_fields and k not in ("faults", "lora_modules")}
     loras = dict(m.split("=", 1) for m in ns.lora_modules)
+    if ns.kv_transfer_config is not None:
+        fields["kv_transfer_dir"] = shared_storage_path(ns.kv_transfer_config)
     return SimConfig(**fields, faults=faults, lora_modules=loras)
 
 

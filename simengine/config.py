@@ -55,6 +55,14 @@ class SimConfig(BaseModel):
     overhead_ms: float = Field(default=2.0, ge=0.0)
     prefill_us_per_token: float = Field(default=50.0, ge=0.0)
     cpu_load_us_per_token: float = Field(default=10.0, ge=0.0)  # loading a CPU-tier block back, per token
+    # disaggregated serving: the folder of the shared-storage KV connector (vLLM's ExampleConnector), and the cost
+    # of loading a handed-over token from it
+    kv_transfer_dir: str | None = None
+    handover_us_per_token: float = Field(default=5.0, ge=0.0)
+    # prefill interference (vLLM's chunked prefill: prompt chunks share each step with the running decodes): while
+    # prompts are being computed, every decode step also costs min(their tokens, this budget) x prefill_us_per_token;
+    # 0 = off (each request on its own timer; the routing benchmark's setting)
+    chunked_prefill_budget: int = Field(default=0, ge=0)
     decode_ms: float = Field(default=5.0, ge=0.0)
     decode_ms_per_seq: float = Field(default=0.1, ge=0.0)
     instant: bool = False  # every cost zero and no sleeps at all (gateway overhead measurements)

@@ -4,11 +4,13 @@ A request is admitted FCFS (a strict FIFO: the head blocks the queue, like vLLM'
 slot is free (``running < max_num_seqs``) and its blocks fit in the KV cache next to the pinned ones
 (`PrefixCache.fits`). Then: time to first token = queueing + ``overhead_ms`` + uncached prompt tokens x
 ``prefill_us_per_token`` + tokens loaded from the CPU tier (``cpu_blocks``) x ``cpu_load_us_per_token``; each
-further token after ``decode_ms + decode_ms_per_seq x running``. Every request sleeps
-on its own timer (no global step loop), so the cost per token is one ``asyncio.sleep``. With ``instant`` nothing
-sleeps and all tokens are emitted in one call. Output is exactly ``max_tokens`` words ``" w<k>"`` chosen by the
-prompt's hash: deterministic. Cancellation (the client went away) at any await stops the request, frees its slot
-and blocks and counts it as ``cancelled``. Bounded state: the waiting queue (``max_waiting``), the cache, the words.
+further token after ``decode_ms + decode_ms_per_seq x running`` (+ with ``chunked_prefill_budget`` the step's share
+of the prompts being computed meanwhile: min(their uncached tokens, budget) x ``prefill_us_per_token``). Every
+request sleeps on its own timer (no global step loop), so the cost per token is one ``asyncio.sleep``. With
+``instant`` nothing sleeps and all tokens are emitted in one call. Output is exactly ``max_tokens`` words
+``" w<k>"`` chosen by the prompt's hash: deterministic. Cancellation (the client went away) at any await stops the
+request, frees its slot and blocks and counts it as ``cancelled``. Bounded state: the waiting queue
+(``max_waiting``), the cache, the words.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import asdict, dataclass
 from simengine.cache import Allocation, PrefixCache
 from simengine.config import Faults, SimConfig
 from simengine.kv_events import KVEventPublisher
+from simengine.kv_transfer import SharedKvStore
 from simengine.metrics import SimMetrics
 
 Emit = Callable[[Sequence[str], int], Awaitable[None]]  # (output words, cached prompt tokens)
@@ -70,6 +73,9 @@ class SimEngine:
         self.config = config
         self.faults: Faults = config.faults
         self.cache = PrefixCache(config.num_blocks, config.block_size, config.model, cpu_blocks=config.cpu_blocks)
+        self.transfer = SharedKvStore(config.kv_transfer_dir) if config.kv_transfer_dir else None
+        if self.transfer is not None:
+            self.cache.external = self.transfer.lookup
         self.metrics = SimMetrics(
             config.model, config.block_size, config.num_blocks, cache_config=not config.hide_cache_config
         )
@@ -80,6 +86,7 @@ class SimEngine:
         self._fault_rng = random.Random(config.seed)
         self._id_rng = random.Random(config.seed ^ 0x5EED_1D5)
         self._running = 0
+        self._prefilling = 0  # uncached prompt tokens of the requests computing their prompt now
         self._waiters: deque[_Waiter] = deque()
         self._words = tuple(f" w{i}" for i in range(_VOCAB))
         self._changed: asyncio.Event | None = None
@@ -150,14 +157,19 @@ class SimEngine:
 
     # --- cost model --------------------------------------------------------------------------------------
     def itl_s(self) -> float:
-        return (self.config.decode_ms + self.config.decode_ms_per_seq * self._running) / 1e3
+        cfg = self.config
+        step = (cfg.decode_ms + cfg.decode_ms_per_seq * self._running) / 1e3
+        if cfg.chunked_prefill_budget and self._prefilling:
+            step += min(self._prefilling, cfg.chunked_prefill_budget) * cfg.prefill_us_per_token / 1e6
+        return step
 
-    def prefill_s(self, uncached_tokens: int, loaded_tokens: int = 0) -> float:
+    def prefill_s(self, uncached_tokens: int, loaded_tokens: int = 0, handed_tokens: int = 0) -> float:
         cfg = self.config
         return (
             cfg.overhead_ms / 1e3
             + uncached_tokens * cfg.prefill_us_per_token / 1e6
             + loaded_tokens * cfg.cpu_load_us_per_token / 1e6
+            + handed_tokens * cfg.handover_us_per_token / 1e6
         )
 
     def output_words(self, prompt_len: int, hashes: Sequence[int], n: int) -> list[str]:
@@ -215,9 +227,11 @@ class SimEngine:
             raise
 
     # --- one request -------------------------------------------------------------------------------------
-    async def generate(self, tokens: Sequence[int], hashes: Sequence[int], max_tokens: int, emit: Emit) -> GenResult:
+    async def generate(
+        self, tokens: Sequence[int], hashes: Sequence[int], max_tokens: int, emit: Emit, *, save_kv: bool = False
+    ) -> GenResult:
         """Run one request: faults, queueing, prefill, decode; ``emit`` receives the output words in order
-        (and the cached prompt token count).
+        (and the cached prompt token count). ``save_kv``: a prefill step, its KV stored for a decode replica.
 
         Raises `SimFaultError` / `OverloadedError` before any emit; cancellation and connection errors from
         ``emit`` propagate after the request is counted as cancelled.
@@ -251,24 +265,32 @@ class SimEngine:
         admitted = first_token = time.monotonic()
         m.queue_time.observe(admitted - arrival)
         m.prefix_queries.inc(prompt_len)
-        loaded = alloc.loaded_blocks * self.cache.block_size
-        m.prefix_hits.inc(alloc.cached_tokens - loaded)
-        if self.cache.cpu_blocks:
-            m.external_queries.inc(prompt_len - (alloc.cached_tokens - loaded))
-            m.external_hits.inc(loaded)
+        bs = self.cache.block_size
+        loaded, handed = alloc.loaded_blocks * bs, alloc.handed_blocks * bs
+        m.prefix_hits.inc(alloc.cached_tokens - loaded - handed)
+        if self.cache.cpu_blocks or self.transfer is not None:
+            m.external_queries.inc(prompt_len - (alloc.cached_tokens - loaded - handed))
+            m.external_hits.inc(loaded + handed)
         m.prompt_tokens.inc(prompt_len)
         stats.prompt_tokens_total += prompt_len
         stats.cached_tokens_total += alloc.cached_tokens
         self._notify()
         try:
             words = self.output_words(prompt_len, hashes, max_tokens)
+            if save_kv and self.transfer is not None:
+                self.transfer.save(hashes)
             if cfg.instant:
                 m.ttft.observe(first_token - arrival)
                 stats.generated_tokens += max_tokens
                 m.generation_tokens.inc(max_tokens)
                 await emit(words, alloc.cached_tokens)
             else:
-                await asyncio.sleep(self.prefill_s(prompt_len - alloc.cached_tokens, loaded))
+                computed = prompt_len - alloc.cached_tokens
+                self._prefilling += computed
+                try:
+                    await asyncio.sleep(self.prefill_s(computed, loaded, handed))
+                finally:
+                    self._prefilling -= computed
                 last = first_token = time.monotonic()
                 m.ttft.observe(last - arrival)
                 for i, word in enumerate(words):

@@ -49,6 +49,7 @@ class GenRequest:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    remote_decode: bool = False  # kv_transfer_params.do_remote_decode: a prefill step whose decode runs elsewhere
 
 
 def check_model(body: Mapping[str, Any], cfg: SimConfig) -> str:
@@ -147,6 +148,8 @@ def parse_generation(kind: Kind, body: Any, cfg: SimConfig) -> GenRequest:
         stream=stream,
         include_usage=bool(options.get("include_usage")),
         continuous_usage=bool(options.get("continuous_usage_stats")),
+        remote_decode=isinstance(transfer := body.get("kv_transfer_params"), dict)
+        and bool(transfer.get("do_remote_decode")),
     )
 
 

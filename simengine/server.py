@@ -105,8 +105,11 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         async def collect(words: Sequence[str], cached: int) -> None:
             parts.extend(words)
 
-        res = await engine.generate(req.tokens, hashes, req.max_tokens, collect)
-        return _json(writer.full("".join(parts), usage(res.prompt_tokens, res.completion_tokens, res.cached_tokens)))
+        res = await engine.generate(req.tokens, hashes, req.max_tokens, collect, save_kv=req.remote_decode)
+        answer = writer.full("".join(parts), usage(res.prompt_tokens, res.completion_tokens, res.cached_tokens))
+        if req.remote_decode and engine.transfer is not None:  # as vLLM's connector answers a prefill step
+            answer["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": engine.config.model}
+        return _json(answer)
     except SimFaultError as exc:
         return _error(500, f"simulated engine failure: {exc}", "InternalServerError")
     except OverloadedError as exc:

@@ -26,8 +26,16 @@ class Gateway:
 
 
 @contextmanager
-def pool_gateway(tmp: Path, *, admin_key: str, model: dict[str, Any], **sections: Any) -> Iterator[Gateway]:
-    """`model`: the pool model entry (name, replicas, devices, ...); `sections`: extra top-level config sections."""
+def pool_gateway(
+    tmp: Path,
+    *,
+    admin_key: str,
+    model: dict[str, Any] | None = None,
+    models: list[dict[str, Any]] | None = None,
+    **sections: Any,
+) -> Iterator[Gateway]:
+    """`model`: the pool model entry (name, replicas, devices, ...), or `models` several; `sections`: extra top-level
+    config sections."""
     port = free_port()
     model_dir = tmp / "model"
     config = {
@@ -39,7 +47,7 @@ def pool_gateway(tmp: Path, *, admin_key: str, model: dict[str, Any], **sections
             "log_dir": str(tmp / "logs"),
             "model_dir": str(model_dir),
             "cache_root": str(tmp / "vllm-cache"),
-            "models": [model],
+            "models": models if models is not None else [model],
         },
     }
     cfg_path = tmp / "kvgate.yaml"
