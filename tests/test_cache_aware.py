@@ -278,3 +278,16 @@ def test_a_cpu_hit_priced_as_a_recompute_is_no_hit() -> None:
 def test_offload_token_cost_is_a_fraction(value: float) -> None:
     with pytest.raises(ValueError, match="offload_token_cost"):
         CacheAware({"offload_token_cost": value})
+
+
+# --- the learned queue price (ReplicaState.queue_price) ------------------------------------------------------------
+def test_a_learned_queue_price_spreads_a_hot_prefix_sooner_when_opted_in() -> None:
+    # a holds the 64-block prompt (1024 tokens saved) and has 4 requests; each costs 64 by default, 400 learned
+    replicas = [rep("a", 4, queue_price=400.0), rep("b", 0, queue_price=400.0)]
+    assert decide(replicas, {"a": 64}).replica == "a"  # default: the constant (4 x 64 < 1024)
+    assert decide(replicas, {"a": 64}, learn_queue_price=True).replica == "b"  # 4 x 400 > 1024
+
+
+def test_a_learned_price_below_the_constant_does_not_make_load_free() -> None:
+    replicas = [rep("a", 17, queue_price=0.0), rep("b", 0, queue_price=0.0)]
+    assert decide(replicas, {"a": 64}, learn_queue_price=True).replica == "b"  # 17 x 64 > 1024: the floor holds
