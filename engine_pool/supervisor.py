@@ -358,7 +358,7 @@ class Supervisor:
     async def _warm_up(self, slot: Slot, timeout_s: float) -> str | None:
         """One real completion; None on success, else why it failed."""
         m = slot.model
-        body = {"model": m.name, "prompt": m.warmup_prompt, "max_tokens": m.warmup_max_tokens, "temperature": 0}
+        body = {"model": m.served, "prompt": m.warmup_prompt, "max_tokens": m.warmup_max_tokens, "temperature": 0}
         try:
             status, raw = await self.client.fetch(
                 "POST", f"{slot.replica.url}/v1/completions", json.dumps(body).encode(), _JSON, timeout_s=timeout_s

@@ -79,10 +79,11 @@ async def ready_replicas(gw: Gateway, timeout_s: float = 420) -> dict[str, Any]:
             await asyncio.sleep(1)
 
 
+@pytest.mark.timeout(480)
 async def test_a_long_prompt_is_answered_from_the_kv_its_prefill_replica_handed_over(gateway: Gateway) -> None:
     await ready_replicas(gateway)
-    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-    raw = await client.completions.with_raw_response.create(model=MODEL, prompt=LONG, **SAMPLING)
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
+        raw = await client.completions.with_raw_response.create(model=MODEL, prompt=LONG, **SAMPLING)
     split = raw.parse()
     assert raw.headers["x-kvgate-disagg"] == "split; prefill=tiny-prefill-0"
     assert raw.headers["x-kvgate-replica"] == "tiny-decode-0"
@@ -97,18 +98,19 @@ async def test_a_long_prompt_is_answered_from_the_kv_its_prefill_replica_handed_
         async with http.get(gateway.url + "/admin/replicas", headers={"Authorization": "Bearer disagg-admin"}) as r:
             replicas = (await r.json())["replicas"]
     url = next(x["url"] for x in replicas if x["id"] == "tiny-prefill-0")
-    engine = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    whole = await engine.completions.create(model=MODEL, prompt=LONG, **SAMPLING)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as engine:
+        whole = await engine.completions.create(model=MODEL, prompt=LONG, **SAMPLING)
     assert split.choices[0].text == whole.choices[0].text
     assert len(split.choices[0].text) > 0
 
 
+@pytest.mark.timeout(120)
 async def test_a_short_prompt_runs_whole_on_the_decode_replica(gateway: Gateway) -> None:
     await ready_replicas(gateway)
-    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-    raw = await client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": SHORT}], **SAMPLING
-    )
+    async with openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0) as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": SHORT}], **SAMPLING
+        )
     assert raw.headers["x-kvgate-disagg"] == "aggregated; reason=short-prompt"
     assert raw.headers["x-kvgate-replica"] == "tiny-decode-0"
     assert raw.parse().choices[0].message.content
