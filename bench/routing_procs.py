@@ -56,7 +56,7 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 @contextmanager
 def children(
-    specs: Sequence[tuple[list[str], list[str]]], cpus: set[int] | None = None
+    specs: Sequence[tuple[list[str], list[str]]], cpus: set[int] | None = None, timeout_s: float = 60
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Start every (args, ready_urls) child at once (pinned to `cpus` when given), wait until all ready URLs answer
     200, stop them all on exit."""
@@ -71,7 +71,7 @@ def children(
         for (args, urls), log in zip(specs, logs, strict=True):
             for url in urls:
                 try:
-                    wait_http(url, timeout_s=60)
+                    wait_http(url, timeout_s=timeout_s)
                 except TimeoutError as exc:
                     log.seek(0)
                     tail = log.read()[-2000:].decode(errors="replace")
