@@ -12,7 +12,7 @@ front, one per mode, each a `kvgate serve` process with cache-aware routing:
 - aggregated: the four engines answer whole requests (role both);
 - disaggregated: one prefill engine and three decode engines, every request split (`min_prefill_tokens` 0);
 - selective: the same engines, prompts under 512 uncached tokens run whole on a decode engine.
-Workloads (`loadgen.workloads.random_requests`, seeded, the same requests for every mode), Poisson arrivals:
+Workloads (`loadgen.workloads.random_requests`, seeded per workload, the same requests for every mode), Poisson:
 prefill-heavy (prompts of 2,000-4,000 tokens, 8-16 output tokens), decode-heavy (64-256 / 128-256), mixed
 (64-4,000 / 8-256). Modes run one after the other, never at the same time, on the same engines (prefix caches
 reset in between). Reported per (workload, mode): TTFT p50/p99, TPOT (each request's mean time per output token)
@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -103,14 +104,19 @@ async def run_mode(
     model: str = MODEL,
     table: dict[str, Any] = WORKLOADS,
     maker: Any = None,
+    handover: str | None = None,
 ) -> dict[str, Any]:
     for e in engines:  # every mode starts from cold caches
         async with http.post(e + "/reset_prefix_cache") as resp:
             await resp.read()
+    if handover is not None:  # and an empty hand-over folder: the same prompts come again in the next mode
+        shutil.rmtree(handover, ignore_errors=True)
+        os.makedirs(handover)
     before = await split_count(http, url)
     target = Target(base_url=url, model=model, endpoint="completions")
     arrival = Arrival("poisson", rate=table[workload][2])
-    result = await run_setting(http, target, factory(workload, n, table, maker), arrival)
+    seed = list(table).index(workload)  # distinct prompts per workload: no reuse across them
+    result = await run_setting(http, target, factory(workload, n, table, maker), arrival, seed=seed)
     s = summarize(result.results, result.wall_s)
     return {
         "ttft_p50_ms": 1e3 * (s.ttft_s.get("p50") or 0.0),
@@ -134,12 +140,13 @@ async def split_count(http: aiohttp.ClientSession, url: str) -> float:
     )
 
 
-async def measure(urls: dict[str, str], engines: list[str], n: int) -> list[dict[str, Any]]:
+async def measure(urls: dict[str, str], engines: list[str], n: int, handover: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     async with aiohttp.ClientSession() as http:
         for workload in WORKLOADS:
             for mode, url in urls.items():
-                row = {"workload": workload, "mode": mode, **await run_mode(http, url, engines, workload, n)}
+                row = {"workload": workload, "mode": mode}
+                row |= await run_mode(http, url, engines, workload, n, handover=handover)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -168,7 +175,7 @@ def run(n: int) -> list[dict[str, Any]]:
             urls[mode] = f"http://127.0.0.1:{port}"
             gws.append((["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"], [urls[mode] + "/ready"]))
         with children(sims), children(gws):
-            return asyncio.run(measure(urls, engines, n))
+            return asyncio.run(measure(urls, engines, n, tmp + "/kv"))
 
 
 def vllm_config(port: int, tmp: str, min_prefill: int | None) -> dict[str, Any]:

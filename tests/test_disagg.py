@@ -164,8 +164,12 @@ def test_the_kv_connector_reaches_vllm_and_roles_are_checked() -> None:
         PoolConfig(models=[ModelPoolConfig(name="p", serves="m", role="prefill", kv_transfer_config=connector)])
 
 
+SHIPPED = Path(__file__).resolve().parent.parent / "deploy" / "gpu-8x-disagg.yaml"
+
+
+@pytest.mark.skipif(not SHIPPED.is_file(), reason="needs the source checkout (the bare-install run has tests/ only)")
 def test_the_shipped_disaggregated_gpu_config_loads() -> None:
-    config = load_config(str(Path(__file__).resolve().parent.parent / "deploy" / "gpu-8x-disagg.yaml"), environ={})
+    config = load_config(str(SHIPPED), environ={})
     assert config.pool is not None
     groups = {m.name: (m.served, m.role, m.replicas) for m in config.pool.models}
     assert groups == {
