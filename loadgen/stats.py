@@ -84,6 +84,7 @@ class Summary:
     cached_fraction: float  # cached / prompt tokens, from usage.prompt_tokens_details.cached_tokens
     ttft_s: dict[str, float | None]
     tpot_s: dict[str, float | None]
+    itl_s: dict[str, float | None]  # every gap between streamed tokens of the successful requests
     e2e_s: dict[str, float | None]
     errors: dict[str, int]
 
@@ -118,6 +119,7 @@ def summarize(results: Iterable[RequestResult], wall_s: float) -> Summary:
         cached_fraction=cached / prompt if prompt else 0.0,
         ttft_s=distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
         tpot_s=distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
+        itl_s=distribution([gap for r in ok for gap in r.itl_s]),
         e2e_s=distribution([r.e2e_s for r in ok]),
         errors=errors,
     )

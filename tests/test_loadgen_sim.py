@@ -67,6 +67,19 @@ async def test_shared_prefix_closed_loop(sim: SimServer) -> None:
     assert sim.engine.stats.completed == 8
 
 
+async def test_inter_token_latency_is_every_gap_between_streamed_tokens() -> None:
+    slow = FAST.model_copy(update={"decode_ms": 20.0})  # each token after the first comes 20 ms after the last
+    async with run_sim_engine(slow) as server:
+        res = await _run(server.url, lambda s: wl.random_requests(M, seed=s, num_requests=3, input_tokens=(16, 32),
+                                                                   output_tokens=(6, 6)),
+                         Arrival("closed", concurrency=1))  # fmt: skip
+    assert [len(r.itl_s) for r in res.results] == [5, 5, 5]
+    for r in res.results:
+        assert r.ttft_s is not None and sum(r.itl_s) == pytest.approx(r.e2e_s - r.ttft_s, abs=0.01)
+    s = summarize(res.results, res.wall_s)
+    assert s.itl_s["p50"] is not None and 0.019 <= s.itl_s["p50"] < 0.2  # the engine's own gap, and its spread
+
+
 async def test_multi_round_waits_for_answers_and_grows_history(sim: SimServer) -> None:
     def factory(seed: int) -> Any:
         return wl.multi_round_chat(M, seed=seed, users=3, rounds=3, system_tokens=32, question_tokens=8,
