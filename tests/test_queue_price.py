@@ -76,7 +76,7 @@ async def test_a_gateway_learns_a_higher_price_for_an_engine_whose_decode_slows_
     flat = base.model_copy(update={"decode_ms_per_seq": 0.0})
     steep = base.model_copy(update={"decode_ms_per_seq": 5.0})
     config = {"routing": {"policy": "round-robin"}, "health": {"metrics_interval_s": 0.1}}
-    async with gateway_over_sims([flat, steep], **config) as (gw, _):
+    async with gateway_over_sims([flat, steep], **config) as (gw, (flat_sim, steep_sim)):
         replicas = list(gw.app[REPLICAS])
 
         async def one(i: int) -> None:
@@ -100,8 +100,8 @@ async def test_a_gateway_learns_a_higher_price_for_an_engine_whose_decode_slows_
         prices = {r.id: r.queue_price.value for r in replicas}
         metrics = await (await http.get(gw.url + "/metrics")).text()
         assert "kvgate_replica_queue_price_tokens{" in metrics
-    by_engine = sorted(prices.values(), key=lambda v: v or 0.0)
-    assert by_engine[0] is not None and by_engine[1] is not None
+    flat_price, steep_price = prices[f"127.0.0.1:{flat_sim.port}"], prices[f"127.0.0.1:{steep_sim.port}"]
+    assert flat_price is not None and steep_price is not None
     # 5 ms vs none of decode per running sequence: about 1,500 tokens vs 0 by the model; the engines share this
     # test's event loop with the gateway and the client, whose contention grows with the load on both alike
-    assert by_engine[1] > 2 * by_engine[0]
+    assert steep_price > 2 * flat_price
