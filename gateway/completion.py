@@ -188,6 +188,8 @@ class CompletionService:
             m = self.metrics.model(ctx.model)
             if ctx.ttft_s is not None:
                 m.ttft.observe(ctx.ttft_s)
+                if ctx.prefill_done_at is not None:
+                    self.metrics.handover.labels(ctx.model).observe(ctx.started + ctx.ttft_s - ctx.prefill_done_at)
             if ctx.duration_s is not None:
                 m.e2e.observe(ctx.duration_s)
             if ctx.prompt_tokens:

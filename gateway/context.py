@@ -30,6 +30,7 @@ class RequestContext:
     answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
     delivered: bool = False  # the engine's whole response was relayed (the client may still leave before EOF)
     split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
+    prefill_done_at: float | None = None  # time.monotonic() when a split request's prefill step answered
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
 
     def set_usage(self, usage: object) -> None:

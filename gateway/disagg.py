@@ -109,7 +109,8 @@ class PrefillStep:
             found = await self._prefill(path, info, ctx, prefill_body(data), deadline)
             if found is not None:
                 replica, params = found
-                self.metrics.prefill_step.labels(parsed.model).observe(time.monotonic() - started)
+                ctx.prefill_done_at = time.monotonic()
+                self.metrics.prefill_step.labels(parsed.model).observe(ctx.prefill_done_at - started)
                 self.metrics.disagg.labels(parsed.model, "split").inc()
                 ctx.extra_headers["x-kvgate-disagg"] = f"split; prefill={replica.id}"
                 ctx.split = True

@@ -90,6 +90,14 @@ class GatewayMetrics:
             r,
             LATENCY_BUCKETS,
         )
+        self.handover = FastHistogram(
+            "kvgate_disagg_handover_seconds",
+            "Split requests: from the prefill step's answer to the decode replica's first token (the KV hand-over "
+            "and the first decode step; the decode after it is e2e less time to first token).",
+            ["model"],
+            r,
+            LATENCY_BUCKETS,
+        )
         self.tokens = FastCounter(
             "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.", ["model", "kind"], r
         )

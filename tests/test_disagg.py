@@ -107,7 +107,8 @@ async def test_a_long_prompt_is_prefilled_on_a_prefill_replica_and_decoded_from_
         assert data["choices"][0]["text"] == whole["choices"][0]["text"]
         metrics = await (await http.get(gw.url + "/metrics")).text()
         assert 'kvgate_disagg_requests_total{mode="split",model="sim"} 1.0' in metrics
-        assert "kvgate_disagg_prefill_seconds_count" in metrics
+        assert 'kvgate_disagg_prefill_seconds_count{model="sim"} 1.0' in metrics
+        assert 'kvgate_disagg_handover_seconds_count{model="sim"} 1.0' in metrics
 
 
 async def test_a_short_prompt_runs_whole_on_a_decode_replica(http: aiohttp.ClientSession, tmp_path: Path) -> None:
