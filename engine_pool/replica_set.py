@@ -47,6 +47,7 @@ class ReplicaSet:
         self.metrics_interval_s = metrics_interval_s
         self._replicas: dict[str, Replica] = {}
         self._by_model: dict[str, list[Replica]] = {}  # for_model's cache
+        self._split: dict[str, bool] = {}  # disaggregated's cache, dropped with for_model's
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listeners: list[ReplicaListener] = []
         self.changed = asyncio.Event()  # set whenever routability may have changed (for waiters)
@@ -59,12 +60,12 @@ class ReplicaSet:
         if replica.id in self._replicas:
             raise ValueError(f"replica {replica.id!r} already exists")
         self._replicas[replica.id] = replica
-        self._by_model.clear()
+        self._forget_models()
         self._tasks[replica.id] = asyncio.create_task(self._probe_loop(replica), name=f"probe:{replica.id}")
 
     async def remove(self, replica_id: str) -> Replica | None:
         replica = self._replicas.pop(replica_id, None)
-        self._by_model.clear()
+        self._forget_models()
         task = self._tasks.pop(replica_id, None)
         if task is not None:
             task.cancel()
@@ -100,9 +101,19 @@ class ReplicaSet:
                 self._by_model[model] = found
         return found
 
+    def _forget_models(self) -> None:
+        self._by_model.clear()
+        self._split.clear()
+
     def disaggregated(self, model: str) -> bool:
-        """Some replica of `model` is a prefill replica (its requests may be split: `gateway.disagg`)."""
-        return any(r.role == "prefill" for r in self.for_model(model))
+        """Some replica of `model` is a prefill replica (its requests may be split: `gateway.disagg`); cached like
+        `for_model` (a replica's role is fixed when it is created), so a request asks it at no cost."""
+        found = self._split.get(model)
+        if found is None:
+            found = any(r.role == "prefill" for r in self.for_model(model))
+            if len(self._split) < 1024:
+                self._split[model] = found
+        return found
 
     def undiscovered(self) -> bool:
         """Some replica's model is not known yet (an attached engine that has not answered /v1/models)."""
@@ -170,14 +181,14 @@ class ReplicaSet:
             if replica.model is None or entry["id"] == replica.model:
                 if replica.model is None:
                     replica.model = entry["id"]
-                    self._by_model.clear()
+                    self._forget_models()
                 if isinstance(entry.get("max_model_len"), int):
                     replica.max_model_len = entry["max_model_len"]
                 break
         adapters = {e["id"]: str(e.get("root") or "") for e in entries if e.get("parent") == replica.model}
         if adapters != replica.adapters:
             replica.adapters = adapters
-            self._by_model.clear()
+            self._forget_models()
             self._notify()
 
     async def scrape_metrics(self, replica: Replica) -> bool:

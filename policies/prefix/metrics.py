@@ -67,7 +67,7 @@ class PrefixMetrics:
         index_sizes: Callable[[], Mapping[str, int]],
         capacities: Callable[[], Mapping[str, tuple[int, bool]]],
         sessions: Callable[[], int],
-        offloaded_sizes: Callable[[], Mapping[str, int]] = dict,
+        offloaded_sizes: Callable[[], Mapping[str, int]],
     ) -> None:
         r = registry
         self.requests = FastCounter(
