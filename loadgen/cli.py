@@ -1,12 +1,16 @@
-"""`kvgate loadgen {sweep,run,quality,compare}`: argument parsing only; the modes live in `loadgen.modes`.
+"""`kvgate loadgen {sweep,run,quality,report,compare}`: argument parsing only; the modes live in `loadgen.modes`
+and `loadgen.capacity` (report).
 
 Examples:
   kvgate loadgen sweep --url http://127.0.0.1:8000 --workload shared-prefix --concurrencies 1,2,4,8,16 \\
       --metrics-url http://127.0.0.1:8000/metrics --out results/rr --write-gate kvgate.yaml
   kvgate loadgen run --url http://127.0.0.1:8000 --workload multi-round --concurrency 8 --duration 60
   kvgate loadgen quality --url http://127.0.0.1:8001 --tokenizer models/tiny
+  kvgate loadgen report --url http://127.0.0.1:8000 --workload sharegpt --dataset sharegpt.json \\
+      --slo ttft=500ms,tpot=50ms --plan auto --metrics-url http://127.0.0.1:8000/metrics --duration 60 --out rep
   kvgate loadgen compare results/rr/result.json results/cache/result.json --out results/cmp
-Exit status: 0 done, 1 nothing succeeded / a quality check failed / the gate could not be written, 2 bad usage.
+Exit status: 0 done, 1 nothing succeeded / a quality check failed / the gate could not be written, 2 bad usage
+(including an unreadable dataset, trace or plan file).
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ import sys
 
 import aiohttp
 
-from loadgen import modes
+from loadgen import capacity, modes
 from loadgen.runner import parse_tenant
-from loadgen.workloads import TraceError
+from loadgen.stats import Slo, parse_slo
 
 
 def _floats(text: str) -> list[float]:
@@ -57,6 +61,13 @@ def _tenant(text: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _slo(text: str) -> Slo:
+    try:
+        return parse_slo(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--url", required=True, help="base URL of the OpenAI-compatible server (no /v1)")
@@ -78,12 +89,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _workload(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload (lengths in tokens)")
-    g.add_argument("--workload", default="shared-prefix",
-                   choices=("shared-prefix", "multi-round", "agent", "random", "trace"))  # fmt: skip
+    g.add_argument("--workload", default="shared-prefix", choices=(
+        "shared-prefix", "multi-round", "agent", "random", "trace", "sharegpt", "jsonl"))  # fmt: skip
+    g.add_argument("--dataset", metavar="FILE", help="sharegpt: ShareGPT JSON; jsonl: one prompt per line")
+    g.add_argument("--dataset-turns", type=int, default=1, help="sharegpt: user turns per conversation")
     g.add_argument("--num-requests", "-n", type=int, help="cap on requests per setting (random: its count, 64)")
     g.add_argument("--system-len", type=int, default=512, help="shared system prompt")
     g.add_argument("--question-len", type=int, default=64, help="question / agent task")
-    g.add_argument("--output-len", type=int, default=64, help="max_tokens (answer length)")
+    g.add_argument("--output-len", type=int, default=64, help="max_tokens (answer length; datasets: when absent)")
     g.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
     g.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix")
     g.add_argument("--popularity", choices=("uniform", "zipf"), default="uniform", help="shared-prefix")
@@ -100,8 +113,36 @@ def _workload(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", metavar="FILE", help="trace: Mooncake JSONL")
     g.add_argument("--trace-block-tokens", type=int, default=512, help="trace: tokens per hash id")
     g.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival offsets")
-    g.add_argument("--max-input-len", type=int, help="trace: clamp input lengths")
-    g.add_argument("--max-output-len", type=int, help="trace: clamp output lengths")
+    g.add_argument("--max-input-len", type=int, help="trace: clamp input lengths; datasets: skip longer prompts")
+    g.add_argument("--max-output-len", type=int, help="trace and datasets: clamp output lengths")
+    m = p.add_argument_group("measurement")
+    m.add_argument("--warmup", type=int, default=0, metavar="N", help="requests before each setting, not counted")
+    m.add_argument("--slo", type=_slo, metavar="ttft=500ms,tpot=50ms,e2e=4s", help="goodput: requests within")
+    m.add_argument("--burstiness", type=float, default=1.0, help="rate arrivals: gamma shape (1 = Poisson)")
+
+
+def _sweep_options(sw: argparse.ArgumentParser) -> None:
+    loads = sw.add_mutually_exclusive_group()
+    loads.add_argument("--concurrencies", type=_ints, default=[1, 2, 4, 8, 16], metavar="C1,C2,...")
+    loads.add_argument("--rates", type=_floats, metavar="R1,R2,...", help="arrival rates (req/s) instead")
+    sw.add_argument("--same-prompts", action="store_true", help="every setting reuses the same prompts")
+    sw.add_argument("--replicas", type=int, help="replicas behind the URL (default: distinct x-kvgate-replica)")
+    sw.add_argument("--write-gate", metavar="CONFIG.yaml", help="set admission.replica_max_concurrency there")
+    sw.add_argument("--knee-ttft-factor", type=float, default=3.0, help="knee: TTFT p50 rise over baseline")
+    sw.add_argument("--knee-min-gain", type=float, default=0.10, help="knee: throughput gain deemed flat")
+    sw.add_argument("--min-success", type=float, default=0.99, help="knee: success rate below = saturated")
+    sw.add_argument("--slo-attainment", type=float, default=0.9, help="goodput knee: share of requests within SLO")
+    sw.add_argument(
+        "--plan",
+        metavar="PLAN.json|auto",
+        help="predicted knee beside the measured: `kvgate plan --json` output, or auto (engines' KV)",
+    )
+
+
+def _quality_options(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--long-input", type=int, default=1500, help="long-context prompt tokens")
+    q.add_argument("--long-output", type=int, default=512, help="long generation max_tokens")
+    q.add_argument("--identical", type=int, default=4, help="concurrent identical prompts")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,31 +153,30 @@ def build_parser() -> argparse.ArgumentParser:
     sw = sub.add_parser("sweep", help="capacity table over concurrencies or rates, knee and gate")
     _common(sw)
     _workload(sw)
-    loads = sw.add_mutually_exclusive_group()
-    loads.add_argument("--concurrencies", type=_ints, default=[1, 2, 4, 8, 16], metavar="C1,C2,...")
-    loads.add_argument("--rates", type=_floats, metavar="R1,R2,...", help="Poisson rates (req/s) instead")
-    sw.add_argument("--same-prompts", action="store_true", help="every setting reuses the same prompts")
-    sw.add_argument("--replicas", type=int, help="replicas behind the URL (default: distinct x-kvgate-replica)")
-    sw.add_argument("--write-gate", metavar="CONFIG.yaml", help="set admission.replica_max_concurrency there")
-    sw.add_argument("--knee-ttft-factor", type=float, default=3.0, help="knee: TTFT p50 rise over baseline")
-    sw.add_argument("--knee-min-gain", type=float, default=0.10, help="knee: throughput gain deemed flat")
-    sw.add_argument("--min-success", type=float, default=0.99, help="knee: success rate below = saturated")
+    _sweep_options(sw)
 
     rn = sub.add_parser("run", help="one sustained setting")
     _common(rn)
     _workload(rn)
     arr = rn.add_mutually_exclusive_group()
     arr.add_argument("--concurrency", "-c", type=int, default=8, help="closed loop (default)")
-    arr.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    arr.add_argument("--rate", type=float, help="open loop: arrivals per second (see --burstiness)")
     arr.add_argument("--trace-arrival", action="store_true", help="open loop at the trace's timestamps")
     rn.add_argument("--duration", type=float, help="seconds (the workload repeats with new seeds)")
     rn.add_argument("--max-inflight", type=int, default=1024, help="open loop: cap on requests in flight")
 
     q = sub.add_parser("quality", help="checks for a real model")
     _common(q)
-    q.add_argument("--long-input", type=int, default=1500, help="long-context prompt tokens")
-    q.add_argument("--long-output", type=int, default=512, help="long generation max_tokens")
-    q.add_argument("--identical", type=int, default=4, help="concurrent identical prompts")
+    _quality_options(q)
+
+    rp = sub.add_parser("report", help="sweep + sustained run at the knee + quality checks: one capacity report")
+    _common(rp)
+    _workload(rp)
+    _sweep_options(rp)
+    _quality_options(rp)
+    rp.add_argument("--duration", type=float, default=60.0, help="sustained run at the knee, seconds")
+    rp.add_argument("--max-inflight", type=int, default=1024, help="open loop: cap on requests in flight")
+    rp.add_argument("--no-quality", action="store_true", help="skip the quality checks")
 
     c = sub.add_parser("compare", help="side by side of result.json files")
     c.add_argument("files", nargs="+", metavar="RESULT.json")
@@ -154,8 +194,10 @@ async def _dispatch(args: argparse.Namespace) -> int:
             return await modes.run(args)
         if args.mode == "quality":
             return await modes.quality(args)
+        if args.mode == "report":
+            return await capacity.report(args)
         return modes.compare(args)
-    except (ValueError, TraceError, OSError, aiohttp.ClientError) as exc:
+    except (ValueError, OSError, aiohttp.ClientError) as exc:  # TraceError and DatasetError are ValueErrors
         print(f"kvgate loadgen: {exc}", file=sys.stderr)
         return 2
 

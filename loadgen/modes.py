@@ -1,10 +1,15 @@
-"""The four modes behind `kvgate loadgen`: sweep, run, quality and compare (argument parsing is in `loadgen.cli`).
+"""The modes behind `kvgate loadgen`: sweep, run, quality and compare (argument parsing is in `loadgen.cli`; the
+one-command capacity report, which chains sweep, run and quality, is `loadgen.capacity`).
 
-sweep: one setting per concurrency (closed loop) or rate (Poisson), each with a fresh workload (seed + 1000 * i,
-so settings do not reuse each other's prompts unless `--same-prompts`), metrics scraped before and after each;
-then the knee rule and the recommended per-replica gate (`loadgen.stats`), optionally written to a config.
-run: one setting for N requests or a duration. quality: `loadgen.quality` checks. compare: side-by-side of result
-files. Every mode prints the table, and with `--out DIR` writes result.json, charts and report.html.
+sweep: one setting per concurrency (closed loop) or rate (gamma arrivals, Poisson by default), each with a fresh
+workload (seed + 1000 * i, so settings do not reuse each other's prompts unless `--same-prompts`), metrics scraped
+before and after each; then the knee rule and the recommended per-replica gate (`loadgen.stats`), optionally
+written to a config; with `--slo` the goodput knee, with `--plan` the prediction beside the measurement
+(`loadgen.predicted`). run: one setting for N requests or a duration. quality: `loadgen.quality` checks. compare:
+side-by-side of result files. Every mode prints the table, and with `--out DIR` writes result.json, charts and
+report.html.
+Warm-up (`--warmup N`): before each setting, N requests of the same arrival from another seed (so they do not
+pre-cache the measured prompts), sent before the metrics are scraped and left out of every figure.
 """
 
 from __future__ import annotations
@@ -14,22 +19,36 @@ import datetime
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from loadgen import predicted
 from loadgen import workloads as wl
 from loadgen.client import RequestSpec, Target, fetch_model
+from loadgen.datasets import DatasetWorkload, load_dataset
 from loadgen.gatecfg import GateConfigError, write_gate
 from loadgen.promscrape import prefix_cache_report, replica_load, scrape_all
 from loadgen.quality import run_quality
 from loadgen.report import Doc, format_compare, format_table, write_charts, write_html, write_json
 from loadgen.runner import Arrival, Progress, SettingResult, Tenant, WorkloadFactory, run_setting
-from loadgen.stats import KneeRule, SweepPoint, find_knee, recommend_gate, summarize, verdict
+from loadgen.stats import (
+    KneeRule,
+    Slo,
+    SweepPoint,
+    find_goodput_knee,
+    find_knee,
+    percentile,
+    recommend_gate,
+    summarize,
+    verdict,
+)
 from loadgen.text import TextMaker, make_text_maker
 
 FORMAT = "kvgate-loadgen/1"
+WARMUP_SEED = 777_777  # offset of the warm-up requests' seed from the setting's
 
 
 def build_factory(args: argparse.Namespace, maker: TextMaker) -> WorkloadFactory:
@@ -40,6 +59,16 @@ def build_factory(args: argparse.Namespace, maker: TextMaker) -> WorkloadFactory
             raise ValueError("--workload trace needs --trace FILE")
         with open(args.trace) as fh:
             records = wl.parse_mooncake_trace(fh)
+
+    if name in ("sharegpt", "jsonl"):
+        if not args.dataset:
+            raise ValueError(f"--workload {name} needs --dataset FILE")
+        data = DatasetWorkload(
+            maker, load_dataset(name, args.dataset), max_turns=args.dataset_turns,
+            default_output_len=args.output_len, max_input_tokens=args.max_input_len,
+            max_output_tokens=args.max_output_len,
+        )  # fmt: skip
+        return data.specs
 
     def factory(seed: int) -> Iterator[RequestSpec]:
         if name == "shared-prefix":
@@ -73,7 +102,7 @@ def build_factory(args: argparse.Namespace, maker: TextMaker) -> WorkloadFactory
     return factory
 
 
-def _target(args: argparse.Namespace, model: str) -> Target:
+def make_target(args: argparse.Namespace, model: str) -> Target:
     return Target(
         base_url=args.url,
         model=model,
@@ -87,7 +116,7 @@ def _auth(args: argparse.Namespace) -> dict[str, str]:
     return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
-async def _model(http: aiohttp.ClientSession, args: argparse.Namespace) -> str:
+async def resolve_model(http: aiohttp.ClientSession, args: argparse.Namespace) -> str:
     return str(args.model) if args.model else await fetch_model(http, args.url, _auth(args))
 
 
@@ -95,44 +124,61 @@ def _tenants(args: argparse.Namespace) -> list[Tenant]:
     return list(args.tenant or [])
 
 
-def _per_tenant(setting: SettingResult) -> dict[str, dict[str, Any]]:
+def _per_tenant(setting: SettingResult, slo: Slo | None) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[Any]] = {}
     for r in setting.results:
         groups.setdefault(r.tenant or "-", []).append(r)
     out = {}
     for label, rs in sorted(groups.items()):
-        s = summarize(rs, setting.wall_s)
+        s = summarize(rs, setting.wall_s, slo)
         out[label] = {"requests": s.requests, "succeeded": s.succeeded, "ttft_p50_s": s.ttft_s["p50"],
-                      "output_tok_per_s": s.output_tok_per_s}  # fmt: skip
+                      "output_tok_per_s": s.output_tok_per_s, "slo_attainment": s.slo_attainment}  # fmt: skip
     return out
+
+
+def _progress(
+    args: argparse.Namespace, factory: WorkloadFactory, seed: int, label: str, duration: float | None
+) -> Progress:
+    enabled = bool(args.progress or sys.stderr.isatty())
+    total = args.num_requests
+    if enabled and duration is None and sys.stderr.isatty():  # the bar's length: the workload, counted up front
+        count = sum(1 for _ in factory(seed))
+        total = count if total is None else min(total, count)
+    return Progress(enabled, label, total=total, duration_s=duration)
 
 
 async def run_point(
     http: aiohttp.ClientSession, target: Target, factory: WorkloadFactory, arrival: Arrival,
-    args: argparse.Namespace, seed: int, label: str,
+    args: argparse.Namespace, seed: int, label: str, duration_s: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One setting, with metrics scraped before and after; returns the point's JSON."""
+    """One setting (after its warm-up), with metrics scraped before and after; returns the point's JSON."""
     urls = list(args.metrics_url or [])
+    kwargs: dict[str, Any] = {"tenants": _tenants(args), "api_key": args.api_key}
+    if args.warmup:
+        await run_setting(http, target, factory, arrival, seed=seed + WARMUP_SEED, max_requests=args.warmup, **kwargs)
     before = await scrape_all(http, urls) if urls else []
-    progress = Progress(args.progress or sys.stderr.isatty(), label)
     setting = await run_setting(
         http, target, factory, arrival, seed=seed, max_requests=args.num_requests,
-        duration_s=getattr(args, "duration", None), tenants=_tenants(args), api_key=args.api_key, progress=progress,
+        duration_s=duration_s, progress=_progress(args, factory, seed, label, duration_s), **kwargs,
     )  # fmt: skip
     after = await scrape_all(http, urls) if urls else []
-    summary = summarize(setting.results, setting.wall_s)
+    summary = summarize(setting.results, setting.wall_s, args.slo)
+    gaps = [g for r in setting.results if r.ok for g in r.itl_s]
     return {
         "load": arrival.load,
         "arrival": arrival.mode,
         "concurrency": arrival.concurrency if arrival.mode == "closed" else None,
         "rate": arrival.rate if arrival.mode == "poisson" else None,
+        "burstiness": arrival.burstiness if arrival.mode == "poisson" else None,
         "seed": seed,
+        "warmup_requests": args.warmup,
         "started_at": setting.started_at,
         "summary": summary.to_json(),
         "verdict": None,
         "replica_load": replica_load(r.replica for r in setting.results),
-        "tenants": _per_tenant(setting),
+        "tenants": _per_tenant(setting, args.slo),
         "prefix_cache": prefix_cache_report(before, after) if urls else None,
+        "itl_cdf_s": [percentile(gaps, q) for q in range(101)] if gaps else [],  # p0..p100 of the gaps
         "requests": [r.to_json() for r in setting.results],
     }
 
@@ -152,6 +198,8 @@ def _new_doc(args: argparse.Namespace, mode: str, target: Target | None) -> Doc:
         "points": [],
         "knee": None,
         "recommendation": None,
+        "goodput": None,
+        "plan": None,
         "quality": None,
     }
 
@@ -193,69 +241,119 @@ def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None
     return gate if knee.found else None
 
 
-async def sweep(args: argparse.Namespace) -> int:
-    maker = make_text_maker(args.tokenizer)
-    factory = build_factory(args, maker)
+def _apply_goodput(doc: Doc, args: argparse.Namespace) -> None:
+    if args.slo is None:
+        return
+    knee = find_goodput_knee([(p["load"], p["summary"]["slo_attainment"]) for p in doc["points"]], args.slo_attainment)
+    unit = "req/s" if doc["arrival"] == "poisson" else "concurrency"
+    best = max(doc["points"], key=lambda p: p["summary"]["goodput_req_per_s"])
+    text = (f"goodput knee at {unit} {knee.load:g} ({knee.reason}; SLO {args.slo.describe()}, "
+            f"attainment >= {args.slo_attainment:g}); most goodput {best['summary']['goodput_req_per_s']:.2f} req/s "
+            f"at {best['load']:g}")  # fmt: skip
+    doc["goodput"] = {"slo": asdict(args.slo), "min_attainment": args.slo_attainment, "knee": knee.to_json(),
+                      "text": text}  # fmt: skip
+
+
+async def _prediction(http: aiohttp.ClientSession, args: argparse.Namespace, doc: Doc) -> predicted.Prediction:
+    if args.plan != "auto":
+        return predicted.from_plan_file(args.plan, doc["recommendation"]["replicas"])
+    first = doc["points"][0]["summary"]
+    per_seq = (first["prompt_tokens"] + first["completion_tokens"]) / max(1, first["succeeded"])
+    return predicted.from_capacities(await predicted.scrape_capacities(http, args.metrics_url or []), per_seq)
+
+
+async def sweep_doc(http: aiohttp.ClientSession, args: argparse.Namespace, target: Target) -> tuple[Doc, int | None]:
+    """The sweep's document (points, knee, goodput, plan) and the gate to write (None: no knee found)."""
+    if args.plan == "auto" and not args.metrics_url:
+        raise ValueError("--plan auto reads the engines' KV capacity: give --metrics-url (kvgate's or the engines')")
+    factory = build_factory(args, make_text_maker(args.tokenizer))
     by_rate = bool(args.rates)
-    loads = args.rates or args.concurrencies
-    async with aiohttp.ClientSession() as http:
-        target = _target(args, await _model(http, args))
-        doc = _new_doc(args, "sweep", target)
-        doc["arrival"] = "poisson" if by_rate else "closed"
-        for i, load in enumerate(sorted(loads)):
-            arrival = Arrival("poisson", rate=load) if by_rate else Arrival("closed", concurrency=int(load))
-            seed = args.seed if args.same_prompts else args.seed + 1000 * i
-            doc["points"].append(await run_point(http, target, factory, arrival, args, seed, f"{load:g}"))
-    gate = _apply_knee(doc, args, by_rate)
-    _finish(doc, args)
-    if args.write_gate:
-        if gate is None:
-            print(f"no knee found: {args.write_gate} left unchanged", file=sys.stderr)
+    doc = _new_doc(args, "sweep", target)
+    doc["arrival"] = "poisson" if by_rate else "closed"
+    for i, load in enumerate(sorted(args.rates or args.concurrencies)):
+        if by_rate:
+            arrival = Arrival("poisson", rate=load, burstiness=args.burstiness)
         else:
-            try:
-                write_gate(args.write_gate, gate)
-            except (GateConfigError, OSError) as exc:
-                print(f"cannot write the gate: {exc}", file=sys.stderr)
-                return 1
-            print(f"set admission.replica_max_concurrency: {gate} in {args.write_gate}")
+            arrival = Arrival("closed", concurrency=int(load))
+        seed = args.seed if args.same_prompts else args.seed + 1000 * i
+        doc["points"].append(await run_point(http, target, factory, arrival, args, seed, f"{load:g}"))
+    gate = _apply_knee(doc, args, by_rate)
+    _apply_goodput(doc, args)
+    if args.plan:
+        best = max(p["summary"]["output_tok_per_s"] for p in doc["points"])
+        prediction = await _prediction(http, args, doc)
+        doc["plan"] = predicted.compare(prediction, [p["load"] for p in doc["points"]], doc["knee"]["load"], best)
+    return doc, gate
+
+
+def write_gate_from(args: argparse.Namespace, gate: int | None) -> int:
+    """`--write-gate`: 0 written or nothing to do, 1 the file could not be written."""
+    if not args.write_gate:
+        return 0
+    if gate is None:
+        print(f"no knee found: {args.write_gate} left unchanged", file=sys.stderr)
+        return 0
+    try:
+        write_gate(args.write_gate, gate)
+    except (GateConfigError, OSError) as exc:
+        print(f"cannot write the gate: {exc}", file=sys.stderr)
+        return 1
+    print(f"set admission.replica_max_concurrency: {gate} in {args.write_gate}")
+    return 0
+
+
+async def sweep(args: argparse.Namespace) -> int:
+    async with aiohttp.ClientSession() as http:
+        doc, gate = await sweep_doc(http, args, make_target(args, await resolve_model(http, args)))
+    _finish(doc, args)
+    if write_gate_from(args, gate):
+        return 1
     return 1 if all(p["summary"]["succeeded"] == 0 for p in doc["points"]) else 0
 
 
-async def run(args: argparse.Namespace) -> int:
-    maker = make_text_maker(args.tokenizer)
-    factory = build_factory(args, maker)
+def run_arrival(args: argparse.Namespace) -> Arrival:
     if args.rate:
-        arrival = Arrival("poisson", rate=args.rate, max_inflight=args.max_inflight)
-    elif args.trace_arrival:
-        arrival = Arrival("trace", max_inflight=args.max_inflight)
-    else:
-        arrival = Arrival("closed", concurrency=args.concurrency)
+        return Arrival("poisson", rate=args.rate, burstiness=args.burstiness, max_inflight=args.max_inflight)
+    if args.trace_arrival:
+        return Arrival("trace", max_inflight=args.max_inflight)
+    return Arrival("closed", concurrency=args.concurrency)
+
+
+async def run_doc(http: aiohttp.ClientSession, args: argparse.Namespace, target: Target, arrival: Arrival) -> Doc:
+    factory = build_factory(args, make_text_maker(args.tokenizer))
+    doc = _new_doc(args, "run", target)
+    doc["arrival"] = arrival.mode
+    doc["points"].append(await run_point(http, target, factory, arrival, args, args.seed, "run", args.duration))
+    return doc
+
+
+async def run(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession() as http:
-        target = _target(args, await _model(http, args))
-        doc = _new_doc(args, "run", target)
-        doc["arrival"] = arrival.mode
-        doc["points"].append(await run_point(http, target, factory, arrival, args, args.seed, "run"))
+        doc = await run_doc(http, args, make_target(args, await resolve_model(http, args)), run_arrival(args))
     _finish(doc, args)
     return 1 if doc["points"][0]["summary"]["succeeded"] == 0 else 0
 
 
-async def quality(args: argparse.Namespace) -> int:
-    maker = make_text_maker(args.tokenizer)
-    async with aiohttp.ClientSession() as http:
-        target = _target(args, await _model(http, args))
-        checks = await run_quality(
-            http, target, maker, headers=_auth(args), long_input_tokens=args.long_input,
-            long_output_tokens=args.long_output, identical=args.identical, seed=args.seed,
-        )  # fmt: skip
+async def quality_doc(http: aiohttp.ClientSession, args: argparse.Namespace, target: Target) -> Doc:
+    checks = await run_quality(
+        http, target, make_text_maker(args.tokenizer), headers=_auth(args), long_input_tokens=args.long_input,
+        long_output_tokens=args.long_output, identical=args.identical, seed=args.seed,
+    )  # fmt: skip
     doc = _new_doc(args, "quality", target)
     doc["quality"] = [c.to_json() for c in checks]
-    for c in checks:
-        print(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<20} {c.detail}")
+    return doc
+
+
+async def quality(args: argparse.Namespace) -> int:
+    async with aiohttp.ClientSession() as http:
+        doc = await quality_doc(http, args, make_target(args, await resolve_model(http, args)))
+    for c in doc["quality"]:
+        print(f"{'PASS' if c['passed'] else 'FAIL'}  {c['name']:<20} {c['detail']}")
     if args.out:
         out = Path(args.out)
         write_json(doc, out)
         write_html([(doc["label"], doc)], [], out / "report.html", "kvgate loadgen quality")
-    return 0 if all(c.passed for c in checks) else 1
+    return 0 if all(c["passed"] for c in doc["quality"]) else 1
 
 
 def compare(args: argparse.Namespace) -> int:

@@ -6,9 +6,9 @@ From a model's HF `config.json`, a dtype, a target context and a device descript
 - KV bytes per token = layers x 2 (K and V) x KV heads x head dim x KV bytes per element (GQA: KV heads, not query
   heads; MLA: one latent of kv_lora_rank + qk_rope_head_dim per layer instead of K and V); per sequence at the target
   context (sliding-window layers hold at most their window), split over `tp` when KV heads >= tp;
-- KV budget per device = memory x utilization - weights per device - engine reserve; sequences that fit = budget /
-  KV per sequence; KV blocks = budget / (block size x KV bytes per token per device) (what vLLM reports as
-  num_gpu_blocks);
+- KV budget per device = memory x utilization - weights per device - engine reserve; KV blocks = budget / (block
+  size x KV bytes per token per device) (what vLLM reports as num_gpu_blocks); sequences that fit = blocks /
+  blocks per sequence (vLLM allocates whole blocks: ceil(KV per sequence / block bytes));
 - decode is bandwidth-bound: each step reads the active weights once plus each running sequence's KV, so a step at
   batch B takes (active weight bytes + B x KV bytes per sequence) / bandwidth (per device), B tokens per step;
 - prefill is compute-bound: 2 x active parameters FLOPs per token; tensor parallelism adds two all-reduces of the
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadgen.gatecfg import write_gate
+from loadgen.gatecfg import GateConfigError, pool_models, set_gate_text, set_model_key_text, write_config_text
 
 GIB = 1024**3
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
@@ -123,6 +123,8 @@ class Model:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    context: int  # tokens per sequence the plan is for (prompt + output)
+    block_size: int
     weights_gib_per_device: float
     kv_bytes_per_token: float  # per device
     kv_gib_per_sequence: float  # per device, at the target context
@@ -162,14 +164,17 @@ def plan(
     kv_seq = model.kv_bytes_per_sequence(context, kbytes) / kv_split
     budget = kv_cache_bytes if kv_cache_bytes is not None else device.memory_gib * GIB * utilization - weights_dev
     budget -= 0 if kv_cache_bytes is not None else reserve_gib * GIB
-    fit = max(0, int(budget // kv_seq)) if kv_seq else 0
     blocks = max(0, int(budget // (block_size * kv_tok))) if kv_tok else 0
+    blocks_per_seq = math.ceil(kv_seq / (block_size * kv_tok)) if kv_tok else 0
+    fit = blocks // blocks_per_seq if blocks_per_seq else 0
     bandwidth = device.bandwidth_gbs * 1e9
     active_dev = active * wbytes / tp
     batch = max(1, concurrency if concurrency is not None else fit)
     aggregate = batch * bandwidth / (active_dev + batch * kv_seq / 2)  # sequences are half full on average
     allreduce = 2 * model.layers * model.hidden * wbytes * 2 * (tp - 1) / tp
     return Plan(
+        context=context,
+        block_size=block_size,
         weights_gib_per_device=weights_dev / GIB,
         kv_bytes_per_token=kv_tok,
         kv_gib_per_sequence=kv_seq / GIB,
@@ -229,7 +234,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=int, help="a fixed KV budget per device (vLLM --kv-cache-memory-bytes)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--write-config", help="set admission.replica_max_concurrency in this kvgate YAML")
+    p.add_argument("--write-config", help="set admission.replica_max_concurrency (and the pool model's max_num_seqs) "
+                   "in this kvgate YAML")  # fmt: skip
+    p.add_argument("--pool-model", help="--write-config: the pool model to set max_num_seqs on (default: the only one)")
     args = p.parse_args(argv)
     base = DEVICES[args.device]
     device = Device(
@@ -250,5 +257,22 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     print(json.dumps(asdict(result), indent=2) if args.json else table(result))
     if args.write_config:
-        write_gate(args.write_config, result.replica_max_concurrency)
+        try:
+            write_config_text(args.write_config, lambda text: _configured(text, result, args.pool_model))
+        except (GateConfigError, OSError) as exc:
+            print(f"kvgate plan: cannot write {args.write_config}: {exc}", file=sys.stderr)
+            return 1
     return 0 if math.isfinite(result.decode_tok_s_aggregate) else 1
+
+
+def _configured(text: str, result: Plan, model: str | None) -> str:
+    """The config with the recommended gate, and max_num_seqs on the named pool model (or the only one)."""
+    text = set_gate_text(text, result.replica_max_concurrency)
+    names = pool_models(text)
+    if model is None and len(names) == 1:
+        model = names[0]
+    if model is None:
+        if names:
+            print(f"kvgate plan: the pool has models {names}: give --pool-model to set max_num_seqs", file=sys.stderr)
+        return text
+    return set_model_key_text(text, model, "max_num_seqs", result.max_num_seqs)

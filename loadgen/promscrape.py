@@ -1,10 +1,11 @@
 """Prometheus scrapes around a load setting: prefix-cache hit rate from engine counters, per-replica load.
 
 `parse_metrics` reads a text exposition with `prometheus_client.parser.text_string_to_metric_families` and keeps
-the sum over label sets of every sample whose name is in `PREFIX_COUNTERS` or is a kvgate counter
-(`kvgate*_total`), so the result is bounded by the page. Hit rate over a setting = delta(hits) / delta(queries)
-of `vllm:prefix_cache_{hits,queries}_total` (older vLLM: `vllm:gpu_prefix_cache_*`), summed over the scraped URLs;
-None when no query was counted. A counter that went down (engine restarted) contributes its after-value.
+the sum over label sets of every sample whose name is in `PREFIX_COUNTERS`, vLLM's preemption counter, or a
+kvgate counter (`kvgate*_total`), so the result is bounded by the page. Hit rate over a setting = delta(hits) /
+delta(queries) of `vllm:prefix_cache_{hits,queries}_total` (older vLLM: `vllm:gpu_prefix_cache_*`), summed over
+the scraped URLs; None when no query was counted. A counter that went down (engine restarted) contributes its
+after-value.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_COUNTERS = HITS + QUERIES
+PREEMPTIONS = "vllm:num_preemptions_total"  # sequences the engine evicted to make room (KV ran out)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -28,7 +30,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
-            if name in PREFIX_COUNTERS or (name.startswith("kvgate") and name.endswith("_total")):
+            if (
+                name in PREFIX_COUNTERS
+                or name == PREEMPTIONS
+                or (name.startswith("kvgate") and name.endswith("_total"))
+            ):
                 out[name] = out.get(name, 0.0) + float(sample.value)
     return out
 

@@ -4,7 +4,8 @@ A result document (`doc`, the JSON written to DIR/result.json) has `points`: one
 `summary` (see `loadgen.stats.Summary`), `verdict`, `replica_load`, `tenants`, `prefix_cache` and per-request
 `requests` rows; a sweep adds `knee` and `recommendation`, a quality run `quality`. Charts use matplotlib's
 object API (`Figure` + Agg canvas, imported on first use, no pyplot state): throughput and TTFT p50/p99 against
-load with the knee marked, and TTFT / e2e latency CDFs. The HTML embeds the PNGs as base64 data URIs.
+load with the knee marked, and TTFT / e2e latency / inter-token latency CDFs. The HTML embeds the PNGs as base64
+data URIs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadgen.promscrape import PREEMPTIONS
+
 Doc = dict[str, Any]
 
 
@@ -29,31 +32,76 @@ def _load_name(doc: Doc) -> str:
     return "rate" if doc.get("arrival") == "poisson" else "conc"
 
 
+def _load_head(doc: Doc) -> str:
+    return "rate req/s" if _load_name(doc) == "rate" else "conc"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f}"
+
+
+def _preemptions(point: dict[str, Any]) -> float | None:
+    """Sequences the scraped engines preempted during the setting (vLLM's counter), None when none reports it."""
+    per_url = (point.get("prefix_cache") or {}).get("per_url", {})
+    found = [u["counters"][PREEMPTIONS] for u in per_url.values() if PREEMPTIONS in u.get("counters", {})]
+    return sum(found) if found else None
+
+
+def _plan_cell(plan: dict[str, Any], point: dict[str, Any], points: list[dict[str, Any]]) -> str:
+    """The prediction on the rows it concerns: the predicted knee's step, and the predicted decode ceiling beside
+    the best measured throughput."""
+    notes = []
+    if point["load"] == plan["predicted_step"]:
+        notes.append(f"predicted knee {plan['knee']}")
+    best = max(points, key=lambda x: x["summary"]["output_tok_per_s"])
+    if plan.get("ceiling_tok_s") is not None and point is best:
+        notes.append(f"ceiling {plan['ceiling_tok_s']:,.0f} tok/s")
+    return "; ".join(notes)
+
+
 def table_rows(doc: Doc) -> tuple[list[str], list[list[str]]]:
+    """One row per point; units in the headers (latencies in ms, shares in %); SLO columns when a point has them,
+    a preemption count when the scraped engines report one."""
     knee = (doc.get("knee") or {}).get("load")
-    head = [_load_name(doc), "out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "e2e p50", "e2e p99",
-            "ok", "cached", "hit rate", "verdict"]  # fmt: skip
+    points = doc.get("points", [])
+    with_slo = any(p["summary"].get("slo_attainment") is not None for p in points)
+    with_preempt = any(_preemptions(p) is not None for p in points)
+    head = [_load_head(doc), "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "ITL p50 ms",
+            "ITL p99 ms", "e2e p50 ms", "e2e p99 ms", "ok %", "cached %", "hit rate %"]  # fmt: skip
+    head += ["SLO met %", "goodput req/s"] if with_slo else []
+    head += ["preempted seqs"] if with_preempt else []
+    plan = doc.get("plan")
+    head += ["plan"] if plan else []
+    head.append("verdict")
     rows = []
-    for p in doc.get("points", []):
+    for p in points:
         s = p["summary"]
-        hit = (p.get("prefix_cache") or {}).get("hit_rate")
+        itl = s.get("itl_s") or {}
         mark = "*" if knee is not None and p["load"] == knee else ""
-        rows.append(
-            [
-                f"{p['load']:g}{mark}",
-                f"{s['output_tok_per_s']:.1f}",
-                f"{s['req_per_s']:.2f}",
-                _ms(s["ttft_s"]["p50"]),
-                _ms(s["ttft_s"]["p99"]),
-                _ms(s["tpot_s"]["p50"]),
-                _ms(s["e2e_s"]["p50"]),
-                _ms(s["e2e_s"]["p99"]),
-                f"{s['success_rate'] * 100:.1f}%",
-                f"{s['cached_fraction'] * 100:.0f}%",
-                "-" if hit is None else f"{hit * 100:.0f}%",
-                p.get("verdict") or "",
-            ]
-        )
+        row = [
+            f"{p['load']:g}{mark}",
+            f"{s['output_tok_per_s']:.1f}",
+            f"{s['req_per_s']:.2f}",
+            _ms(s["ttft_s"]["p50"]),
+            _ms(s["ttft_s"]["p99"]),
+            _ms(s["tpot_s"]["p50"]),
+            _ms(itl.get("p50")),
+            _ms(itl.get("p99")),
+            _ms(s["e2e_s"]["p50"]),
+            _ms(s["e2e_s"]["p99"]),
+            _pct(s["success_rate"]),
+            _pct(s["cached_fraction"]),
+            _pct((p.get("prefix_cache") or {}).get("hit_rate")),
+        ]
+        if with_slo:
+            good = s.get("goodput_req_per_s")
+            row += [_pct(s.get("slo_attainment")), "-" if good is None else f"{good:.2f}"]
+        if with_preempt:
+            preempted = _preemptions(p)
+            row.append("-" if preempted is None else f"{preempted:g}")
+        if plan:
+            row.append(_plan_cell(plan, p, points))
+        rows.append([*row, p.get("verdict") or ""])
     return head, rows
 
 
@@ -64,13 +112,14 @@ def _render(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def findings(doc: Doc) -> list[str]:
+    """The sentences under a document's table: recommendation, goodput knee, plan vs measured."""
+    return [doc[key]["text"] for key in ("recommendation", "goodput", "plan") if doc.get(key)]
+
+
 def format_table(doc: Doc) -> str:
-    """Compact terminal table (latencies in ms); the knee row is marked * and the recommendation follows."""
-    text = _render(*table_rows(doc))
-    rec = doc.get("recommendation")
-    if rec:
-        text += f"\n{rec['text']}"
-    return text
+    """Compact terminal table (units in the headers); the knee row is marked * and the findings follow."""
+    return "\n".join([_render(*table_rows(doc)), *findings(doc)])
 
 
 def format_compare(docs: Sequence[tuple[str, Doc]]) -> str:
@@ -78,7 +127,7 @@ def format_compare(docs: Sequence[tuple[str, Doc]]) -> str:
     loads = sorted({p["load"] for _, d in docs for p in d.get("points", [])})
     head = ["load"]
     for label, _ in docs:
-        head += [f"{label} tok/s", f"{label} TTFT", f"{label} hit"]
+        head += [f"{label} tok/s", f"{label} TTFT p50 ms", f"{label} hit %"]
     rows = []
     for load in loads:
         row = [f"{load:g}"]
@@ -89,7 +138,7 @@ def format_compare(docs: Sequence[tuple[str, Doc]]) -> str:
                 continue
             hit = (p.get("prefix_cache") or {}).get("hit_rate")
             hit = hit if hit is not None else p["summary"]["cached_fraction"]
-            row += [f"{p['summary']['output_tok_per_s']:.1f}", _ms(p["summary"]["ttft_s"]["p50"]), f"{hit * 100:.0f}%"]
+            row += [f"{p['summary']['output_tok_per_s']:.1f}", _ms(p["summary"]["ttft_s"]["p50"]), _pct(hit)]
         rows.append(row)
     return _render(head, rows)
 
@@ -141,6 +190,12 @@ def plot_load_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
                 ax.axvline(knee, color="red", linestyle=":", linewidth=1)
             ax1.annotate(f"knee {knee:g}", (knee, 0), xycoords=("data", "axes fraction"), textcoords="offset points",
                          xytext=(4, 6), color="red")  # fmt: skip
+        planned = (d.get("plan") or {}).get("knee")
+        if planned is not None:
+            for ax in (ax1, ax2):
+                ax.axvline(planned, color="green", linestyle="--", linewidth=1)
+            ax1.annotate(f"plan {planned:g}", (planned, 0), xycoords=("data", "axes fraction"),
+                         textcoords="offset points", xytext=(4, 20), color="green")  # fmt: skip
     xlabel = "request rate (req/s)" if docs and _load_name(docs[0][1]) == "rate" else "concurrency"
     ax1.set(xlabel=xlabel, ylabel="output tokens / s", title="Throughput")
     ax2.set(xlabel=xlabel, ylabel="TTFT (ms)", title="Time to first token")
@@ -154,8 +209,8 @@ def plot_load_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
 
 def plot_cdf_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
     """One line per point for one document; for several, each document's point at the highest common load."""
-    fig = _new_figure(11, 4.2)
-    ax1, ax2 = fig.subplots(1, 2)
+    fig = _new_figure(15, 4.2)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
     lines: list[tuple[str, dict[str, Any]]] = []
     if len(docs) == 1:
         lines = [(f"{_load_name(docs[0][1])} {p['load']:g}", p) for p in docs[0][1].get("points", [])][:10]
@@ -171,9 +226,15 @@ def plot_cdf_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
         ok = [r for r in p.get("requests", []) if r["ok"]]
         _cdf(ax1, [r["ttft_s"] for r in ok if r["ttft_s"] is not None], name)
         _cdf(ax2, [r["e2e_s"] for r in ok], name)
+        quantiles = p.get("itl_cdf_s") or []
+        if quantiles:  # p0..p100 of every gap between streamed tokens
+            ax3.plot([x * 1e3 for x in quantiles], [q / 100 for q in range(len(quantiles))], label=name)
     ax1.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
     ax2.set(xlabel="end-to-end latency (ms)", ylabel="fraction of requests", title="Latency CDF")
-    for ax in (ax1, ax2):
+    ax3.set(xlabel="inter-token latency (ms, log)", ylabel="fraction of token gaps", title="ITL CDF")
+    if any(ln.get_xdata().size for ln in ax3.get_lines()):
+        ax3.set_xscale("symlog", linthresh=1.0)  # stalls of seconds beside gaps of milliseconds
+    for ax in (ax1, ax2, ax3):
         ax.grid(True, alpha=0.3)
         if lines:
             ax.legend(fontsize=8)
@@ -201,21 +262,33 @@ def _html_table(head: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{th}</tr>{trs}</table>"
 
 
-def write_html(docs: Sequence[tuple[str, Doc]], charts: Sequence[Path], path: Path, title: str) -> Path:
-    """A self-contained page: per-document tables, knee and recommendation, quality checks, embedded charts."""
+def write_html(
+    docs: Sequence[tuple[str, Doc]], charts: Sequence[Path], path: Path, title: str, headline: Sequence[str] = ()
+) -> Path:
+    """A self-contained page: a headline, per document its table, findings, sustained windows and quality checks,
+    then the embedded charts."""
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}</style></head><body>",
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}img{max-width:100%}"
+        ".headline{background:#f4f6fa;padding:.5em 1em;border-left:4px solid #35c}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
     ]
+    if headline:
+        parts.append("<div class='headline'><ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in headline)
+                     + "</ul></div>")  # fmt: skip
     for label, d in docs:
         parts.append(f"<h2>{html.escape(label)}</h2><p>{html.escape(d.get('description', ''))}</p>")
-        parts.append(_html_table(*table_rows(d)))
+        if d.get("points"):
+            parts.append(_html_table(*table_rows(d)))
         if d.get("knee"):
             parts.append(f"<p>Knee: {html.escape(d['knee']['reason'])}</p>")
-        if d.get("recommendation"):
-            parts.append(f"<p><b>{html.escape(d['recommendation']['text'])}</b></p>")
+        parts += [f"<p><b>{html.escape(text)}</b></p>" for text in findings(d)]
+        if d.get("sustained"):
+            w = d["sustained"]
+            rows = [[f"{i * w['window_s']:g}-{(i + 1) * w['window_s']:g}", f"{x:.1f}"] for i, x in
+                    enumerate(w["tok_per_s"])]  # fmt: skip
+            parts.append(_html_table(["window s", "out tok/s"], rows))
         if d.get("quality"):
             rows = [[c["name"], "pass" if c["passed"] else "FAIL", c["detail"]] for c in d["quality"]]
             parts.append(_html_table(["check", "result", "detail"], rows))

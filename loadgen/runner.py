@@ -2,8 +2,10 @@
 
 Arrival processes:
 - closed: at most `concurrency` requests in flight; a free slot takes the next ready request at once.
-- poisson: new sessions arrive with exponential gaps of mean 1 / rate (seeded); in flight is capped by
-  `max_inflight` (arrivals past the cap wait for a slot). The workload's first spec is pulled before the clock
+- poisson: new sessions arrive with gaps of mean 1 / rate (seeded), gamma-distributed with shape `burstiness`
+  (scale 1 / (rate * burstiness)): 1 is a Poisson process (exponential gaps), below 1 burstier (more short gaps and
+  long lulls, same mean), above 1 more regular; in flight is capped by `max_inflight` (arrivals past the cap wait
+  for a slot). The workload's first spec is pulled before the clock
   starts, so a generator that builds its whole workload up front does not turn the first arrivals into a burst.
 - trace: new sessions arrive at their spec's `arrival_s` (trace replay), same cap.
 
@@ -30,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
 
 import aiohttp
 
@@ -70,6 +72,7 @@ class Arrival:
     mode: Literal["closed", "poisson", "trace"] = "closed"
     concurrency: int = 1
     rate: float = 1.0  # requests (new sessions) per second, poisson
+    burstiness: float = 1.0  # shape of the gamma-distributed gaps: 1 = Poisson
     max_inflight: int = 1024
 
     @property
@@ -90,15 +93,46 @@ class SettingResult:
 
 
 class Progress:
-    """A one-line live status on a stream, rewritten at most every `interval_s`."""
+    """Live progress, refreshed at most every `interval_s`. On a terminal (`bar`): a rich progress bar of requests
+    done out of `total` (or of seconds out of `duration_s` for a timed run; a pulse when neither is known) with
+    failures, in flight and output tok/s beside it. Otherwise (`--progress` into a log): one status line rewritten
+    in place."""
 
-    def __init__(self, enabled: bool, label: str = "", stream: TextIO | None = None, interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        label: str = "",
+        stream: TextIO | None = None,
+        interval_s: float = 0.2,
+        *,
+        bar: bool | None = None,
+        total: int | None = None,
+        duration_s: float | None = None,
+    ) -> None:
         self.enabled = enabled
         self.label = label
         self.stream = stream or sys.stderr
         self.interval_s = interval_s
+        self.bar = self.stream.isatty() if bar is None else bar
+        self.total, self.duration_s = total, duration_s
         self._last = 0.0
         self._shown = False
+        self._rich: Any = None
+        self._task: Any = None
+
+    def _start_bar(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as RichProgress
+
+        console = Console(file=self.stream, force_terminal=True)
+        self._rich = RichProgress(
+            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console, auto_refresh=False,
+        )  # fmt: skip
+        total = self.duration_s if self.duration_s is not None else self.total
+        self._task = self._rich.add_task(self.label, total=total, status="")
+        self._rich.start()
 
     def update(self, done: int, failed: int, inflight: int, elapsed: float, tokens: int, force: bool = False) -> None:
         now = time.perf_counter()
@@ -106,18 +140,26 @@ class Progress:
             return
         self._last = now
         rate = tokens / elapsed if elapsed > 0 else 0.0
-        line = (
-            f"\r[{self.label}] {done} done, {failed} failed, {inflight} in flight, {elapsed:6.1f} s, {rate:8.1f} tok/s"
-        )
-        self.stream.write(line)
-        self.stream.flush()
+        status = f"{done} done, {failed} failed, {inflight} in flight, {rate:8.1f} tok/s"
         self._shown = True
+        if not self.bar:
+            self.stream.write(f"\r[{self.label}] {status}, {elapsed:6.1f} s")
+            self.stream.flush()
+            return
+        if self._rich is None:
+            self._start_bar()
+        completed = min(elapsed, self.duration_s) if self.duration_s is not None else done
+        self._rich.update(self._task, completed=completed, status=status)
+        self._rich.refresh()
 
     def close(self) -> None:
-        if self._shown:
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+        elif self._shown:
             self.stream.write("\n")
             self.stream.flush()
-            self._shown = False
+        self._shown = False
 
 
 @dataclass(slots=True)
@@ -192,7 +234,8 @@ class _Run:
             if sess is None:
                 self.pending = spec
                 if self.arrival.mode == "poisson":
-                    self.next_poisson += self.rng.expovariate(self.arrival.rate)
+                    shape = self.arrival.burstiness
+                    self.next_poisson += self.rng.gammavariate(shape, 1.0 / (self.arrival.rate * shape))
                     self.pending_due = self.t0 + self.next_poisson
                 elif self.arrival.mode == "trace" and spec.arrival_s is not None:
                     self.pending_due = self.t0 + spec.arrival_s
@@ -338,8 +381,8 @@ async def run_setting(
         max_requests = MAX_REQUESTS
     if arrival.mode == "closed" and arrival.concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    if arrival.mode == "poisson" and arrival.rate <= 0:
-        raise ValueError("rate must be > 0")
+    if arrival.mode == "poisson" and (arrival.rate <= 0 or arrival.burstiness <= 0):
+        raise ValueError("rate and burstiness must be > 0")
     run = _Run(
         http,
         target,

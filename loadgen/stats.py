@@ -27,11 +27,18 @@ Verdicts (`verdict`), with ratio = t_i / b and the knee load k:
 
 Recommended per-replica gate: floor(k / replicas), at least 1, for a concurrency sweep. For a rate sweep the knee
 concurrency comes from Little's law, L = rate * mean e2e latency at the knee (rounded up).
+
+Goodput (with `--slo ttft=500ms,tpot=50ms,e2e=4s`, any subset): a request is *good* when it succeeded and meets
+every bound given; SLO attainment = good / all requests of the setting (failures count against it), goodput =
+good requests / wall time. The knee by goodput (`find_goodput_knee`) is the highest load before the first point
+whose attainment falls below `min_attainment` (default 0.9, DistServe's definition of goodput capacity); when no
+point falls below, it is the highest load tested, `found` False.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,6 +46,53 @@ from typing import Any
 from loadgen.client import RequestResult
 
 PERCENTILES = (50.0, 90.0, 99.0)
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Per-request latency bounds in seconds; None = no bound on that figure."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+    def met(self, r: RequestResult) -> bool:
+        """Succeeded within every bound. A request with no streamed token has no TTFT and misses a TTFT bound; a
+        one-token answer has no TPOT and meets a TPOT bound (there is no time between its tokens)."""
+        if not r.ok:
+            return False
+        if self.ttft_s is not None and (r.ttft_s is None or r.ttft_s > self.ttft_s):
+            return False
+        if self.tpot_s is not None and r.tpot_s is not None and r.tpot_s > self.tpot_s:
+            return False
+        return self.e2e_s is None or r.e2e_s <= self.e2e_s
+
+    def describe(self) -> str:
+        parts = [f"{k}<={v * 1e3:g}ms" for k, v in (("ttft", self.ttft_s), ("tpot", self.tpot_s),
+                                                     ("e2e", self.e2e_s)) if v is not None]  # fmt: skip
+        return ",".join(parts)
+
+
+def parse_slo(text: str) -> Slo:
+    """`ttft=500ms,tpot=50ms,e2e=4s` (units us, ms or s; a bare number is milliseconds, as vLLM's --goodput)."""
+    bounds: dict[str, float] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in ("ttft", "tpot", "e2e"):
+            raise ValueError(f"SLO {item!r}: expected ttft=, tpot= or e2e= followed by a duration")
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)?\s*", value)
+        if m is None or float(m.group(1)) <= 0:
+            raise ValueError(f"SLO {item!r}: {value!r} is not a positive duration like 500ms or 2s")
+        if name in bounds:
+            raise ValueError(f"SLO {item!r}: {name} given twice")
+        bounds[name] = float(m.group(1)) * _UNITS[m.group(2) or "ms"]
+    if not bounds:
+        raise ValueError("SLO: give at least one of ttft=, tpot=, e2e=")
+    return Slo(ttft_s=bounds.get("ttft"), tpot_s=bounds.get("tpot"), e2e_s=bounds.get("e2e"))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -87,12 +141,14 @@ class Summary:
     itl_s: dict[str, float | None]  # every gap between streamed tokens of the successful requests
     e2e_s: dict[str, float | None]
     errors: dict[str, int]
+    slo_attainment: float | None = None  # good / all requests, with an SLO
+    goodput_req_per_s: float | None = None  # good requests / wall time, with an SLO
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def summarize(results: Iterable[RequestResult], wall_s: float) -> Summary:
+def summarize(results: Iterable[RequestResult], wall_s: float, slo: Slo | None = None) -> Summary:
     rs = list(results)
     ok = [r for r in rs if r.ok]
     errors: dict[str, int] = {}
@@ -104,6 +160,7 @@ def summarize(results: Iterable[RequestResult], wall_s: float) -> Summary:
     cached = sum(r.cached_tokens for r in ok)
     completion = sum(r.completion_tokens for r in ok)
     wall = max(wall_s, 1e-9)
+    good = sum(1 for r in rs if slo.met(r)) if slo else 0
     return Summary(
         requests=len(rs),
         succeeded=len(ok),
@@ -122,6 +179,8 @@ def summarize(results: Iterable[RequestResult], wall_s: float) -> Summary:
         itl_s=distribution([gap for r in ok for gap in r.itl_s]),
         e2e_s=distribution([r.e2e_s for r in ok]),
         errors=errors,
+        slo_attainment=(good / len(rs) if rs else 0.0) if slo else None,
+        goodput_req_per_s=good / wall if slo else None,
     )
 
 
@@ -192,6 +251,18 @@ def find_knee(points: Sequence[SweepPoint], rule: KneeRule | None = None) -> Kne
             continue  # (c): a higher load still gains throughput, so this flat step was a stall, not the knee
         return Knee(i - 1, pts[i - 1].load, True, base, pts[i].load, why)
     return Knee(len(pts) - 1, pts[-1].load, False, base, None, "no saturated point: sweep higher")
+
+
+def find_goodput_knee(loads_and_attainment: Sequence[tuple[float, float]], min_attainment: float = 0.9) -> Knee:
+    """The knee by goodput (module header) over (load, SLO attainment) pairs. Raises ValueError when empty."""
+    if not loads_and_attainment:
+        raise ValueError("find_goodput_knee needs at least one sweep point")
+    pts = sorted(loads_and_attainment)
+    for i, (load, att) in enumerate(pts):
+        if att < min_attainment:
+            why = f"SLO attainment {att:.2f} < {min_attainment:g} at {load:g}"
+            return Knee(max(0, i - 1), pts[max(0, i - 1)][0], True, 0.0, load, why)
+    return Knee(len(pts) - 1, pts[-1][0], False, 0.0, None, "every point meets the SLO: sweep higher")
 
 
 def verdict(point: SweepPoint, knee: Knee, rule: KneeRule | None = None) -> str:

@@ -15,11 +15,12 @@ from loadgen.client import RequestResult
 from loadgen.gatecfg import GateConfigError, set_gate_text
 from loadgen.promscrape import Scrape, parse_metrics, prefix_cache_report, replica_load
 from loadgen.quality import find_repetition_loop
-from loadgen.report import format_compare, format_table
+from loadgen.report import format_compare, format_table, table_rows
 from loadgen.runner import Tenant, parse_tenant
 from loadgen.stats import (
     Knee,
     KneeRule,
+    Slo,
     SweepPoint,
     distribution,
     find_knee,
@@ -353,20 +354,35 @@ def test_parse_metrics_and_hit_rate() -> None:
     assert replica_load(["r1", None, "r0", "r1"]) == {"-": 1, "r0": 1, "r1": 2}
 
 
-def test_tables_render() -> None:
+def test_tables_render_with_units_and_slo_columns() -> None:
+    r = RequestResult("a", "a", 0, ok=True, ttft_s=0.01, e2e_s=0.1, completion_tokens=5, itl_s=[0.02, 0.03])
     point = {
         "load": 4.0,
-        "summary": summarize([RequestResult("a", "a", 0, ok=True, ttft_s=0.01, e2e_s=0.1, completion_tokens=5)],
-                             1.0).to_json(),
+        "summary": summarize([r], 1.0).to_json(),
         "verdict": "sweet spot",
         "prefix_cache": {"hit_rate": 0.5},
         "requests": [],
-    }  # fmt: skip
+    }
     doc = {"points": [point], "knee": {"load": 4.0}, "recommendation": {"text": "gate 4"}}
+    head, (row,) = table_rows(doc)
+    cells = dict(zip(head, row, strict=True))
+    assert all(h in ("conc", "verdict", "plan") or h.split()[-1] in ("ms", "%", "tok/s", "req/s", "seqs") for h in head)
+    assert cells["conc"] == "4*" and cells["hit rate %"] == "50.0" and cells["ITL p50 ms"] == "25.0"
+    assert cells["TTFT p50 ms"] == "10.0" and "SLO met %" not in cells
     table = format_table(doc)
-    assert "4*" in table and "sweet spot" in table and "50%" in table and table.endswith("gate 4")
+    assert "sweet spot" in table and table.endswith("gate 4")
+    # with an SLO the table grows goodput columns, and the findings list the goodput knee and the plan
+    point["summary"] = summarize([r], 1.0, Slo(ttft_s=0.005)).to_json()
+    point["prefix_cache"] = {"hit_rate": 0.5, "per_url": {"e": {"counters": {"vllm:num_preemptions_total": 3.0}}}}
+    plan = {"text": "plan: knee 4", "knee": 5, "predicted_step": 4.0, "ceiling_tok_s": 1234.0}
+    doc |= {"goodput": {"text": "goodput knee"}, "plan": plan}
+    head, (row,) = table_rows(doc)
+    cells = dict(zip(head, row, strict=True))
+    assert cells["SLO met %"] == "0.0" and cells["goodput req/s"] == "0.00" and cells["preempted seqs"] == "3"
+    assert cells["plan"] == "predicted knee 5; ceiling 1,234 tok/s"  # on the predicted step and the best row
+    assert format_table(doc).endswith("gate 4\ngoodput knee\nplan: knee 4")
     cmp = format_compare([("rr", doc), ("cache", {"points": []})])
-    assert "rr tok/s" in cmp and "cache TTFT" in cmp
+    assert "rr tok/s" in cmp and "cache TTFT p50 ms" in cmp
 
 
 def test_tokenizer_text_maker_counts_model_tokens(tmp_path: Path) -> None:

@@ -75,3 +75,56 @@ def test_the_cli_prints_json_and_writes_the_gate(tmp_path: Path, capsys: pytest.
     assert yaml.safe_load(cfg.read_text()) == {"server": {"port": 9000}, "admission": {"replica_max_concurrency": 64}}
     assert "# keep" in cfg.read_text()
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_the_published_rules_of_thumb() -> None:
+    # a Llama-3-8B shape (32 layers, 8 KV heads, head dim 128) at 2,048 tokens x 32 sequences in fp16: about 8 GiB
+    llama = Model.from_config(LLAMA3_8B)
+    assert 32 * llama.kv_bytes_per_sequence(2048, 2) == 8 * GIB
+    # a 7B model in fp16 (about 14 GB of weights) on 2 TB/s decodes at most about 140 tokens/s per sequence
+    seven_b = {**LLAMA3_8B, "vocab_size": 32000, "intermediate_size": 11008, "num_key_value_heads": 32}
+    assert Model.from_config(seven_b).params()[0] * 2 == pytest.approx(13.5e9, rel=0.01)
+    one = plan(Model.from_config(seven_b), Device(80, 2000, 312), dtype="fp16", context=1)
+    assert 140 < 2e12 / 13.5e9 and one.decode_tok_s_per_sequence == pytest.approx(2e12 / 13.5e9, rel=0.01)
+    # the same 7B-class shape with 8 KV heads at 8,192 tokens x 16 sequences in fp16: 16 GiB of KV, so beside
+    # 14 GB of fp16 weights it does not fit a 24 GB card; int8 KV (or half the batch) does
+    gqa = Model.from_config({**seven_b, "num_key_value_heads": 8})
+    assert 16 * gqa.kv_bytes_per_sequence(8192, 2) == 16 * GIB
+    card = Device(24 * 1e9 / GIB, 1000, 100)  # 24 GB
+    fp16 = plan(gqa, card, dtype="fp16", context=8192, utilization=1.0, reserve_gib=0.0)
+    assert fp16.sequences_that_fit < 16 and fp16.predicted_knee == fp16.sequences_that_fit
+    int8 = plan(gqa, card, dtype="fp16", kv_dtype="int8", context=8192, utilization=1.0, reserve_gib=0.0)
+    assert int8.sequences_that_fit >= 16
+
+
+POOL = """\
+server:
+  port: 9000  # keep
+pool:
+  models:
+    - name: big
+      kind: vllm
+      max_num_seqs: 256   # old guess
+    - name: small
+      kind: vllm
+"""
+
+
+def test_write_config_sets_the_gate_and_the_pool_models_max_num_seqs(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    argv = [str(tmp_path), "--device", "cpu", "--kv-cache-bytes", str(64 << 20), "--block-size", "32",
+            "--context", "2048"]  # fmt: skip
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(POOL)
+    assert main([*argv, "--write-config", str(cfg), "--pool-model", "big"]) == 0
+    data = yaml.safe_load(cfg.read_text())
+    assert data["admission"] == {"replica_max_concurrency": 64}
+    assert [m.get("max_num_seqs") for m in data["pool"]["models"]] == [64, None]
+    assert "# keep" in cfg.read_text() and "# old guess" in cfg.read_text()  # edited in place, comments kept
+    assert main([*argv, "--write-config", str(cfg), "--pool-model", "small"]) == 0
+    assert [m.get("max_num_seqs") for m in yaml.safe_load(cfg.read_text())["pool"]["models"]] == [64, 64]
+    assert main([*argv, "--write-config", str(cfg), "--pool-model", "missing"]) == 1
+    one = tmp_path / "one.yaml"
+    one.write_text("pool:\n  models:\n  - name: only\n    kind: sim\n")  # the only model needs no name
+    assert main([*argv, "--write-config", str(one)]) == 0
+    assert yaml.safe_load(one.read_text())["pool"]["models"] == [{"name": "only", "kind": "sim", "max_num_seqs": 64}]

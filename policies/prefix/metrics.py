@@ -19,7 +19,7 @@ class _SizeCollector(Collector):
     def __init__(
         self,
         index_sizes: Callable[[], Mapping[str, int]],
-        capacities: Callable[[], Mapping[str, tuple[int, bool]]],
+        capacities: Callable[[], Mapping[str, tuple[int, bool, int]]],
         sessions: Callable[[], int],
         offloaded_sizes: Callable[[], Mapping[str, int]],
     ) -> None:
@@ -47,11 +47,11 @@ class _SizeCollector(Collector):
         capacity = GaugeMetricFamily(
             "kvgate_prefix_index_capacity_blocks",
             "the index's bound per replica in blocks: the engine's num_gpu_blocks (source=engine) or the estimate "
-            "learned from reported cached tokens (source=estimated)",
-            labels=["replica", "source"],
+            "learned from reported cached tokens (source=estimated); block_size: tokens per block",
+            labels=["replica", "source", "block_size"],
         )
-        for rid, (blocks, known) in sorted(self._capacities().items()):
-            capacity.add_metric([rid, "engine" if known else "estimated"], blocks)
+        for rid, (blocks, known, block_size) in sorted(self._capacities().items()):
+            capacity.add_metric([rid, "engine" if known else "estimated", str(block_size)], blocks)
         yield capacity
         yield GaugeMetricFamily(
             "kvgate_prefix_index_entries", "entries in the prefix index, all replicas", value=sum(sizes.values())
@@ -65,7 +65,7 @@ class PrefixMetrics:
         registry: CollectorRegistry,
         *,
         index_sizes: Callable[[], Mapping[str, int]],
-        capacities: Callable[[], Mapping[str, tuple[int, bool]]],
+        capacities: Callable[[], Mapping[str, tuple[int, bool, int]]],
         sessions: Callable[[], int],
         offloaded_sizes: Callable[[], Mapping[str, int]],
     ) -> None:

@@ -111,7 +111,7 @@ class CacheAwareState:
         self.metrics = PrefixMetrics(
             registry,
             index_sizes=self.index.sizes,
-            capacities=self.index.capacities,
+            capacities=self._capacities,
             offloaded_sizes=self.index.offloaded_sizes,
             sessions=lambda: len(self.sessions),
         )
@@ -160,6 +160,14 @@ class CacheAwareState:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- replicas ---------------------------------------------------------------------------------------------
+    def _capacities(self) -> dict[str, tuple[int, bool, int]]:
+        """Per replica the index's bound in blocks, whether the engine reported it, and the block size."""
+        return {
+            rid: (blocks, known, self._replicas[rid].block_size)
+            for rid, (blocks, known) in self.index.capacities().items()
+            if rid in self._replicas
+        }
+
     def add_replica(
         self,
         replica_id: str,
