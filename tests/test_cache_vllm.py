@@ -219,7 +219,7 @@ async def test_predicted_chain_equals_chain_from_kv_events(gateway: Gateway) -> 
             info = [lab for n, lab, _ in await scrape(http, r["url"]) if n == "vllm:cache_config_info"]
             assert info and info[0]["block_size"] == str(BLOCK), info
             assert abs(int(info[0]["num_gpu_blocks"]) - NUM_BLOCKS) <= 2, info
-            assert abs(int(info[0]["num_gpu_blocks"]) - planned.kv_blocks) <= 2, (info, planned)
+            assert int(info[0]["num_gpu_blocks"]) == planned.kv_blocks, (info, planned)  # exactly
         tok = await asyncio.to_thread(HfPromptTokenizer, str(gateway.model_dir))
         rng = random.Random(SEED)
         async with subscribed({rid: r["kv_events_endpoint"] for rid, r in reps.items()}) as logs:
