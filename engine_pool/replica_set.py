@@ -4,7 +4,8 @@ Each replica gets one asyncio task that alternates a health probe (`GET /health`
 `timeout_s`) with a metrics scrape (`GET metrics_url`, every `metrics_interval_s`). A failed probe marks the replica
 unhealthy at once (out of routing); a passing one marks it healthy. Listeners hear when a replica comes up (healthy),
 again when its KV layout (block size, capacity in blocks) first becomes known or changes, when it goes down, and when
-it is removed. Attached engines without a configured model name get it from `/v1/models`.
+it is removed. Attached engines without a configured model name get it from `/v1/models`. `warm_up` is the one real
+completion a new engine must answer before it is routed to (launched engines and engines found by DNS pass it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine_pool.http_client import UpstreamClient
 from engine_pool.replica import Replica
 
 log = logging.getLogger("kvgate.replicas")
+_JSON = {"Content-Type": "application/json"}
 
 
 class ReplicaListener(Protocol):
@@ -155,10 +157,35 @@ class ReplicaSet:
             replica.warm = warm
             self._notify()
 
+    def set_draining(self, replica: Replica, draining: bool) -> None:
+        """A draining replica takes no new requests; those in flight finish."""
+        if draining != replica.draining:
+            replica.draining = draining
+            self._notify()
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until routability may have changed, or timeout_s."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout_s)
+
     def breaker_changed(self) -> None:
         self._notify()
 
     # --- probing ---------------------------------------------------------------------------------------------
+    async def warm_up(self, replica: Replica, model: str, prompt: str, max_tokens: int, timeout_s: float) -> str | None:
+        """One real completion on the replica; None on success, else why it failed."""
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        try:
+            status, raw = await self._client.fetch(
+                "POST", f"{replica.url}/v1/completions", json.dumps(body).encode(), _JSON, timeout_s=timeout_s
+            )
+            data = json.loads(raw)
+        except (ConnectionError, TimeoutError, ValueError) as exc:
+            return f"warm-up failed: {exc!r}"
+        if status == 200 and isinstance(data, dict) and data.get("choices"):
+            return None
+        return f"warm-up answered HTTP {status}"
+
     async def probe_health(self, replica: Replica) -> bool:
         try:
             status, _ = await self._client.fetch("GET", f"{replica.url}/health", timeout_s=self.timeout_s)

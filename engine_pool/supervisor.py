@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -36,7 +35,6 @@ from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import After, PoolError, PoolMetrics, Slot, SlotState
 from engine_pool.spec import PoolConfig
 
-_JSON = {"Content-Type": "application/json"}
 log = logging.getLogger("kvgate.pool")
 
 CommandFn = Callable[["Slot"], LaunchCommand]
@@ -191,7 +189,7 @@ class Supervisor:
             slot.failures.clear()
             slot.attempts = 0
         slot.gen += 1
-        slot.replica.draining = False
+        self.replicas.set_draining(slot.replica, False)
         command = self.command_for(slot)
         log_path = Path(self.config.log_dir) / f"{slot.id}.log"
         slot.started_at = time.monotonic()
@@ -236,8 +234,7 @@ class Supervisor:
         if cmd.after == "restart":
             slot.restarts += 1
             self.metrics.restarts.labels(slot.id, slot.model.name, cmd.reason).inc()
-        slot.replica.draining = True
-        self.replicas.breaker_changed()  # wake waiters: routability changed
+        self.replicas.set_draining(slot.replica, True)  # wakes waiters: routability changed
         self._set_state(slot, SlotState.DRAINING, cmd.reason)
         self._spawn(slot, self._drain(slot, slot.gen, cmd.drain), "drain")
 
@@ -288,7 +285,7 @@ class Supervisor:
             self._spawn(slot, self._stop_process(proc, slot.model.stop_timeout_s), "stop")
 
     def _after_exit(self, slot: Slot) -> None:
-        slot.replica.draining = False
+        self.replicas.set_draining(slot.replica, False)
         if slot.after == "backoff":
             limit = slot.model.restart.crash_loop_limit
             if len(slot.failures) >= limit:
@@ -358,17 +355,7 @@ class Supervisor:
     async def _warm_up(self, slot: Slot, timeout_s: float) -> str | None:
         """One real completion; None on success, else why it failed."""
         m = slot.model
-        body = {"model": m.served, "prompt": m.warmup_prompt, "max_tokens": m.warmup_max_tokens, "temperature": 0}
-        try:
-            status, raw = await self.client.fetch(
-                "POST", f"{slot.replica.url}/v1/completions", json.dumps(body).encode(), _JSON, timeout_s=timeout_s
-            )
-            data = json.loads(raw)
-        except (ConnectionError, TimeoutError, ValueError) as exc:
-            return f"warm-up failed: {exc!r}"
-        if status == 200 and isinstance(data, dict) and data.get("choices"):
-            return None
-        return f"warm-up answered HTTP {status}"
+        return await self.replicas.warm_up(slot.replica, m.served, m.warmup_prompt, m.warmup_max_tokens, timeout_s)
 
     async def _readiness(self, slot: Slot, gen: int, proc: EngineProcess) -> None:
         deadline = slot.started_at + slot.model.startup_deadline_s

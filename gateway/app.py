@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from engine_pool.discovery import DnsDiscovery, DnsTarget
 from engine_pool.http_client import UpstreamClient
 from engine_pool.pool import EnginePool
 from engine_pool.replica import Replica
@@ -35,6 +36,7 @@ from gateway.keys import (
     COMPLETIONS,
     CONFIG,
     CONFIG_PATH,
+    DISCOVERY,
     IDS,
     METRICS,
     POOL,
@@ -57,6 +59,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def attached_replica(engine: EngineConfig) -> Replica:
+    assert engine.url is not None
     host = engine.url.split("://", 1)[1]
     return Replica(
         engine.name or host,
@@ -70,6 +73,19 @@ def attached_replica(engine: EngineConfig) -> Replica:
         managed=False,
         role=engine.role,
     )
+
+
+def dns_target(engine: EngineConfig) -> DnsTarget:
+    """The discovery of an `engines[]` entry with `dns`: its fields, and the entry's replica settings."""
+    d = engine.dns
+    assert d is not None
+    return DnsTarget(
+        id=engine.name or d.name, name=d.name, port=d.port, srv=d.srv, scheme=d.scheme, model=engine.model,
+        tokenizer=engine.tokenizer, kv_events_port=d.kv_events_port, max_concurrency=engine.max_concurrency,
+        max_num_seqs=engine.max_num_seqs, role=engine.role, interval_s=d.interval_s, timeout_s=d.timeout_s,
+        nameserver=d.nameserver, drain_timeout_s=d.drain_timeout_s, warmup_timeout_s=d.warmup_timeout_s,
+        max_endpoints=d.max_endpoints,
+    )  # fmt: skip
 
 
 _REQUEST_ID_MAX = 128
@@ -124,10 +140,18 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     app[REPLICAS] = replicas
     app[METRICS].export_replicas(replicas)
     for engine in cfg.engines:
-        replicas.add(attached_replica(engine))
+        if engine.url is not None:
+            replicas.add(attached_replica(engine))
+    found = app[DISCOVERY] = [DnsDiscovery(dns_target(e), replicas) for e in cfg.engines if e.dns is not None]
+    if found:
+        app[METRICS].export_discovery(found)
+    for discovery in found:
+        discovery.start()
     try:
         yield
     finally:
+        for discovery in found:
+            await discovery.close()
         await replicas.close()
 
 

@@ -108,12 +108,51 @@ class HealthConfig(StrictModel):
     )
 
 
-class EngineConfig(StrictModel):
-    """An engine kvgate did not start (attached): probed and routed to, never restarted."""
+class DnsConfig(StrictModel):
+    """Engines found by DNS (engine_pool.discovery): every address of the name is an attached engine; new ones join
+    after a warm-up completion, vanished ones drain."""
 
-    url: str = Field(description="base URL of an engine speaking vLLM's OpenAI API")
+    name: str = Field(
+        min_length=1,
+        description="the DNS name: its A/AAAA records at `port` (a Kubernetes headless Service, a compose service), "
+        "or with `srv` an SRV name such as _http._tcp.engines.ns.svc.cluster.local",
+    )
+    port: int | None = Field(None, ge=1, le=65535, description="engine port of A/AAAA records (required without srv)")
+    srv: bool = Field(False, description="resolve SRV records: each target at its own port")
+    scheme: Literal["http", "https"] = Field("http", description="scheme of the engine URLs")
+    nameserver: str | None = Field(
+        None, description='"host" or "host:port" of the DNS server to ask; None = the system resolver (resolv.conf)'
+    )
+    interval_s: float = Field(5.0, gt=0, description="re-resolve period")
+    timeout_s: float = Field(
+        2.0, gt=0, description="deadline of one resolution; a failed one (timeout, SERVFAIL) keeps the known engines"
+    )
+    kv_events_port: int | None = Field(
+        None, ge=1, le=65535, description="each engine's vLLM KV-events port: subscribed at tcp://ADDRESS:PORT"
+    )
+    drain_timeout_s: float = Field(
+        60.0, gt=0, description="a vanished engine's in-flight requests get this long before it is removed"
+    )
+    warmup_timeout_s: float = Field(
+        60.0, gt=0, description="deadline of the completion a new engine must answer before it is routed to"
+    )
+    max_endpoints: int = Field(256, ge=1, description="engines per name at most (further records are logged, ignored)")
+
+    @model_validator(mode="after")
+    def _port(self) -> DnsConfig:
+        if not self.srv and self.port is None:
+            raise ValueError("port is required unless srv is true (SRV records carry the ports)")
+        return self
+
+
+class EngineConfig(StrictModel):
+    """An engine kvgate did not start (attached): probed and routed to, never restarted; or, with `dns`, every
+    engine a DNS name resolves to."""
+
+    url: str | None = Field(None, description="base URL of an engine speaking vLLM's OpenAI API (or give dns)")
+    dns: DnsConfig | None = Field(None, description="find the engines by DNS instead of one url")
     model: str | None = Field(None, description="served model name; discovered from /v1/models when omitted")
-    name: str | None = Field(None, description="replica id; defaults to host:port")
+    name: str | None = Field(None, description="replica id; defaults to host:port (with dns: the id prefix)")
     metrics_url: str | None = Field(None, description="Prometheus endpoint; defaults to URL/metrics")
     kv_events_endpoint: str | None = Field(None, description="vLLM KV-events ZMQ endpoint, e.g. tcp://10.0.0.5:5557")
     tokenizer: str | None = Field(None, description='for prefix hashing: a local HF dir, "sim" or "chars"')
@@ -129,10 +168,18 @@ class EngineConfig(StrictModel):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
-        return v.rstrip("/")
+        return v.rstrip("/") if v is not None else None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EngineConfig:
+        if (self.url is None) == (self.dns is None):
+            raise ValueError("give exactly one of url and dns")
+        if self.dns is not None and (self.metrics_url or self.kv_events_endpoint):
+            raise ValueError("with dns, metrics are at each engine's /metrics and KV events at dns.kv_events_port")
+        return self
 
 
 class DisaggregationConfig(StrictModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from engine_pool.discovery import DnsDiscovery
 from engine_pool.http_client import UpstreamClient
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
@@ -29,6 +30,7 @@ COMPLETIONS = web.AppKey("completions", CompletionService)  # the two OpenAI com
 CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
 CACHE = web.AppKey("cache", CacheAwareState)  # absent unless the routing policy uses prefix overlap
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config
+DISCOVERY = web.AppKey("discovery", list[DnsDiscovery])  # one per `engines[].dns` entry (maybe none)
 
 IDS = web.AppKey("ids", IdSource)  # request ids
 REQUEST_ID = web.RequestKey("request_id", str)

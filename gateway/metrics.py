@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
+from engine_pool.discovery import DnsDiscovery
 from engine_pool.replica import Replica
 from policies.fastmetrics import Buckets, CallbackGauge, FastCounter, FastHistogram, Value
 
@@ -110,6 +111,23 @@ class GatewayMetrics:
             [],
             self.registry,
             lambda: [((), open_connections())],
+        )
+
+    def export_discovery(self, discoveries: Iterable[DnsDiscovery]) -> None:
+        """Per DNS discovery target: the engines its name stands for, and its failed resolutions in a row."""
+        CallbackGauge(
+            "kvgate_discovery_endpoints",
+            "Engines a DNS discovery name resolves to now (engines.dns).",
+            ["target"],
+            self.registry,
+            lambda: [((d.target.id,), d.endpoints) for d in discoveries],
+        )
+        CallbackGauge(
+            "kvgate_discovery_failing_resolutions",
+            "Failed resolutions in a row of a DNS discovery name (0 after a success); the engines are kept meanwhile.",
+            ["target"],
+            self.registry,
+            lambda: [((d.target.id,), d.failing) for d in discoveries],
         )
 
     def export_replicas(self, replicas: Iterable[Replica]) -> None:

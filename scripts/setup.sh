@@ -31,9 +31,14 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 
-# Redis is optional at run time (the embedded default needs none); the tests use a real server when present.
-if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && [ "${KVGATE_NO_APT:-0}" != 1 ]; then
-  echo "[setup] installing redis-server (Debian package)" >&2
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 \
-    || echo "[setup] could not install redis-server; Redis tests will be skipped" >&2
+# Test-only system packages (Debian): Redis is optional at run time (the embedded default needs none) and the tests
+# use a real server when present; dnsmasq is the real DNS server of the engine-discovery tests. Tests skip without
+# them.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v dnsmasq >/dev/null 2>&1 || missing+=(dnsmasq-base)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && [ "${KVGATE_NO_APT:-0}" != 1 ]; then
+  echo "[setup] installing ${missing[*]} (Debian packages)" >&2
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") >/dev/null 2>&1 \
+    || echo "[setup] could not install ${missing[*]}; the tests that need them will be skipped" >&2
 fi

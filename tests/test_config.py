@@ -55,3 +55,19 @@ def test_unquoted_off_and_on_switch_the_access_log(tmp_path: Path) -> None:
     cfg.write_text("server:\n  access_log: loud\n")
     with pytest.raises(ConfigError, match=r"server\.access_log"):
         load_config(cfg, environ={})
+
+
+def test_an_engine_is_a_url_or_a_dns_name() -> None:
+    cfg = load_config(overrides={"engines": [{"dns": {"name": "_http._tcp.vllm.ns.svc", "srv": True}, "name": "p"}]},
+                      environ={})  # fmt: skip
+    dns = cfg.engines[0].dns
+    assert dns is not None and dns.srv and dns.port is None and dns.interval_s == 5.0 and cfg.engines[0].url is None
+    for engine, message in (
+        ({}, "exactly one of url and dns"),
+        ({"url": "http://a:1", "dns": {"name": "a", "port": 1}}, "exactly one of url and dns"),
+        ({"dns": {"name": "vllm"}}, "port is required unless srv"),
+        ({"dns": {"name": "vllm", "port": 8000}, "kv_events_endpoint": "tcp://a:1"}, "dns.kv_events_port"),
+        ({"dns": {"name": "vllm", "port": 70000}}, "engines.0.dns.port"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides={"engines": [engine]}, environ={})

@@ -47,6 +47,9 @@ def test_the_kit_agrees_with_the_gateway(documents: list[dict[str, Any]], tmp_pa
     assert pod["terminationGracePeriodSeconds"] > config.server.shutdown_grace_s
     assert {e["name"] for e in gateway["env"]} == {"KVGATE__ADMIN__KEY"}
     statefulset = next(d for d in documents if d["kind"] == "StatefulSet")
-    hosts = {e.url.split("//", 1)[1].split(":", 1)[0] for e in config.engines}
-    expected = {f"vllm-{i}.{statefulset['spec']['serviceName']}" for i in range(statefulset["spec"]["replicas"])}
-    assert hosts == expected  # the engines kvgate lists are the StatefulSet's pods
+    service = next(d for d in documents if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None")
+    ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
+    (engine,) = config.engines
+    assert engine.dns is not None  # the engines kvgate finds are the StatefulSet's pods, by its headless Service
+    assert engine.dns.name == statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert (engine.dns.port, engine.dns.kv_events_port) == (ports["http"], ports["kv-events"])
