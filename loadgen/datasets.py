@@ -26,6 +26,7 @@ from typing import Any
 
 from loadgen.client import Message, RequestSpec
 from loadgen.text import TextMaker
+from loadgen.workloads import json_lines
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
           "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}  # fmt: skip
@@ -97,16 +98,7 @@ def _jsonl_turn(obj: Any, where: str) -> Turn:
 
 
 def parse_jsonl(lines: Sequence[str], name: str = "dataset") -> list[Conversation]:
-    out: list[Conversation] = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as exc:
-            raise DatasetError(f"{name} line {lineno}: not JSON ({exc})") from exc
-        out.append(Conversation((_jsonl_turn(obj, f"{name} line {lineno}"),)))
-    return out
+    return [Conversation((_jsonl_turn(obj, f"{name} line {n}"),)) for n, obj in json_lines(lines, name, DatasetError)]
 
 
 def load_dataset(kind: str, path: str) -> list[Conversation]:

@@ -27,7 +27,7 @@ import json
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from loadgen.client import RequestSpec
 from loadgen.text import TextMaker
@@ -187,16 +187,22 @@ def _int_field(obj: dict[str, object], name: str, lineno: int) -> int:
     return value
 
 
-def parse_mooncake_trace(lines: Iterable[str]) -> list[TraceRecord]:
-    """Parses JSONL records; blank lines are skipped; raises TraceError naming the first bad line."""
-    records: list[TraceRecord] = []
+def json_lines(lines: Iterable[str], name: str, error: type[ValueError]) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of every non-blank JSON line; raises `error` naming the first line that is not JSON."""
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except ValueError as exc:
-            raise TraceError(f"trace line {lineno}: not JSON ({exc})") from exc
+            raise error(f"{name} line {lineno}: not JSON ({exc})") from exc
+        yield lineno, obj
+
+
+def parse_mooncake_trace(lines: Iterable[str]) -> list[TraceRecord]:
+    """Parses JSONL records; blank lines are skipped; raises TraceError naming the first bad line."""
+    records: list[TraceRecord] = []
+    for lineno, obj in json_lines(lines, "trace", TraceError):
         if not isinstance(obj, dict):
             raise TraceError(f"trace line {lineno}: expected an object")
         ts = obj.get("timestamp", 0)
