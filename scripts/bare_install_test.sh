@@ -57,7 +57,7 @@ kill $(jobs -p) 2>/dev/null || true
 echo "[bare] the tests that need neither vLLM nor transformers, against the installed wheel" >&2
 "$WORK/venv/bin/python" -m pip install -q pytest pytest-asyncio pytest-timeout pytest-aiohttp hypothesis openai \
   psutil >&2
-cp -r tests bench "$WORK/"  # bench/: the routing report's table code, which one test checks
+cp -r tests bench deploy "$WORK/"  # bench/: the routing report's table code; deploy/: the kit the tests check
 .venv/bin/python - "$WORK/pytest.ini" <<'EOF'
 import sys, tomllib
 opts = tomllib.load(open("pyproject.toml", "rb"))["tool"]["pytest"]["ini_options"]

@@ -30,7 +30,8 @@ def documents() -> list[dict[str, Any]]:
 def test_every_manifest_is_valid_kubernetes(documents: list[dict[str, Any]]) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     kinds = sorted(d["kind"] for d in documents)
-    assert kinds == ["ConfigMap", "Deployment", "PodDisruptionBudget", "Secret", "Service", "Service", "StatefulSet"]
+    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "HorizontalPodAutoscaler",
+                     "PodDisruptionBudget", "Secret", "Service", "Service", "StatefulSet"]  # fmt: skip
     for doc in documents:
         kubernetes_validate.validate(doc, "1.30", strict=True)
 
@@ -53,3 +54,13 @@ def test_the_kit_agrees_with_the_gateway(documents: list[dict[str, Any]], tmp_pa
     assert engine.dns is not None  # the engines kvgate finds are the StatefulSet's pods, by its headless Service
     assert engine.dns.name == statefulset["spec"]["serviceName"] == service["metadata"]["name"]
     assert (engine.dns.port, engine.dns.kv_events_port) == (ports["http"], ports["kv-events"])
+
+
+def test_the_autoscalers_scale_the_kits_own_workloads(documents: list[dict[str, Any]]) -> None:
+    targets = {(d["kind"], d["metadata"]["name"]) for d in documents if d["kind"] in ("Deployment", "StatefulSet")}
+    hpas = [d for d in documents if d["kind"] == "HorizontalPodAutoscaler"]
+    assert {(h["spec"]["scaleTargetRef"]["kind"], h["spec"]["scaleTargetRef"]["name"]) for h in hpas} == targets
+    engines = next(h for h in hpas if h["spec"]["scaleTargetRef"]["kind"] == "StatefulSet")
+    external = {m["external"]["metric"]["name"] for m in engines["spec"]["metrics"] if m["type"] == "External"}
+    assert "kvgate_queue_depth" in external  # a gauge the gateways export (tests/test_observability.py)
+    assert all(h["spec"]["minReplicas"] >= 2 for h in hpas)  # one still serves while another is disrupted
