@@ -148,3 +148,28 @@ def test_the_cache_is_bounded_by_bytes(tiny: HfPromptTokenizer) -> None:
     for i in range(50):
         cache.tokens_and_hashes(tiny, [{"role": "user", "content": f"{i} " * 40}], True, {}, block_size=BS, seed=SEED)
     assert 0 < len(cache) < 50 and cache.bytes <= 4096
+
+
+def test_prompts_that_share_only_a_system_prompt_encode_just_their_question(tiny: HfPromptTokenizer) -> None:
+    system = {"role": "system", "content": "tools and rules " * 100}
+    prompts = [[system, {"role": "user", "content": f"question number {i}"}] for i in range(5)]  # single-turn
+    expected = [full(tiny, messages, {}) for messages in prompts]
+    outcomes: Counter[str] = Counter()
+    cache = ChatPrefixCache(1 << 24, on_outcome=lambda outcome: outcomes.update([outcome]))
+    encoded: list[int] = []
+    real_encode = tiny.encode
+
+    def counting(t: str) -> list[int]:
+        encoded.append(len(t))
+        return real_encode(t)
+
+    tiny.encode = counting  # type: ignore[method-assign]
+    try:
+        got = [cache.tokens_and_hashes(tiny, messages, True, {}, block_size=BS, seed=SEED) for messages in prompts]
+    finally:
+        del tiny.encode
+    assert got == expected  # exactly what a full tokenization gives
+    assert outcomes == Counter(miss=1, hit=4)
+    head = len(tiny.render_chat([system], False, {})[1])
+    first = sum(encoded) - sum(encoded[-4 * 2 :])  # each later prompt encodes its question and the suffix
+    assert first >= head and sum(encoded[-8:]) < head / 2  # the system prompt was encoded once, by the first

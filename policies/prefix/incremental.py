@@ -12,7 +12,10 @@ the last message boundary of each request and reused by the next turn that start
 Per request: normalize and render the whole conversation (the template must see all of it), compute key(k) for
 every boundary (xxhash over each message, O(size of the messages) in C), take the longest k with an entry whose
 text digest matches the start of this rendering, and encode only what follows it; the block-hash chain continues
-from the entry's last full block. Then the boundary after the last message is stored for the next turn.
+from the entry's last full block. Then the boundary after the last message is stored for the next turn. On a miss
+with two messages or more, the boundary after the first message is stored too (its rendering
+alone, when that is a safe prefix of this one: one more template render): single-turn prompts that share a system
+prompt then encode only what follows it.
 
 Exactness: encode(A + B) == encode(A) + encode(B) holds when A ends with one of the tokenizer's special tokens
 (Hugging Face tokenizers split the text on added special tokens before anything else); a boundary that does not
@@ -117,6 +120,8 @@ class ChatPrefixCache:
                 start, tokens, hashes, outcome = entry.text_len, array("I", entry.tokens), list(entry.hashes), "hit"
             else:
                 outcome = "rewritten"
+        if outcome == "miss" and len(conversation) > 1:
+            start = self._first_boundary(tok, messages, kwargs, text, end, keys[1], tokens, hashes, block_size, seed)
         tokens.extend(tok.encode(text[start:end]))
         hashes.extend(chain_hashes(tokens[len(hashes) * block_size :], block_size, hashes[-1] if hashes else seed))
         self._store(keys[-1], _Entry(end, _text_digest(text[:end]), array("I", tokens), tuple(hashes)))
@@ -124,6 +129,21 @@ class ChatPrefixCache:
         hashes.extend(chain_hashes(tokens[len(hashes) * block_size :], block_size, hashes[-1] if hashes else seed))
         self._count(outcome)  # type: ignore[arg-type]
         return len(tokens), hashes
+
+    def _first_boundary(
+        self, tok: ChatRenderer, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any], text: str, end: int,
+        key: int, tokens: array[int], hashes: list[int], block_size: int, seed: int,
+    ) -> int:  # fmt: skip
+        """On a miss, also store the boundary after the first message (a shared system prompt: prompts that share
+        only it start from there); fills `tokens` and `hashes` up to it and returns where encoding continues (0 when
+        the first message's rendering is not a safe prefix of this one)."""
+        _, head = tok.render_chat(messages[:1], False, kwargs)
+        if not head or len(head) >= end or not text.startswith(head) or not head.endswith(tok.special_tokens):
+            return 0
+        tokens.extend(tok.encode(head))
+        hashes.extend(chain_hashes(tokens, block_size, seed))
+        self._store(key, _Entry(len(head), _text_digest(head), array("I", tokens), tuple(hashes)))
+        return len(head)
 
     def _full(
         self, tok: ChatRenderer, text: str, block_size: int, seed: int, outcome: Outcome
