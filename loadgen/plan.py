@@ -14,8 +14,10 @@ From a model's HF `config.json`, a dtype, a target context and a device descript
 - prefill is compute-bound: 2 x active parameters FLOPs per token; tensor parallelism adds two all-reduces of the
   hidden state per layer and token, 2 (tp - 1) / tp of it crossing the interconnect.
 The predicted knee is the concurrency where KV runs out (sequences that fit), and the recommendation is
-`max_num_seqs` = that (at most 256) and `admission.replica_max_concurrency` = that. Device figures in `DEVICES` are
-nominal (datasheet memory and bandwidth, dense bf16 TFLOPS) and every one can be overridden. Pure arithmetic:
+`max_num_seqs` = that (at most 256) and `admission.replica_max_concurrency` = that. With `devices` the deployment
+holds devices // tp replicas: the pool's sequences and aggregate decode are the replica's times that. Device
+figures in `DEVICES` are nominal (datasheet memory and bandwidth, dense bf16 TFLOPS) and every one can be
+overridden. Pure arithmetic:
 O(1), no engine involved.
 """
 
@@ -125,6 +127,8 @@ class Model:
 class Plan:
     context: int  # tokens per sequence the plan is for (prompt + output)
     block_size: int
+    replicas: int  # devices // tp: the figures below are per replica, the pool_ ones for all of them
+    reserve_gib_per_device: float
     weights_gib_per_device: float
     kv_bytes_per_token: float  # per device
     kv_gib_per_sequence: float  # per device, at the target context
@@ -138,6 +142,8 @@ class Plan:
     predicted_knee: int
     max_num_seqs: int
     replica_max_concurrency: int
+    pool_sequences_that_fit: int
+    pool_decode_tok_s: float
 
 
 def plan(
@@ -149,13 +155,18 @@ def plan(
     context: int = 4096,
     concurrency: int | None = None,
     tp: int = 1,
+    devices: int | None = None,
     utilization: float = 0.9,
     reserve_gib: float = 1.0,
     block_size: int = 16,
     kv_cache_bytes: int | None = None,
 ) -> Plan:
-    """The plan for one replica spanning `tp` devices; `kv_cache_bytes` fixes the KV budget per device (vLLM's
-    --kv-cache-memory-bytes) instead of deriving it from memory."""
+    """The plan for one replica spanning `tp` devices, and for the `devices // tp` replicas of `devices` (default:
+    one replica); `kv_cache_bytes` fixes the KV budget per device (vLLM's --kv-cache-memory-bytes) instead of
+    deriving it from memory."""
+    if devices is not None and devices < tp:
+        raise ValueError(f"{devices} device(s) cannot hold one replica of tensor-parallel size {tp}")
+    replicas = devices // tp if devices is not None else 1
     wbytes, kbytes = BYTES[dtype], BYTES[kv_dtype or dtype]
     total, active = model.params()
     weights_dev = total * wbytes / tp
@@ -175,6 +186,8 @@ def plan(
     return Plan(
         context=context,
         block_size=block_size,
+        replicas=replicas,
+        reserve_gib_per_device=0.0 if kv_cache_bytes is not None else reserve_gib,
         weights_gib_per_device=weights_dev / GIB,
         kv_bytes_per_token=kv_tok,
         kv_gib_per_sequence=kv_seq / GIB,
@@ -188,6 +201,8 @@ def plan(
         predicted_knee=fit,
         max_num_seqs=max(1, min(fit, 256)),
         replica_max_concurrency=max(1, fit),
+        pool_sequences_that_fit=fit * replicas,
+        pool_decode_tok_s=aggregate * replicas,
     )
 
 
@@ -201,6 +216,7 @@ def table(result: Plan) -> str:
         ("weights per device", f"{result.weights_gib_per_device:.2f} GiB"),
         ("KV per token (per device)", f"{result.kv_bytes_per_token:,.0f} B"),
         ("KV per sequence at the context", f"{result.kv_gib_per_sequence * 1024:.1f} MiB"),
+        ("engine and system reserve per device", f"{result.reserve_gib_per_device:.2f} GiB"),
         ("KV budget per device", f"{result.kv_budget_gib_per_device:.2f} GiB"),
         ("sequences that fit", f"{result.sequences_that_fit}"),
         ("KV blocks (vLLM num_gpu_blocks)", f"{result.kv_blocks}"),
@@ -211,6 +227,8 @@ def table(result: Plan) -> str:
         ("predicted knee (concurrency)", f"{result.predicted_knee}"),
         ("recommended max_num_seqs", f"{result.max_num_seqs}"),
         ("recommended admission.replica_max_concurrency", f"{result.replica_max_concurrency}"),
+        (f"pool of {result.replicas} replica(s): sequences that fit", f"{result.pool_sequences_that_fit}"),
+        (f"pool of {result.replicas} replica(s): decode, aggregate", f"{result.pool_decode_tok_s:,.0f} tok/s"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
@@ -229,6 +247,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tflops", type=float)
     p.add_argument("--interconnect-gbs", type=float)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices per replica)")
+    p.add_argument("--devices", type=int, help="devices of the deployment: devices // tp replicas (default: one)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--reserve-gib", type=float, default=1.0, help="engine and system reserve per device")
     p.add_argument("--block-size", type=int, default=16)
@@ -250,11 +269,15 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvgate plan: cannot read the model config: {exc!r}", file=sys.stderr)
         return 2
-    result = plan(
-        model, device, dtype=args.dtype, kv_dtype=args.kv_dtype, context=args.context, concurrency=args.concurrency,
-        tp=args.tp, utilization=args.gpu_memory_utilization, reserve_gib=args.reserve_gib,
-        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-    )  # fmt: skip
+    try:
+        result = plan(
+            model, device, dtype=args.dtype, kv_dtype=args.kv_dtype, context=args.context,
+            concurrency=args.concurrency, tp=args.tp, devices=args.devices, utilization=args.gpu_memory_utilization,
+            reserve_gib=args.reserve_gib, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+        )  # fmt: skip
+    except ValueError as exc:
+        print(f"kvgate plan: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(asdict(result), indent=2) if args.json else table(result))
     if args.write_config:
         try:

@@ -128,3 +128,17 @@ def test_write_config_sets_the_gate_and_the_pool_models_max_num_seqs(tmp_path: P
     one.write_text("pool:\n  models:\n  - name: only\n    kind: sim\n")  # the only model needs no name
     assert main([*argv, "--write-config", str(one)]) == 0
     assert yaml.safe_load(one.read_text())["pool"]["models"] == [{"name": "only", "kind": "sim", "max_num_seqs": 64}]
+
+
+def test_a_deployment_of_devices_holds_devices_over_tp_replicas(tmp_path: Path) -> None:
+    h100 = DEVICES["h100-sxm"]
+    one = plan(Model.from_config(LLAMA3_8B), h100, context=8192, tp=2)
+    pool = plan(Model.from_config(LLAMA3_8B), h100, context=8192, tp=2, devices=8)
+    assert (one.replicas, pool.replicas) == (1, 4) and pool.sequences_that_fit == one.sequences_that_fit
+    assert pool.pool_sequences_that_fit == 4 * one.sequences_that_fit
+    assert pool.pool_decode_tok_s == pytest.approx(4 * one.decode_tok_s_aggregate)
+    assert pool.reserve_gib_per_device == 1.0 and pool.replica_max_concurrency == one.replica_max_concurrency
+    with pytest.raises(ValueError, match="cannot hold one replica"):
+        plan(Model.from_config(LLAMA3_8B), h100, tp=4, devices=2)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    assert main([str(tmp_path), "--tp", "4", "--devices", "2"]) == 2
