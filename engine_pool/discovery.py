@@ -69,8 +69,9 @@ def _resolver(target: DnsTarget) -> dns.asyncresolver.Resolver:
     if target.nameserver is None:
         res = dns.asyncresolver.Resolver()
     else:
-        host, _, port = target.nameserver.rpartition(":") if target.nameserver.count(":") == 1 else (
-            target.nameserver, "", "")  # fmt: skip
+        host, sep, port = target.nameserver.rpartition(":")
+        if not sep or ":" in host:  # no port, or a bare IPv6 address
+            host, port = target.nameserver, ""
         res = dns.asyncresolver.Resolver(configure=False)
         res.nameservers = [host]
         if port:
@@ -127,9 +128,7 @@ class DnsDiscovery:
         self._warming: dict[Endpoint, asyncio.Task[None]] = {}
         self._draining: dict[Endpoint, tuple[Replica, asyncio.Task[None]]] = {}
         self._task: asyncio.Task[None] | None = None
-        self.rounds = 0  # resolutions applied
-        self.failures = 0  # resolutions that failed (the endpoints were kept)
-        self.failing = 0  # of them in a row, up to now (0 after a success)
+        self.failing = 0  # failed resolutions in a row, up to now (0 after a success; the endpoints were kept)
 
     @property
     def endpoints(self) -> int:
@@ -154,14 +153,12 @@ class DnsDiscovery:
                 self.apply(await resolve(self.target, self._resolver))
                 self.failing = 0
             except ResolveFailed as exc:
-                self.failures += 1
                 self.failing += 1
                 log.warning("discovery %s: %s; keeping %d engine(s)", self.target.id, exc, len(self._known))
             await asyncio.sleep(self.target.interval_s)
 
     def apply(self, endpoints: set[Endpoint]) -> None:
         """Add the new endpoints (not warm), drain the vanished ones."""
-        self.rounds += 1
         for ep in sorted(endpoints - self._known.keys()):
             if len(self._known) >= self.target.max_endpoints:
                 log.warning("discovery %s: more than %d endpoints, ignoring %s:%d", self.target.id,
@@ -173,11 +170,13 @@ class DnsDiscovery:
 
     def _add(self, ep: Endpoint) -> None:
         back = self._draining.pop(ep, None)
-        if back is not None:  # the record came back while its replica drained: it serves again, still warm
+        if back is not None:  # the record came back while its replica drained: it serves again
             replica, task = back
             task.cancel()
             self._known[ep] = replica
             self.replicas.set_draining(replica, False)
+            if not replica.warm:  # it vanished during its warm-up, which the drain cancelled
+                self._warming[ep] = asyncio.create_task(self._warm(ep, replica), name=f"warm:{replica.id}")
             log.info("discovery %s: %s reappeared while draining", self.target.id, replica.id)
             return
         t = self.target
@@ -216,7 +215,8 @@ class DnsDiscovery:
                 else:
                     await self.replicas.wait_changed(self.target.interval_s)
         finally:
-            self._warming.pop(ep, None)
+            if self._warming.get(ep) is asyncio.current_task():  # not a newer warm-up of the same endpoint
+                del self._warming[ep]
 
     def _drain(self, ep: Endpoint) -> None:
         replica = self._known.pop(ep)

@@ -20,14 +20,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine_pool.discovery import DnsTarget, resolve
+from engine_pool.discovery import DnsDiscovery, DnsTarget, resolve
+from engine_pool.http_client import UpstreamClient
+from engine_pool.replica_set import ReplicaSet
 from gateway.embedded import running_gateway
 from gateway.keys import DISCOVERY, REPLICAS
 from simengine import SimConfig, SimServer, run_sim_engine
 from tests.conftest import gateway_config, wait_for
 
 DNSMASQ = shutil.which("dnsmasq") or shutil.which("dnsmasq", path="/usr/sbin:/sbin")
-pytestmark = pytest.mark.skipif(DNSMASQ is None, reason="needs dnsmasq (apt install dnsmasq-base)")
+needs_dnsmasq = pytest.mark.skipif(DNSMASQ is None, reason="needs dnsmasq (apt install dnsmasq-base)")
 
 
 def _free_port() -> int:
@@ -93,6 +95,7 @@ async def sims_on(hosts: list[str], port: int) -> AsyncIterator[list[SimServer]]
         yield [await stack.enter_async_context(run_sim_engine(SimConfig(host=h, port=port, **cfg))) for h in hosts]
 
 
+@needs_dnsmasq
 async def test_records_come_and_go_engines_join_after_warm_up_and_drain_without_a_failed_request(
     tmp_path: Path,
 ) -> None:
@@ -143,6 +146,7 @@ async def test_records_come_and_go_engines_join_after_warm_up_and_drain_without_
             assert a.engine.stats.cancelled == 0  # every request it held finished: drained, not cut
 
 
+@needs_dnsmasq
 async def test_srv_records_carry_ports_and_a_dns_outage_keeps_the_engines(tmp_path: Path) -> None:
     async with sims_on(["127.0.0.2", "127.0.0.2"], 0) as (a, b):
         srv = [f"--srv-host=_vllm._tcp.pool.test,engine.test,{s.port}" for s in (a, b)]
@@ -163,3 +167,23 @@ async def test_srv_records_carry_ports_and_a_dns_outage_keeps_the_engines(tmp_pa
                     text = await resp.text()
                 assert 'kvgate_discovery_endpoints{target="_vllm._tcp.pool.test"} 2.0' in text
                 assert 'kvgate_discovery_failing_resolutions{target="_vllm._tcp.pool.test"}' in text
+
+
+async def test_a_record_back_while_its_engine_drains_during_warm_up_still_warms_it() -> None:
+    # no DNS server needed: the answers are applied directly, vanished and back within one tick
+    async with run_sim_engine(SimConfig(model="sim-model")) as sim:
+        client = UpstreamClient()
+        replicas = ReplicaSet(client, interval_s=0.1, timeout_s=1.0, metrics_interval_s=0.1)
+        discovery = DnsDiscovery(DnsTarget(id="pool", name="unused", port=sim.port, interval_s=0.1), replicas)
+        try:
+            endpoint = ("127.0.0.1", sim.port)
+            discovery.apply({endpoint})
+            discovery.apply(set())  # gone before its warm-up finished: draining, the warm-up cancelled
+            discovery.apply({endpoint})  # back: it serves again, and must still pass its warm-up
+            (replica,) = list(replicas)
+            await wait_for(lambda: replica.routable(time.monotonic()), what="the revived engine warm and routable")
+            assert sim.engine.stats.completed >= 1 and not replica.draining
+        finally:
+            await discovery.close()
+            await replicas.close()
+            client.close()

@@ -13,9 +13,9 @@ Per request: normalize and render the whole conversation (the template must see 
 every boundary (xxhash over each message, O(size of the messages) in C), take the longest k with an entry whose
 text digest matches the start of this rendering, and encode only what follows it; the block-hash chain continues
 from the entry's last full block. Then the boundary after the last message is stored for the next turn. On a miss
-with two messages or more, the boundary after the first message is stored too (its rendering
-alone, when that is a safe prefix of this one: one more template render): single-turn prompts that share a system
-prompt then encode only what follows it.
+with two messages or more, the boundary after the first message is stored too (its rendering alone, when that is a
+safe prefix of this one: one more template render), so single-turn prompts that share a system prompt encode only
+what follows it.
 
 Exactness: encode(A + B) == encode(A) + encode(B) holds when A ends with one of the tokenizer's special tokens
 (Hugging Face tokenizers split the text on added special tokens before anything else); a boundary that does not
