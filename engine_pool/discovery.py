@@ -46,6 +46,7 @@ class DnsTarget:
     model: str | None = None
     tokenizer: str | None = None
     kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
     max_concurrency: int | None = None
     max_num_seqs: int | None = None
     role: Role = "both"
@@ -187,6 +188,7 @@ class DnsDiscovery:
             f"{t.scheme}://{host}:{port}",
             t.model,
             kv_events_endpoint=f"tcp://{host}:{t.kv_events_port}" if t.kv_events_port else None,
+            kv_events_replay_endpoint=f"tcp://{host}:{t.kv_events_replay_port}" if t.kv_events_replay_port else None,
             tokenizer=t.tokenizer,
             max_concurrency=t.max_concurrency,
             max_num_seqs=t.max_num_seqs,

@@ -230,6 +230,7 @@ class EnginePool:
         host = self.config.host
         port = free_port(host)
         kv_port = free_port(host) if m.kv_events else None
+        replay_port = free_port(host) if m.kv_events else None
         slot_id = f"{m.name}-{index}"
         tokenizer = m.tokenizer or ("sim" if m.kind == "sim" else self._model_paths.get(m.name))
         replica = Replica(
@@ -238,12 +239,13 @@ class EnginePool:
             m.served,
             role=m.role,
             kv_events_endpoint=f"tcp://{host}:{kv_port}" if kv_port is not None else None,
+            kv_events_replay_endpoint=f"tcp://{host}:{replay_port}" if replay_port is not None else None,
             tokenizer=tokenizer,
             max_concurrency=m.max_concurrency,
             max_num_seqs=m.max_num_seqs,
             managed=True,
         )
-        slot = Slot(slot_id, m, index, port, kv_port, replica)
+        slot = Slot(slot_id, m, index, port, kv_port, replay_port, replica)
         self.supervisor.add(slot)
         if self._on_replica is not None:
             self._on_replica(replica)
@@ -273,6 +275,7 @@ class EnginePool:
                 ("--max-model-len", m.max_model_len),
                 ("--max-num-seqs", m.max_num_seqs),
                 ("--kv-events-port", slot.kv_port),
+                ("--kv-events-replay-port", slot.kv_replay_port),
             ):
                 if value is not None:
                     argv += [flag, str(value)]
@@ -295,6 +298,7 @@ class EnginePool:
             gpu_memory_utilization=m.gpu_memory_utilization,
             enable_prefix_caching=m.prefix_caching,
             kv_events_port=slot.kv_port,
+            kv_events_replay_port=slot.kv_replay_port,
             cpu_threads_bind=assign.cpu_bind if device == "cpu" else None,
             cuda_visible_devices=assign.cuda_visible_devices if device == "gpu" else None,
             tensor_parallel_size=m.tensor_parallel_size,

@@ -43,6 +43,7 @@ class Replica:
         *,
         metrics_url: str | None = None,
         kv_events_endpoint: str | None = None,
+        kv_events_replay_endpoint: str | None = None,
         tokenizer: str | None = None,
         max_concurrency: int | None = None,
         max_num_seqs: int | None = None,
@@ -59,6 +60,7 @@ class Replica:
         self.model = model
         self.metrics_url = metrics_url or f"{self.url}/metrics"
         self.kv_events_endpoint = kv_events_endpoint
+        self.kv_events_replay_endpoint = kv_events_replay_endpoint
         self.tokenizer = tokenizer
         self.max_concurrency = max_concurrency
         self.max_num_seqs = max_num_seqs  # the engine's batch slots, when configured

@@ -47,6 +47,7 @@ class Slot:
     index: int
     port: int
     kv_port: int | None
+    kv_replay_port: int | None
     replica: Replica
     state: SlotState = SlotState.STOPPED
     gen: int = 0

@@ -67,6 +67,7 @@ def attached_replica(engine: EngineConfig) -> Replica:
         engine.model,
         metrics_url=engine.metrics_url,
         kv_events_endpoint=engine.kv_events_endpoint,
+        kv_events_replay_endpoint=engine.kv_events_replay_endpoint,
         tokenizer=engine.tokenizer,
         max_concurrency=engine.max_concurrency,
         max_num_seqs=engine.max_num_seqs,
@@ -81,10 +82,10 @@ def dns_target(engine: EngineConfig) -> DnsTarget:
     assert d is not None
     return DnsTarget(
         id=engine.name or d.name, name=d.name, port=d.port, srv=d.srv, scheme=d.scheme, model=engine.model,
-        tokenizer=engine.tokenizer, kv_events_port=d.kv_events_port, max_concurrency=engine.max_concurrency,
-        max_num_seqs=engine.max_num_seqs, role=engine.role, interval_s=d.interval_s, timeout_s=d.timeout_s,
-        nameserver=d.nameserver, drain_timeout_s=d.drain_timeout_s, warmup_timeout_s=d.warmup_timeout_s,
-        max_endpoints=d.max_endpoints,
+        tokenizer=engine.tokenizer, kv_events_port=d.kv_events_port, kv_events_replay_port=d.kv_events_replay_port,
+        max_concurrency=engine.max_concurrency, max_num_seqs=engine.max_num_seqs, role=engine.role,
+        interval_s=d.interval_s, timeout_s=d.timeout_s, nameserver=d.nameserver, drain_timeout_s=d.drain_timeout_s,
+        warmup_timeout_s=d.warmup_timeout_s, max_endpoints=d.max_endpoints,
     )  # fmt: skip
 
 

@@ -130,6 +130,9 @@ class DnsConfig(StrictModel):
     kv_events_port: int | None = Field(
         None, ge=1, le=65535, description="each engine's vLLM KV-events port: subscribed at tcp://ADDRESS:PORT"
     )
+    kv_events_replay_port: int | None = Field(
+        None, ge=1, le=65535, description="each engine's KV-events replay port (vLLM's replay_endpoint), if it has one"
+    )
     drain_timeout_s: float = Field(
         60.0, gt=0, description="a vanished engine's in-flight requests get this long before it is removed"
     )
@@ -155,6 +158,11 @@ class EngineConfig(StrictModel):
     name: str | None = Field(None, description="replica id; defaults to host:port (with dns: the id prefix)")
     metrics_url: str | None = Field(None, description="Prometheus endpoint; defaults to URL/metrics")
     kv_events_endpoint: str | None = Field(None, description="vLLM KV-events ZMQ endpoint, e.g. tcp://10.0.0.5:5557")
+    kv_events_replay_endpoint: str | None = Field(
+        None,
+        description="the engine's KV-events replay ROUTER (vLLM's replay_endpoint, e.g. tcp://10.0.0.5:5558): the "
+        "index is rebuilt from its buffer on start and gaps are filled from it",
+    )
     tokenizer: str | None = Field(None, description='for prefix hashing: a local HF dir, "sim" or "chars"')
     max_concurrency: int | None = Field(None, ge=1, description="gateway-side concurrency gate for this replica")
     max_num_seqs: int | None = Field(
@@ -177,7 +185,7 @@ class EngineConfig(StrictModel):
     def _one_source(self) -> EngineConfig:
         if (self.url is None) == (self.dns is None):
             raise ValueError("give exactly one of url and dns")
-        if self.dns is not None and (self.metrics_url or self.kv_events_endpoint):
+        if self.dns is not None and (self.metrics_url or self.kv_events_endpoint or self.kv_events_replay_endpoint):
             raise ValueError("with dns, metrics are at each engine's /metrics and KV events at dns.kv_events_port")
         return self
 
@@ -219,6 +227,30 @@ class RoutingConfig(StrictModel):
         return self
 
 
+class FleetConfig(StrictModel):
+    """Routing state shared by several gateways through Redis (gateway.fleet)."""
+
+    share_routing: bool = Field(
+        True,
+        description="with a Redis (redis_url, else admission.redis.url) and the cache-aware policy: publish every "
+        "routing decision (prompt blocks, session binding) on a pub/sub channel and apply the other gateways' ones, "
+        "and keep session bindings in Redis with their TTL, so every gateway routes as one would",
+    )
+    redis_url: str | None = Field(None, description="Redis of the shared routing state; None = admission.redis.url")
+    channel: str = Field("kvgate:routing", description="pub/sub channel of the routing decisions")
+    key_prefix: str = Field("kvgate", description="session bindings are stored at <prefix>:session:<digest>")
+    flush_ms: float = Field(
+        2.0, ge=0, description="decisions are published in batches, at most this long after the first of a batch"
+    )
+    max_pending: int = Field(
+        4096, ge=1, description="decisions waiting to be published at most; older ones are dropped (and counted)"
+    )
+    timeout_s: float = Field(
+        0.1, gt=0, description="seconds per Redis command; a session lookup never holds a request longer"
+    )
+    reconnect_max_s: float = Field(5.0, gt=0, description="longest delay between reconnect attempts")
+
+
 class AdminConfig(StrictModel):
     key: str | None = Field(None, description="bearer key for /admin/*; admin endpoints are off when unset")
 
@@ -243,6 +275,10 @@ class GatewayConfig(StrictModel):
         default_factory=CacheConfig,
         description="prefix hashing, KV block index, KV events and sessions; used only by the cache-aware routing "
         "policy",
+    )
+    fleet: FleetConfig = Field(
+        default_factory=FleetConfig,
+        description="several gateways behind one load balancer: the routing state they share through Redis",
     )
     engines: list[EngineConfig] = Field(
         default_factory=list,

@@ -33,11 +33,13 @@ fi
 
 # Test-only system packages (Debian): Redis is optional at run time (the embedded default needs none) and the tests
 # use a real server when present; dnsmasq is the real DNS server of the engine-discovery tests; promtool (in the
-# prometheus package) checks the alert rules and dashboard queries of deploy/observability. Tests skip without them.
+# prometheus package) checks the alert rules and dashboard queries of deploy/observability; haproxy is the load
+# balancer in front of several gateways in the fleet test. Tests skip without them.
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v dnsmasq >/dev/null 2>&1 || missing+=(dnsmasq-base)
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && [ "${KVGATE_NO_APT:-0}" != 1 ]; then
   echo "[setup] installing ${missing[*]} (Debian packages)" >&2
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") >/dev/null 2>&1 \

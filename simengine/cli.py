@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--kv-events-port", type=int, default=None, help="ZMQ PUB port for KV events (0 = any)")
     p.add_argument("--kv-events-topic", default=d.kv_events_topic)
+    p.add_argument(
+        "--kv-events-replay-port", type=int, default=None, help="replay ROUTER port (0 = any free port: printed)"
+    )
     f = d.faults
     p.add_argument("--error-rate", type=float, default=f.error_rate)
     p.add_argument("--stall-s", type=float, default=f.stall_s)
@@ -86,6 +89,8 @@ async def serve(config: SimConfig) -> int:
     async with run_sim_engine(config) as server:
         if server.kv_events_port is not None:
             print(f"KV_EVENTS {server.kv_events_port}", flush=True)
+        if server.kv_events_replay_endpoint is not None:
+            print(f"KV_EVENTS_REPLAY {server.kv_events_replay_endpoint.rsplit(':', 1)[1]}", flush=True)
         print(f"LISTENING {server.port}", flush=True)
         await stop.wait()
     return 0

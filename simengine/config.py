@@ -70,4 +70,6 @@ class SimConfig(BaseModel):
     # KV events: None = off, 0 = any free port
     kv_events_port: int | None = Field(default=None, ge=0, le=65535)
     kv_events_topic: str = "kv-events"
+    # vLLM's replay ROUTER (`replay_endpoint`): the last 10,000 batches on request; None = off, 0 = any free port
+    kv_events_replay_port: int | None = Field(default=None, ge=0, le=65535)
     faults: Faults = Field(default_factory=Faults)

@@ -202,10 +202,15 @@ def decode_seq(frame: bytes) -> int:
 
 @dataclass
 class KVEventPublisher:
-    """ZMQ publisher of KV event batches on ``tcp://host:port`` (port 0 = any free port)."""
+    """ZMQ publisher of KV event batches on ``tcp://host:port`` (port 0 = any free port), and, with `replay_port`,
+    vLLM's replay ROUTER: a request ``[b"", start_seq]`` is answered with every buffered batch from `start_seq` on as
+    ``[b"", topic, seq, payload]``, then ``[b"", b"", -1, b""]`` (the last `buffer_steps` batches are kept)."""
 
     host: str = "127.0.0.1"
     port: int = 0
+    replay_port: int | None = None
+    buffer_steps: int = 10_000
+    replay_bound_port: int = 0
     topic: bytes = b"kv-events"
     max_pending: int = 100_000  # events queued while the sender catches up; older ones are dropped beyond it
     data_parallel_rank: int = 0
@@ -217,10 +222,13 @@ class KVEventPublisher:
     _subscribed: asyncio.Event = field(init=False, default_factory=asyncio.Event)
     _ctx: zmq.asyncio.Context | None = field(init=False, default=None)
     _sock: zmq.asyncio.Socket | None = field(init=False, default=None)
+    _replay: zmq.asyncio.Socket | None = field(init=False, default=None)
+    _buffer: deque[tuple[int, bytes]] = field(init=False)
     _tasks: list[asyncio.Task[None]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self._pending = deque(maxlen=self.max_pending)
+        self._buffer = deque(maxlen=self.buffer_steps)
 
     @property
     def endpoint(self) -> str:
@@ -247,7 +255,32 @@ class KVEventPublisher:
             asyncio.create_task(self._send_loop(), name="kv-events-send"),
             asyncio.create_task(self._subscription_loop(), name="kv-events-subs"),
         ]
+        if self.replay_port is not None:
+            replay = self._replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            replay.bind(f"tcp://{self.host}:{self.replay_port or '*'}")
+            replay_endpoint = replay.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(replay_endpoint, bytes)
+            self.replay_bound_port = int(replay_endpoint.decode().rsplit(":", 1)[1])
+            self._tasks.append(asyncio.create_task(self._replay_loop(), name="kv-events-replay"))
         return self.bound_port
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return f"tcp://{self.host}:{self.replay_bound_port}" if self._replay is not None else None
+
+    async def _replay_loop(self) -> None:
+        assert self._replay is not None
+        while True:
+            frames = await self._replay.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    await self._replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+            await self._replay.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
 
     def publish(self, events: Iterable[KVEvent]) -> None:
         """Queue events for the next batch; never blocks."""
@@ -286,6 +319,7 @@ class KVEventPublisher:
         payload = encode_kv_event_batch(KVEventBatch(time.time(), tuple(events), self.data_parallel_rank))
         seq = self.sent_batches.to_bytes(8, "big")
         await self._sock.send_multipart((self.topic, seq, payload))
+        self._buffer.append((self.sent_batches, payload))
         self.sent_batches += 1
 
     async def close(self) -> None:
@@ -304,6 +338,9 @@ class KVEventPublisher:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        if self._replay is not None:
+            self._replay.close(linger=0)
+            self._replay = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -322,7 +322,12 @@ async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
     if cfg.kv_events_port is None:
         yield
         return
-    publisher = KVEventPublisher(host=cfg.host, port=cfg.kv_events_port, topic=cfg.kv_events_topic.encode())
+    publisher = KVEventPublisher(
+        host=cfg.host,
+        port=cfg.kv_events_port,
+        topic=cfg.kv_events_topic.encode(),
+        replay_port=cfg.kv_events_replay_port,
+    )
     await publisher.start()
     engine.attach_publisher(publisher)
     try:
@@ -370,6 +375,11 @@ class SimServer:
     def kv_events_endpoint(self) -> str | None:
         pub = self.engine.publisher
         return pub.endpoint if pub is not None else None
+
+    @property
+    def kv_events_replay_endpoint(self) -> str | None:
+        pub = self.engine.publisher
+        return pub.replay_endpoint if pub is not None else None
 
     @property
     def kv_events_port(self) -> int | None:

@@ -135,33 +135,66 @@ async def test_subscriber_applies_in_order_and_resets_on_gap_and_restart(ctx: zm
         pub.close(linger=0)
 
 
-async def test_gap_filled_by_replay(ctx: zmq.asyncio.Context) -> None:
-    pub, endpoint = await publisher(ctx)
+def replay_server(
+    ctx: zmq.asyncio.Context, buffered: dict[int, bytes]
+) -> tuple[zmq.asyncio.Socket, str, asyncio.Task[None]]:
+    """vLLM's ZmqEventPublisher._service_replay over `buffered` (what the publisher holds at each request)."""
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
-    replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-    buffered = {seq: batch(stored([seq], None, [seq, seq])) for seq in range(0, 6)}
 
-    async def serve_replay() -> None:  # vLLM's ZmqEventPublisher._service_replay
-        client, _, start = await router.recv_multipart()
-        for seq in range(int.from_bytes(start, "big"), 6):
-            await router.send_multipart([client, b"", b"kv-events", seq.to_bytes(8, "big"), buffered[seq]])
-        await router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+    async def serve() -> None:
+        while True:
+            client, _, start = await router.recv_multipart()
+            for seq in sorted(buffered):
+                if seq >= int.from_bytes(start, "big"):
+                    await router.send_multipart([client, b"", b"kv-events", seq.to_bytes(8, "big"), buffered[seq]])
+            await router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
-    server = asyncio.create_task(serve_replay())
+    return router, router.getsockopt_string(zmq.LAST_ENDPOINT), asyncio.create_task(serve())
+
+
+async def test_gap_filled_by_replay(ctx: zmq.asyncio.Context) -> None:
+    pub, endpoint = await publisher(ctx)
+    buffered: dict[int, bytes] = {}  # nothing published before the subscriber starts
+    router, replay_endpoint, server = replay_server(ctx, buffered)
     sink = Sink()
     sub = KvEventSubscriber(ctx, "r1", endpoint, sink, replay_endpoint=replay_endpoint)
     sub.start()
     try:
         assert (await pub.recv()) == b"\x01"
+        buffered.update({seq: batch(stored([seq], None, [seq, seq])) for seq in range(0, 5)})
         await send(pub, 0, buffered[0])
         await send(pub, 3, buffered[3])  # 1 and 2 were lost: replayed, then 3 applied live
         await send(pub, 4, buffered[4])
         await sink.wait_for(5)
         assert sink.log == [("events", [[s]]) for s in range(5)]
-        await server
     finally:
+        server.cancel()
+        await sub.stop()
+        pub.close(linger=0)
+        router.close(linger=0)
+
+
+async def test_a_subscriber_started_late_rebuilds_from_the_replay_buffer(ctx: zmq.asyncio.Context) -> None:
+    """A gateway (re)started while the engine runs learns what the engine cached before: the replay of the whole
+    buffer; the live batches the replay already delivered are not applied twice."""
+    pub, endpoint = await publisher(ctx)
+    buffered = {seq: batch(stored([seq], None, [seq, seq])) for seq in range(3, 7)}  # 0-2 left the buffer
+    router, replay_endpoint, server = replay_server(ctx, buffered)
+    sink = Sink()
+    sub = KvEventSubscriber(ctx, "r1", endpoint, sink, replay_endpoint=replay_endpoint)
+    sub.start()
+    try:
+        assert (await pub.recv()) == b"\x01"
+        await sink.wait_for(4)
+        await send(pub, 6, buffered[6])  # published while the replay ran: delivered once
+        buffered[7] = batch(stored([7], None, [7, 7]))
+        await send(pub, 7, buffered[7])
+        await sink.wait_for(5)
+        assert sink.log == [("events", [[s]]) for s in range(3, 8)]
+    finally:
+        server.cancel()
         await sub.stop()
         pub.close(linger=0)
         router.close(linger=0)

@@ -10,11 +10,15 @@ Both are decoded here. Hashes are ints (low 64 bits) or bytes.
 Replay (optional): a DEALER connects to the publisher's ROUTER `replay_endpoint` and sends `[b"", start_seq]`; the
 publisher answers `[b"", topic, seq, payload]` for each buffered batch from `start_seq` on, then `[b"", b"", -1]`.
 
-Subscriber: a SUB socket per replica (topic prefix filter), read by one task. A batch whose sequence number is not
+Subscriber: a SUB socket per replica (topic prefix filter), read by one task. With a replay endpoint it first
+replays the publisher's whole buffer (what the engine cached before this gateway started, as far as the buffer
+goes back; a stored block whose parent predates the buffer cannot be placed and is skipped), then skips the live
+batches the replay already delivered. A batch whose sequence number is not
 the previous one plus one means lost events: a smaller number is an engine restart (the sink resets the replica),
 a larger one a gap (filled by replay when a replay endpoint is known and the publisher still holds the batches,
-else the sink resets the replica). A batch that cannot be decoded is treated as a gap. The task never blocks the
-loop (all socket calls are awaited) and closes its sockets when cancelled.
+else the sink resets the replica). A batch that cannot be decoded is treated as a gap. A replay answer slower than
+`replay_timeout_s` (per message) ends the replay. The task never blocks the loop (all socket calls are awaited) and
+closes its sockets when cancelled.
 """
 
 from __future__ import annotations
@@ -176,14 +180,22 @@ class KvEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
-        sock.connect(self.endpoint)
+        sock.connect(self.endpoint)  # before the replay: live batches published meanwhile wait in the socket
         try:
+            replayed = None
+            if self._replay_endpoint is not None and await self._replay(0, None):
+                replayed = self._last_seq
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     log.warning("kv events %s: dropped a message of %d frames", self.replica_id, len(frames))
                     continue
-                await self._on_message(int.from_bytes(frames[1], "big"), frames[2])
+                seq = int.from_bytes(frames[1], "big")
+                if replayed is not None:
+                    if seq <= replayed:
+                        continue  # the replay delivered it
+                    replayed = None
+                await self._on_message(seq, frames[2])
         finally:
             sock.close(linger=0)
 
@@ -212,29 +224,32 @@ class KvEventSubscriber:
         log.info("kv events %s: %s; clearing its index entries", self.replica_id, reason)
         self._sink.on_kv_reset(self.replica_id, reason)
 
-    async def _replay(self, start: int, stop: int) -> bool:
-        """Fetch and apply batches [start, stop) from the replay endpoint; True when all of them were applied."""
+    async def _replay(self, start: int, stop: int | None) -> bool:
+        """Fetch and apply batches [start, stop) from the replay endpoint; True when all of them were applied.
+        `stop` None: the whole buffer, from its oldest batch (which may be after `start`) on."""
         assert self._replay_endpoint is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self._replay_endpoint)
-        expected = start
+        expected: int | None = start if stop is not None else None
         try:
-            async with asyncio.timeout(self._replay_timeout):
-                await sock.send_multipart([b"", start.to_bytes(8, "big")])
-                while True:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                async with asyncio.timeout(self._replay_timeout):
                     frames = await sock.recv_multipart()
-                    if len(frames) != 4 or len(frames[2]) != 8:
-                        return False
-                    seq = int.from_bytes(frames[2], "big", signed=True)
-                    if seq == END_SEQ:
-                        return expected >= stop
-                    if seq < expected or seq >= stop:
-                        continue
-                    if seq != expected:
-                        return False
-                    self._apply(seq, frames[3])
-                    expected += 1
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    return False
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    return stop is None or (expected is not None and expected >= stop)
+                if expected is None:
+                    expected = seq
+                if seq < expected or (stop is not None and seq >= stop):
+                    continue
+                if seq != expected:
+                    return False
+                self._apply(seq, frames[3])
+                expected += 1
         except TimeoutError:
             log.info("kv events %s: replay from %d timed out", self.replica_id, start)
             return False

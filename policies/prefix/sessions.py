@@ -5,6 +5,7 @@ costs 16 bytes. An `OrderedDict` in LRU order holds (replica, expiry); every loo
 refreshes its TTL and moves it to the end, so the order is also expiry order: each operation first drops the
 expired entries at the front (amortized O(1)), and a bind past `max_entries` evicts the least recently used entry.
 All operations are O(1) amortized except `drop_replica`, O(entries), run only when a replica leaves the pool.
+The `*_digest` forms take the digest itself (`session_digest`): what gateways sharing their sessions exchange.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import xxhash
+
+
+def session_digest(key: str) -> bytes:
+    """The 16 bytes a session key is stored (and shared between gateways) as."""
+    return xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
 
 
 class SessionTable:
@@ -38,9 +44,11 @@ class SessionTable:
 
     def get(self, key: str) -> str | None:
         """The replica the session is bound to, refreshing its TTL; None when unbound or expired."""
+        return self.get_digest(session_digest(key))
+
+    def get_digest(self, digest: bytes) -> str | None:
         now = self._clock()
         self._expire(now)
-        digest = xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
         entry = self._entries.get(digest)
         if entry is None:
             return None
@@ -49,9 +57,11 @@ class SessionTable:
         return entry[0]
 
     def bind(self, key: str, replica: str) -> None:
+        self.bind_digest(session_digest(key), replica)
+
+    def bind_digest(self, digest: bytes, replica: str) -> None:
         now = self._clock()
         self._expire(now)
-        digest = xxhash.xxh3_128_digest(key.encode("utf-8", "surrogatepass"))
         self._entries[digest] = (replica, now + self._ttl)
         self._entries.move_to_end(digest)
         while len(self._entries) > self._max:

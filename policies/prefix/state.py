@@ -6,7 +6,8 @@ context (model or LoRA adapter name + `cache_salt`). Prompts of at least `tokeni
 are tokenized in a small thread pool (an 8k-token HF chat prompt takes ~20 ms on this machine); shorter ones inline
 (pure-Python tokenizers, which hold the GIL, only from `python_tokenizer_thread_min_chars`).
 `overlap` / `session_replica` fill the `RoutingView`; `on_routed` records the speculative insert and binds the
-session; `on_finished` compares the predicted cached tokens with the engine's `cached_tokens` (live parity).
+session, and hands both to `shared` (the other gateways, gateway.fleet) when set; `apply_shared` learns theirs.
+`on_finished` compares the predicted cached tokens with the engine's `cached_tokens` (live parity).
 
 Replicas: `add_replica` registers a replica's block size and capacity and, when KV events are enabled and its
 tokenizer is exact, a ZMQ subscriber (started by `start`, or at once when already started). Events are re-hashed
@@ -21,10 +22,10 @@ import itertools
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -38,7 +39,7 @@ from policies.prefix.kv_events import KvEvent, KvEventSubscriber
 from policies.prefix.kv_index import KvIndex
 from policies.prefix.metrics import PrefixMetrics
 from policies.prefix.routed import Routed, RoutedRequests
-from policies.prefix.sessions import SessionTable
+from policies.prefix.sessions import SessionTable, session_digest
 from policies.prefix.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,16 @@ class _Replica:
     events_endpoint: str | None
     replay_endpoint: str | None
     subscriber: KvEventSubscriber | None = None
+
+
+class SharedRouting(Protocol):
+    """What several gateways share of their routing (gateway.fleet.RoutingShare, over Redis)."""
+
+    def publish(self, replica: str, hashes: Sequence[int], session: bytes | None) -> None:
+        """This gateway sent a request with these prompt blocks (and session digest) to `replica`."""
+
+    async def session_replica(self, session: bytes) -> str | None:
+        """The replica another gateway bound the session to, when this one may not have heard of it."""
 
 
 def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
@@ -130,6 +141,7 @@ class CacheAwareState:
         self._zmq: zmq.asyncio.Context | None = None
         self._stopping: set[asyncio.Task[None]] = set()
         self._events = KvEventApplier(self.index, self.metrics)
+        self.shared: SharedRouting | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -329,6 +341,12 @@ class CacheAwareState:
         if session_key is None and self.config.session_from_user:
             user = body.get("user")
             session_key = user if isinstance(user, str) and user else None
+        if session_key is not None and self.shared is not None:
+            digest = session_digest(f"{tenant}\x00{session_key}")
+            if self.sessions.get_digest(digest) is None:
+                replica = await self.shared.session_replica(digest)
+                if replica is not None and replica in self._replicas:
+                    self.sessions.bind_digest(digest, replica)
         return PrefixRequestInfo(
             model=model,
             prompt_tokens=n_tokens,
@@ -359,12 +377,12 @@ class CacheAwareState:
         return result
 
     @staticmethod
-    def _session_key(info: RequestInfo) -> str | None:
-        return None if info.session_key is None else f"{info.tenant}\x00{info.session_key}"
+    def _session_digest(info: RequestInfo) -> bytes | None:
+        return None if info.session_key is None else session_digest(f"{info.tenant}\x00{info.session_key}")
 
     def session_replica(self, info: RequestInfo) -> str | None:
-        key = self._session_key(info)
-        replica = self.sessions.get(key) if key is not None else None
+        digest = self._session_digest(info)
+        replica = self.sessions.get_digest(digest) if digest is not None else None
         return replica if replica in self._replicas else None
 
     def on_routed(self, info: RequestInfo, decision: Decision) -> None:
@@ -378,9 +396,21 @@ class CacheAwareState:
                 ages = self.index.ages(rid, info.block_hashes, predicted, self.routed.settled_before(rid))
                 self.routed.add(info.request_id, Routed(rid, predicted, ages, self.index.inserts(rid)))
         self.index.record_routed(rid, info.block_hashes)
-        key = self._session_key(info)
-        if key is not None and rid in self._replicas:
-            self.sessions.bind(key, rid)
+        digest = self._session_digest(info)
+        if digest is not None and rid in self._replicas:
+            self.sessions.bind_digest(digest, rid)
+        if self.shared is not None and (info.block_hashes or digest is not None):
+            self.shared.publish(rid, info.block_hashes, digest)
+
+    def apply_shared(self, replica: str, hashes: Sequence[int], session: bytes | None) -> None:
+        """Another gateway sent a request with these blocks (and session) to `replica`: learn it as if this one
+        had (an unknown replica is ignored)."""
+        if replica not in self._replicas:
+            return
+        if hashes:
+            self.index.record_routed(replica, hashes)
+        if session is not None:
+            self.sessions.bind_digest(session, replica)
 
     def on_finished(self, info: RequestInfo, replica_id: str | None, reported_cached_tokens: int | None) -> None:
         """A routed request ended (`reported_cached_tokens` None: it failed or reported none). With a report, the

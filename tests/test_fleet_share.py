@@ -1,0 +1,129 @@
+"""Two in-process gateways share their routing through a real Redis (engines without KV events): a session bound by
+one is kept by the other, a prefix one routed is predicted cached by the other, a gateway started later finds the
+sessions bound before it, and losing Redis fails no request."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.embedded import RunningGateway, running_gateway
+from gateway.keys import CACHE, REGISTRY
+from simengine import SimConfig, SimServer, run_sim_engine
+from tests.conftest import gateway_config, wait_for
+from tests.test_admission_redis import RedisProcess, redis_server  # noqa: F401 (fixture)
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed"),
+]
+
+MODEL = "sim"
+SYSTEM = "You are a careful assistant who answers briefly. " * 30
+
+
+def config(servers: list[SimServer], redis_url: str) -> Any:
+    return gateway_config(
+        [s.url for s in servers],
+        routing={"policy": "cache-aware"},
+        cache={"tokenizers": {MODEL: "sim"}},
+        fleet={"redis_url": redis_url},
+    )
+
+
+@asynccontextmanager
+async def sims(n: int) -> AsyncIterator[list[SimServer]]:
+    async with AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(run_sim_engine(SimConfig(model=MODEL, seed=i))) for i in range(n)]
+
+
+async def chat(
+    http: aiohttp.ClientSession, gw: RunningGateway, content: str, *, session: str | None = None, system: str = SYSTEM
+) -> tuple[str, str]:
+    """(replica, route reason) of one chat request."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": messages}
+    headers = {"x-session-id": session} if session else {}
+    async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        return resp.headers["x-kvgate-replica"], resp.headers["x-kvgate-route-reason"]
+
+
+def metric(gw: RunningGateway, name: str, **labels: str) -> float:
+    return gw.app[REGISTRY].get_sample_value(name, labels) or 0.0
+
+
+async def wait_subscribed(gw: RunningGateway) -> None:
+    await wait_for(lambda: metric(gw, "kvgate_fleet_connected") == 1, what="subscribed to the routing channel")
+
+
+async def test_a_session_and_a_prefix_routed_by_one_gateway_are_known_to_the_other(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    await redis_server.start()
+    async with sims(3) as servers, running_gateway(config(servers, redis_server.url)) as a:
+        async with running_gateway(config(servers, redis_server.url)) as b:
+            for gw in (a, b):
+                await wait_subscribed(gw)
+                await wait_for(lambda gw=gw: len(gw.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            sessions = [f"agent-{i}" for i in range(6)]
+            bound = {s: (await chat(http, a, f"turn 1 of {s}", session=s))[0] for s in sessions}
+            await wait_for(
+                lambda: metric(b, "kvgate_fleet_decisions_total", outcome="applied") >= len(sessions),
+                what="b applied a's decisions",
+            )
+            for s in sessions:  # b never routed these sessions: it keeps them where a put them
+                assert await chat(http, b, f"turn 2 of {s}", session=s) == (bound[s], "session")
+            # a prompt only a routed: b predicts it cached there (on its own it would see no replica holding it)
+            other = "Another system prompt, for a different application. " * 30
+            replica, reason = await chat(http, a, "a question", system=other)
+            assert reason == "cold-least-load"
+            await wait_for(
+                lambda: metric(b, "kvgate_fleet_decisions_total", outcome="applied") >= len(sessions) + 1,
+                what="b applied the prefix",
+            )
+            assert await chat(http, b, "another question", system=other) == (replica, "cache-hit")
+        # a gateway started after the sessions were bound finds them in Redis
+        async with running_gateway(config(servers, redis_server.url)) as c:
+            await wait_subscribed(c)
+            await wait_for(lambda: len(c.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            for s in sessions:
+                assert await chat(http, c, f"turn 3 of {s}", session=s) == (bound[s], "session")
+            assert metric(c, "kvgate_fleet_session_lookups_total", outcome="found") == len(sessions)
+
+
+async def test_losing_redis_fails_no_request_and_sharing_resumes(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    await redis_server.start()
+    async with sims(2) as servers, running_gateway(config(servers, redis_server.url)) as a:
+        async with running_gateway(config(servers, redis_server.url)) as b:
+            for gw in (a, b):
+                await wait_subscribed(gw)
+            await redis_server.stop()
+            await wait_for(lambda: metric(a, "kvgate_fleet_connected") == 0, what="a saw Redis go")
+            results = await asyncio.gather(
+                *(chat(http, gw, f"q{i}", session=f"s{i}") for i in range(8) for gw in (a, b))
+            )
+            assert len(results) == 16  # every request answered while Redis was down
+            await wait_for(
+                lambda: metric(a, "kvgate_fleet_decisions_total", outcome="dropped") > 0, what="a dropped decisions"
+            )
+            await redis_server.start()
+            for gw in (a, b):
+                await wait_for(lambda gw=gw: metric(gw, "kvgate_fleet_connected") == 1, 15.0, "subscribed again")
+            applied = metric(b, "kvgate_fleet_decisions_total", outcome="applied")
+            replica, _ = await chat(http, a, "after the outage", session="late")
+            await wait_for(
+                lambda: metric(b, "kvgate_fleet_decisions_total", outcome="applied") > applied, 15.0, "b applied it"
+            )
+            assert await chat(http, b, "after the outage, again", session="late") == (replica, "session")
