@@ -233,11 +233,17 @@ class FleetConfig(StrictModel):
     share_routing: bool = Field(
         True,
         description="with a Redis (redis_url, else admission.redis.url) and the cache-aware policy: publish every "
-        "routing decision (prompt blocks, session binding) on a pub/sub channel and apply the other gateways' ones, "
+        "routing decision (prompt blocks, session binding) on a Redis stream and apply the other gateways' ones, "
         "and keep session bindings in Redis with their TTL, so every gateway routes as one would",
     )
     redis_url: str | None = Field(None, description="Redis of the shared routing state; None = admission.redis.url")
-    channel: str = Field("kvgate:routing", description="pub/sub channel of the routing decisions")
+    channel: str = Field("kvgate:routing", description="Redis stream of the routing decisions")
+    history: int = Field(
+        20_000,
+        ge=1,
+        description="decisions kept in the stream: a gateway that starts rebuilds its approximate index "
+        "from them, and one that lost Redis for a while catches up",
+    )
     key_prefix: str = Field("kvgate", description="session bindings are stored at <prefix>:session:<digest>")
     flush_ms: float = Field(
         2.0, ge=0, description="decisions are published in batches, at most this long after the first of a batch"

@@ -4,27 +4,30 @@ What is shared is what a gateway learns from its own routing: the prompt blocks 
 speculative inserts of the approximate index, which is all there is for engines without KV events) and session
 bindings. KV events need no sharing: every gateway subscribes to every engine.
 
+The channel is a Redis stream (`channel`), capped at `history` decisions: a log every gateway reads, which
+is also the history a gateway that starts (or comes back after losing Redis) rebuilds from.
 - Publish: `publish` (called from `CacheAwareState.on_routed`) appends the decision to a bounded buffer (O(1));
-  one task sends the buffer every `flush_ms` as one pub/sub message (JSON: this gateway's id and
-  `[replica, block hashes, session digest]` per decision) and, in the same pipeline, `SET`s each session binding
-  at `<prefix>:session:<digest>` with the session TTL. A full buffer drops its oldest decision (counted).
-- Apply: one task reads the channel and hands the other gateways' decisions to `CacheAwareState.apply_shared`
-  (O(prompt blocks) each); its own are skipped.
-- Sessions a gateway has not heard of: while it has not been subscribed for a whole session TTL (just started,
-  or after losing Redis) a binding may predate its subscription, so a local miss asks Redis (`GET`, bounded by
-  `timeout_s`); after that, every live binding reached it through the channel and a miss costs nothing.
+  one task sends the buffer every `flush_ms` in one pipeline: an `XADD ... MAXLEN ~ history` per decision (fields:
+  gateway id, replica, block hashes as packed little-endian u64, session digest) and a `SET ... EX ttl` of
+  `<prefix>:session:<digest>` per session binding. A full buffer drops its oldest decision (counted).
+- Apply: one task reads the stream (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
+  read, so an outage shorter than the history loses nothing) and hands the other gateways' decisions to
+  `CacheAwareState.apply_shared` (O(prompt blocks) each); its own are skipped.
+- Sessions older than the history: while the gateway has not been reading for a whole session TTL, a local miss asks
+  Redis (`GET`, bounded by `timeout_s`); after that every live binding came through the stream and a miss costs
+  nothing.
 - Failure: Redis errors never fail a request. Decisions that cannot be sent are dropped and counted; both tasks
-  reconnect with exponential backoff up to `reconnect_max_s`, and the session lookups resume until the
-  subscription has again lasted a TTL.
+  retry with exponential backoff up to `reconnect_max_s`.
+Memory: the buffer (`max_pending` decisions) here; about `history` decisions in Redis.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
+from array import array
 from collections import deque
 from collections.abc import Sequence
 
@@ -38,6 +41,8 @@ from policies.prefix.state import CacheAwareState
 log = logging.getLogger("kvgate.fleet")
 
 _MIN_BACKOFF_S = 0.05
+_READ_BLOCK_MS = 1000
+_READ_COUNT = 512  # stream entries per XREAD: a long history is applied in slices, between requests
 
 
 class FleetMetrics:
@@ -49,9 +54,7 @@ class FleetMetrics:
             ["outcome"],
             registry=registry,
         )
-        self.connected = Gauge(
-            "kvgate_fleet_connected", "1 while subscribed to the shared routing channel", registry=registry
-        )
+        self.connected = Gauge("kvgate_fleet_connected", "1 while reading the shared routing stream", registry=registry)
         self.session_lookups = Counter(
             "kvgate_fleet_session_lookups_total",
             "Sessions unknown here looked up in Redis (found, missing, error)",
@@ -65,15 +68,17 @@ class RoutingShare:
         self.config = config
         self.state = state
         self.metrics = FleetMetrics(registry)
-        self.gateway_id = os.urandom(8).hex()
+        self.gateway_id = os.urandom(8).hex().encode()
         self._session_ttl = max(1, round(state.config.session_ttl_s))
         self._pending: deque[tuple[str, Sequence[int], bytes | None]] = deque(maxlen=config.max_pending)
         self._wake = asyncio.Event()
         timeout = config.timeout_s
         self._client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        # the subscription idles between messages: no read timeout on its connection
-        self._sub_client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout)
-        self._subscribed_since: float | None = None
+        # the reader blocks in XREAD up to _READ_BLOCK_MS: its connection's read timeout is longer than that
+        self._reader = aioredis.Redis.from_url(
+            url, socket_timeout=_READ_BLOCK_MS / 1000 + timeout, socket_connect_timeout=timeout
+        )
+        self._reading_since: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def _session_key(self, digest: bytes) -> str:
@@ -81,9 +86,10 @@ class RoutingShare:
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
         self._tasks = [
-            asyncio.get_running_loop().create_task(self._send_loop(), name="fleet:send"),
-            asyncio.get_running_loop().create_task(self._listen_loop(), name="fleet:listen"),
+            loop.create_task(self._send_loop(), name="fleet:send"),
+            loop.create_task(self._read_loop(), name="fleet:read"),
         ]
 
     async def close(self) -> None:
@@ -92,10 +98,7 @@ class RoutingShare:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self._client.aclose()
-        await self._sub_client.aclose()
-
-    def subscribed(self) -> bool:
-        return self._subscribed_since is not None
+        await self._reader.aclose()
 
     # --- SharedRouting ----------------------------------------------------------------------------------------
     def publish(self, replica: str, hashes: Sequence[int], session: bytes | None) -> None:
@@ -105,40 +108,41 @@ class RoutingShare:
         self._wake.set()
 
     async def session_replica(self, session: bytes) -> str | None:
-        since = self._subscribed_since
+        since = self._reading_since
         if since is not None and time.monotonic() - since > self._session_ttl:
-            return None  # every live binding came through the channel
+            return None  # every live binding came through the stream
         try:
             value = await self._client.get(self._session_key(session))
         except (RedisError, OSError):
             self.metrics.session_lookups.labels("error").inc()
             return None
         self.metrics.session_lookups.labels("missing" if value is None else "found").inc()
-        return None if value is None else value.decode() if isinstance(value, bytes) else str(value)
+        return value.decode() if isinstance(value, bytes) else value
 
     # --- tasks ------------------------------------------------------------------------------------------------
     def _backoff(self, delay: float) -> float:
         return min(max(delay * 2, _MIN_BACKOFF_S), self.config.reconnect_max_s)
 
     async def _send_loop(self) -> None:
+        cfg = self.config
         delay = 0.0
         while True:
             await self._wake.wait()
-            if self.config.flush_ms:
-                await asyncio.sleep(self.config.flush_ms / 1000)
+            if cfg.flush_ms:
+                await asyncio.sleep(cfg.flush_ms / 1000)
             self._wake.clear()
             batch = list(self._pending)
             self._pending.clear()
-            message = json.dumps(
-                {"g": self.gateway_id, "d": [[r, list(h), s.hex() if s else None] for r, h, s in batch]},
-                separators=(",", ":"),
-            )
             try:
                 async with self._client.pipeline(transaction=False) as pipe:
-                    pipe.publish(self.config.channel, message)
-                    for replica, _, session in batch:
+                    for replica, hashes, session in batch:
+                        fields: dict[str, bytes | str] = {
+                            "g": self.gateway_id, "r": replica, "h": array("Q", hashes).tobytes()
+                        }  # fmt: skip
                         if session is not None:
+                            fields["s"] = session
                             pipe.set(self._session_key(session), replica, ex=self._session_ttl)
+                        pipe.xadd(cfg.channel, fields, maxlen=cfg.history, approximate=False)  # type: ignore[arg-type]
                     await pipe.execute()
             except (RedisError, OSError) as exc:
                 self.metrics.decisions.labels("dropped").inc(len(batch))
@@ -150,43 +154,48 @@ class RoutingShare:
             delay = 0.0
             self.metrics.decisions.labels("published").inc(len(batch))
 
-    async def _listen_loop(self) -> None:
+    async def _read_loop(self) -> None:
+        last_id = b"0"  # from the start of the retained history
+        catching_up = True  # reading decisions made before this gateway was reading: until a short read
         delay = 0.0
         while True:
             try:
-                async with self._sub_client.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self.config.channel)
-                    self._subscribed_since = time.monotonic()
-                    self.metrics.connected.set(1)
-                    if delay:
-                        log.info("shared routing channel subscribed again")
-                    delay = 0.0
-                    while True:
-                        message = await pubsub.get_message(timeout=1.0)
-                        if message is not None:
-                            self._apply(message["data"])
+                reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self._reader.xread(
+                    {self.config.channel: last_id}, count=_READ_COUNT, block=_READ_BLOCK_MS
+                )  # type: ignore[assignment]
             except (RedisError, OSError) as exc:
-                if self._subscribed_since is not None or not delay:
-                    log.warning("lost the shared routing channel: %r", exc)
-                self._subscribed_since = None
+                if self._reading_since is not None or not delay:
+                    log.warning("lost the shared routing stream: %r", exc)
+                self._reading_since = None
+                catching_up = True
                 self.metrics.connected.set(0)
                 delay = self._backoff(delay)
                 await asyncio.sleep(delay)
+                continue
+            if self._reading_since is None:
+                self._reading_since = time.monotonic()
+                self.metrics.connected.set(1)
+            delay = 0.0
+            read = 0
+            for _, entries in reply:
+                read += len(entries)
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    self._apply(fields, catching_up)
+            catching_up = catching_up and read == _READ_COUNT
 
-    def _apply(self, data: bytes) -> None:
-        try:
-            message = json.loads(data)
-            if message["g"] == self.gateway_id:
-                return
-            decisions = [
-                (str(r), [int(h) for h in hashes], bytes.fromhex(s) if s else None) for r, hashes, s in message["d"]
-            ]
-        except (ValueError, KeyError, TypeError) as exc:
-            log.debug("ignoring a malformed routing message: %r", exc)
+    def _apply(self, fields: dict[bytes, bytes], past: bool) -> None:
+        if fields.get(b"g") == self.gateway_id:
             return
-        for replica, hashes, session in decisions:
-            self.state.apply_shared(replica, hashes, session)
-        self.metrics.decisions.labels("applied").inc(len(decisions))
+        try:
+            replica = fields[b"r"].decode()
+            hashes = array("Q")
+            hashes.frombytes(fields[b"h"])
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            log.debug("ignoring a malformed routing decision: %r", exc)
+            return
+        self.state.apply_shared(replica, hashes, fields.get(b"s"), past=past)
+        self.metrics.decisions.labels("applied").inc()
 
 
 def shared_redis_url(config: FleetConfig, admission_redis_url: str | None) -> str | None:

@@ -28,12 +28,12 @@ MODEL = "sim"
 SYSTEM = "You are a careful assistant who answers briefly. " * 30
 
 
-def config(servers: list[SimServer], redis_url: str) -> Any:
+def config(servers: list[SimServer], redis_url: str, **fleet: Any) -> Any:
     return gateway_config(
         [s.url for s in servers],
         routing={"policy": "cache-aware"},
         cache={"tokenizers": {MODEL: "sim"}},
-        fleet={"redis_url": redis_url},
+        fleet={"redis_url": redis_url, **fleet},
     )
 
 
@@ -91,13 +91,37 @@ async def test_a_session_and_a_prefix_routed_by_one_gateway_are_known_to_the_oth
                 what="b applied the prefix",
             )
             assert await chat(http, b, "another question", system=other) == (replica, "cache-hit")
-        # a gateway started after the sessions were bound finds them in Redis
+        # a gateway started later learns what was routed before it from the stream's history
         async with running_gateway(config(servers, redis_server.url)) as c:
             await wait_subscribed(c)
             await wait_for(lambda: len(c.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            assert await chat(http, c, "a third question", system=other) == (replica, "cache-hit")
             for s in sessions:
                 assert await chat(http, c, f"turn 3 of {s}", session=s) == (bound[s], "session")
-            assert metric(c, "kvgate_fleet_session_lookups_total", outcome="found") == len(sessions)
+
+
+async def test_a_gateway_started_after_the_history_finds_sessions_in_redis(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    await redis_server.start()
+    async with sims(3) as servers:
+        async with running_gateway(config(servers, redis_server.url, history=1)) as a:
+            await wait_subscribed(a)
+            await wait_for(lambda: len(a.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            sessions = [f"agent-{i}" for i in range(6)]
+            bound = {s: (await chat(http, a, f"turn 1 of {s}", session=s))[0] for s in sessions}
+            await wait_for(
+                lambda: metric(a, "kvgate_fleet_decisions_total", outcome="published") == len(sessions),
+                what="a published its decisions",
+            )
+        async with running_gateway(config(servers, redis_server.url, history=1)) as c:
+            await wait_subscribed(c)
+            await wait_for(lambda: len(c.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            for s in sessions:
+                assert await chat(http, c, f"turn 2 of {s}", session=s) == (bound[s], "session")
+            # the stream kept the last decision only: the other sessions' bindings came from their Redis keys
+            assert metric(c, "kvgate_fleet_session_lookups_total", outcome="found") == len(sessions) - 1
 
 
 async def test_losing_redis_fails_no_request_and_sharing_resumes(

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 _MAX_PENDING = 65_536  # routed requests awaiting on_finished (parity); oldest forgotten first
 _MAX_TOKENIZERS = 32
+_MAX_EARLY_REPLICAS = 256  # replicas not registered yet whose shared decisions are kept for when they are
+_MAX_EARLY_DECISIONS = 4096  # per such replica, the newest
+_MAX_SEEN = 4096  # replica ids once registered (their later shared decisions are not kept while they are away)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,9 @@ class CacheAwareState:
         self._stopping: set[asyncio.Task[None]] = set()
         self._events = KvEventApplier(self.index, self.metrics)
         self.shared: SharedRouting | None = None
+        # shared decisions for replicas this gateway has not registered yet (it is starting, or the engine is new)
+        self._early: OrderedDict[str, deque[tuple[Sequence[int], bytes | None, bool]]] = OrderedDict()
+        self._seen: OrderedDict[str, None] = OrderedDict()
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -214,6 +220,12 @@ class CacheAwareState:
         if self._zmq is not None:
             self._start_subscriber(replica_id, r)
         self._preload(spec)
+        self._seen[replica_id] = None
+        self._seen.move_to_end(replica_id)
+        if len(self._seen) > _MAX_SEEN:
+            self._seen.popitem(last=False)
+        for hashes, session, past in self._early.pop(replica_id, ()):
+            self.apply_shared(replica_id, hashes, session, past=past)
 
     def _preload(self, spec: str) -> None:
         """Load a tokenizer (and chat template) now, in the background, so no request waits for it."""
@@ -402,12 +414,22 @@ class CacheAwareState:
         if self.shared is not None and (info.block_hashes or digest is not None):
             self.shared.publish(rid, info.block_hashes, digest)
 
-    def apply_shared(self, replica: str, hashes: Sequence[int], session: bytes | None) -> None:
+    def apply_shared(self, replica: str, hashes: Sequence[int], session: bytes | None, *, past: bool = False) -> None:
         """Another gateway sent a request with these blocks (and session) to `replica`: learn it as if this one
-        had (an unknown replica is ignored)."""
+        had. For a replica not registered here yet, the newest decisions wait for it (bounded); for one that was
+        and is away (down, removed), they are ignored. `past`: a decision from before this gateway was reading
+        (its history): a replica with KV events then learns nothing from it (its events, replayed, say what it
+        holds; the decision's speculative insert expired long ago)."""
         if replica not in self._replicas:
+            if replica not in self._seen:
+                early = self._early.get(replica)
+                if early is None:
+                    early = self._early[replica] = deque(maxlen=_MAX_EARLY_DECISIONS)
+                    if len(self._early) > _MAX_EARLY_REPLICAS:
+                        self._early.popitem(last=False)
+                early.append((hashes, session, past))
             return
-        if hashes:
+        if hashes and not (past and self._replicas[replica].events_endpoint is not None):
             self.index.record_routed(replica, hashes)
         if session is not None:
             self.sessions.bind_digest(session, replica)
