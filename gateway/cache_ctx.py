@@ -3,7 +3,6 @@
 Only built when the routing policy consumes prefix overlap (`uses_prefix_cache`). A replica coming up is
 registered with its block size and KV capacity as its engine reports them (`vllm:cache_config_info`), falling back to
 the config; a replica going down or removed forgets its entries (a restarted engine starts with an empty cache).
-With a shared Redis (`fleet`), the routing decisions are shared with the other gateways (gateway.fleet).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from engine_pool.replica import Replica
-from gateway.fleet import RoutingShare, shared_redis_url
 from gateway.keys import CACHE, CONFIG, REGISTRY, REPLICAS
 from policies.prefix.state import CacheAwareState
 from policies.registry import build_policy
@@ -56,12 +54,6 @@ async def cache_ctx(app: web.Application) -> AsyncIterator[None]:
     state = CacheAwareState(cfg.cache, app[REGISTRY])
     app[CACHE] = state
     await state.start()
-    redis = cfg.admission.redis
-    url = shared_redis_url(cfg.fleet, redis.url if redis is not None else None)
-    share = RoutingShare(cfg.fleet, url, state, app[REGISTRY]) if url is not None else None
-    if share is not None:
-        state.shared = share
-        share.start()
     listener = CacheReplicaListener(state, cfg.cache.default_block_size)
     app[REPLICAS].add_listener(listener)
     for replica in app[REPLICAS]:
@@ -70,6 +62,4 @@ async def cache_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if share is not None:
-            await share.close()
         await state.stop()

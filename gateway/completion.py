@@ -24,6 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, render_error
+from gateway.fleet import RoutingShare
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_parse import ParsedRequest, parse_multipart, parse_request
@@ -38,20 +39,28 @@ HELD_MAX = 100_000  # stored responses remembered (id -> replica), least recentl
 
 
 class ResponseHolders:
-    """Which replica created which stored response (vLLM keeps a response where it ran): a bounded LRU map."""
+    """Which replica created which stored response (vLLM keeps a response where it ran): a bounded LRU map, and,
+    with other gateways (`fleet`), their record in Redis for a call that comes through another gateway."""
 
-    def __init__(self, replicas: ReplicaSet) -> None:
+    def __init__(self, replicas: ReplicaSet, shared: RoutingShare | None) -> None:
         self.replicas = replicas
+        self.shared = shared
         self._held: OrderedDict[str, str] = OrderedDict()
 
-    def record(self, response_id: str, replica_id: str) -> None:
+    def record(self, response_id: str, replica_id: str, *, share: bool = True) -> None:
         self._held[response_id] = replica_id
         self._held.move_to_end(response_id)
         if len(self._held) > HELD_MAX:
             self._held.popitem(last=False)
+        if share and self.shared is not None:
+            self.shared.publish_response(response_id, replica_id)
 
-    def get(self, response_id: str) -> Replica | None:
+    async def get(self, response_id: str) -> Replica | None:
         replica_id = self._held.get(response_id)
+        if replica_id is None and self.shared is not None:
+            replica_id = await self.shared.response_replica(response_id)
+            if replica_id is not None:
+                self.record(response_id, replica_id, share=False)
         return None if replica_id is None else self.replicas.get(replica_id)
 
 
@@ -65,6 +74,7 @@ class CompletionService:
         router: Router,
         proxy: UpstreamProxy,
         cache: CacheAwareState | None,
+        shared: RoutingShare | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -73,7 +83,7 @@ class CompletionService:
         self.router = router
         self.proxy = proxy
         self.cache = cache
-        self.holders = ResponseHolders(replicas)
+        self.holders = ResponseHolders(replicas, shared)
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
 
@@ -131,7 +141,7 @@ class CompletionService:
         holder), by the endpoint's body kind (`gateway.endpoints`)."""
         holder = None
         if endpoint.body == "held":  # a stored response: only the replica that created it has it
-            raw, holder = b"", self.holders.get(request.match_info["response_id"])
+            raw, holder = b"", await self.holders.get(request.match_info["response_id"])
             if holder is None or holder.model is None:
                 raise NotFound("no replica is known to hold this response", code="response_not_found")
             parsed = ParsedRequest("held", {}, holder.model, False, True, None)

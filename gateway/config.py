@@ -254,6 +254,11 @@ class FleetConfig(StrictModel):
     timeout_s: float = Field(
         0.1, gt=0, description="seconds per Redis command; a session lookup never holds a request longer"
     )
+    response_ttl_s: float = Field(
+        86_400.0,
+        ge=1,
+        description="which replica holds a stored response (/v1/responses/{id}) is kept in Redis this long",
+    )
     reconnect_max_s: float = Field(5.0, gt=0, description="longest delay between reconnect attempts")
 
 

@@ -1,8 +1,9 @@
 """Routing state shared by several gateways through Redis, so that N gateways behind a balancer route as one.
 
 What is shared is what a gateway learns from its own routing: the prompt blocks it sent to a replica (the
-speculative inserts of the approximate index, which is all there is for engines without KV events) and session
-bindings. KV events need no sharing: every gateway subscribes to every engine.
+speculative inserts of the approximate index, which is all there is for engines without KV events), session
+bindings, and which replica holds a stored response (`/v1/responses/{id}` goes there, whichever gateway the call
+reaches). KV events need no sharing: every gateway subscribes to every engine.
 
 The channel is a Redis stream (`channel`), capped at `history` decisions: a log every gateway reads, which
 is also the history a gateway that starts (or comes back after losing Redis) rebuilds from.
@@ -13,6 +14,8 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
 - Apply: one task reads the stream (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
   read, so an outage shorter than the history loses nothing) and hands the other gateways' decisions to
   `CacheAwareState.apply_shared` (O(prompt blocks) each); its own are skipped.
+- Stored responses: `publish_response` buffers `SET <prefix>:response:<id> replica EX response_ttl_s`, sent with
+  the decisions; a gateway asked about a response it did not record looks it up (`GET`, bounded by `timeout_s`).
 - Sessions older than the history: while the gateway has not been reading for a whole session TTL, a local miss asks
   Redis (`GET`, bounded by `timeout_s`); after that every live binding came through the stream and a miss costs
   nothing.
@@ -64,13 +67,18 @@ class FleetMetrics:
 
 
 class RoutingShare:
-    def __init__(self, config: FleetConfig, url: str, state: CacheAwareState, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, config: FleetConfig, url: str, state: CacheAwareState | None, registry: CollectorRegistry
+    ) -> None:
+        """`state`: the cache-aware routing state whose decisions are shared (None: other policies; then only the
+        stored-response holders are)."""
         self.config = config
         self.state = state
         self.metrics = FleetMetrics(registry)
         self.gateway_id = os.urandom(8).hex().encode()
-        self._session_ttl = max(1, round(state.config.session_ttl_s))
+        self._session_ttl = max(1, round(state.config.session_ttl_s)) if state is not None else 1
         self._pending: deque[tuple[str, Sequence[int], bytes | None]] = deque(maxlen=config.max_pending)
+        self._responses: deque[tuple[str, str]] = deque(maxlen=config.max_pending)
         self._wake = asyncio.Event()
         timeout = config.timeout_s
         self._client = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
@@ -84,13 +92,15 @@ class RoutingShare:
     def _session_key(self, digest: bytes) -> str:
         return f"{self.config.key_prefix}:session:{digest.hex()}"
 
+    def _response_key(self, response_id: str) -> str:
+        return f"{self.config.key_prefix}:response:{response_id}"
+
     # --- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._send_loop(), name="fleet:send"),
-            loop.create_task(self._read_loop(), name="fleet:read"),
-        ]
+        self._tasks = [loop.create_task(self._send_loop(), name="fleet:send")]
+        if self.state is not None:
+            self._tasks.append(loop.create_task(self._read_loop(), name="fleet:read"))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -106,6 +116,21 @@ class RoutingShare:
             self.metrics.decisions.labels("dropped").inc()
         self._pending.append((replica, hashes, session))
         self._wake.set()
+
+    def publish_response(self, response_id: str, replica: str) -> None:
+        self._responses.append((response_id, replica))
+        self._wake.set()
+
+    async def response_replica(self, response_id: str) -> str | None:
+        """The replica another gateway recorded as holding the stored response, or None."""
+        return await self._get(self._response_key(response_id))
+
+    async def _get(self, key: str) -> str | None:
+        try:
+            value = await self._client.get(key)
+        except (RedisError, OSError):
+            return None
+        return value.decode() if isinstance(value, bytes) else value
 
     async def session_replica(self, session: bytes) -> str | None:
         since = self._reading_since
@@ -131,10 +156,13 @@ class RoutingShare:
             if cfg.flush_ms:
                 await asyncio.sleep(cfg.flush_ms / 1000)
             self._wake.clear()
-            batch = list(self._pending)
+            batch, responses = list(self._pending), list(self._responses)
             self._pending.clear()
+            self._responses.clear()
             try:
                 async with self._client.pipeline(transaction=False) as pipe:
+                    for response_id, replica in responses:
+                        pipe.set(self._response_key(response_id), replica, ex=round(cfg.response_ttl_s))
                     for replica, hashes, session in batch:
                         fields: dict[str, bytes | str] = {
                             "g": self.gateway_id, "r": replica, "h": array("Q", hashes).tobytes()
@@ -152,7 +180,8 @@ class RoutingShare:
                 await asyncio.sleep(delay)
                 continue
             delay = 0.0
-            self.metrics.decisions.labels("published").inc(len(batch))
+            if batch:
+                self.metrics.decisions.labels("published").inc(len(batch))
 
     async def _read_loop(self) -> None:
         last_id = b"0"  # from the start of the retained history
@@ -185,7 +214,7 @@ class RoutingShare:
             catching_up = catching_up and read == _READ_COUNT
 
     def _apply(self, fields: dict[bytes, bytes], past: bool) -> None:
-        if fields.get(b"g") == self.gateway_id:
+        if fields.get(b"g") == self.gateway_id or self.state is None:
             return
         try:
             replica = fields[b"r"].decode()

@@ -12,6 +12,7 @@ from engine_pool.replica_set import ReplicaSet
 from gateway.admission.controller import AdmissionController
 from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
+from gateway.fleet import RoutingShare
 from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
@@ -29,6 +30,7 @@ ADMISSION = web.AppKey("admission", AdmissionController)
 COMPLETIONS = web.AppKey("completions", CompletionService)  # the two OpenAI completion endpoints
 CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
 CACHE = web.AppKey("cache", CacheAwareState)  # absent unless the routing policy uses prefix overlap
+FLEET = web.AppKey("fleet", RoutingShare)  # absent unless a Redis is configured and fleet.share_routing
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config
 DISCOVERY = web.AppKey("discovery", list[DnsDiscovery])  # one per `engines[].dns` entry (maybe none)
 

@@ -12,11 +12,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import CACHE, REGISTRY
 from simengine import SimConfig, SimServer, run_sim_engine
 from tests.conftest import gateway_config, wait_for
+from tests.test_admission_gateway import wait_ready
 from tests.test_admission_redis import RedisProcess, redis_server  # noqa: F401 (fixture)
 
 pytestmark = [
@@ -151,3 +153,38 @@ async def test_losing_redis_fails_no_request_and_sharing_resumes(
                 lambda: metric(b, "kvgate_fleet_decisions_total", outcome="applied") > applied, 15.0, "b applied it"
             )
             assert await chat(http, b, "after the outage, again", session="late") == (replica, "session")
+
+
+async def test_a_stored_response_is_found_through_another_gateway(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM keeps a stored response on the replica that ran it: a retrieve that reaches another gateway (any policy)
+    still goes there."""
+    await redis_server.start()
+    async with sims(3) as servers:
+        cfg = gateway_config([s.url for s in servers], fleet={"redis_url": redis_server.url})
+        async with running_gateway(cfg) as a, running_gateway(cfg) as b:
+            for gw in (a, b):
+                await wait_ready(http, gw.url)
+            created = []
+            for i in range(6):
+                async with http.post(f"{a.url}/v1/responses", json={"model": MODEL, "input": f"hello {i}"}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    created.append(((await resp.json())["id"], resp.headers["x-kvgate-replica"]))
+            store = aioredis.Redis.from_url(redis_server.url)
+            try:  # a's records are sent within fleet.flush_ms
+                async with asyncio.timeout(10):
+                    while True:
+                        if await store.exists(*(f"kvgate:response:{r}" for r, _ in created)) == len(created):
+                            break
+                        await asyncio.sleep(0.01)
+            finally:
+                await store.aclose()
+            for response_id, replica in created:
+                async with http.get(f"{b.url}/v1/responses/{response_id}") as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers["x-kvgate-replica"] == replica
+                    assert (await resp.json())["id"] == response_id
+            async with http.get(f"{b.url}/v1/responses/resp-unknown") as resp:
+                assert resp.status == 404
