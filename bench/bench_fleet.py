@@ -55,6 +55,7 @@ defaults
     retries 3
     option redispatch 1
     retry-on conn-failure empty-response
+    option http-no-delay
 frontend entry
     bind 127.0.0.1:{port}
     default_backend gateways

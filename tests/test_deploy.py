@@ -1,9 +1,13 @@
-"""The Kubernetes kit renders, is valid against the Kubernetes schemas (offline), and agrees with kvgate: the
-gateway's config in it loads, its probes name the gateway's endpoints, and pods get longer to stop than the
-gateway's own drain. Nothing here needs a cluster (there is none on these machines)."""
+"""The deployment kit, checked offline (there is no cluster, no image registry and no Docker on these machines):
+each Kubernetes overlay renders (`kubectl kustomize`) and is valid against the Kubernetes schemas, and agrees with
+kvgate (its config loads, probes name the gateway's endpoints, pods get longer to stop than the gateway's drain,
+the gateways find the engines' Service by DNS and share a Redis that exists); the monitoring component selects
+what the kit labels; the compose file's pieces are valid for the real tools (haproxy -c, promtool) and its
+gateway config loads."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,55 +16,144 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import load_config
+from gateway.config import GatewayConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / "deploy" / "k8s"
-pytestmark = pytest.mark.skipif(
-    shutil.which("kubectl") is None or not KIT.is_dir(), reason="needs kubectl and the source checkout's deploy/"
-)
+COMPOSE = ROOT / "deploy" / "compose"
+OVERLAYS = ("cpu", "gpu")
+pytestmark = pytest.mark.skipif(not KIT.is_dir(), reason="needs the source checkout's deploy/")
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs kubectl")
 
 
-@pytest.fixture(scope="module")
-def documents() -> list[dict[str, Any]]:
-    rendered = subprocess.run(["kubectl", "kustomize", str(KIT)], check=True, capture_output=True, text=True).stdout
+def render(path: Path) -> list[dict[str, Any]]:
+    rendered = subprocess.run(["kubectl", "kustomize", str(path)], check=True, capture_output=True, text=True).stdout
     return [d for d in yaml.safe_load_all(rendered) if d]
 
 
-def test_every_manifest_is_valid_kubernetes(documents: list[dict[str, Any]]) -> None:
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("needs kubectl")
+    return request.param, render(KIT / "overlays" / request.param)
+
+
+def one(documents: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in documents if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def gateway_config(documents: list[dict[str, Any]], tmp_path: Path) -> GatewayConfig:
+    config_map = next(d for d in documents if d["kind"] == "ConfigMap")
+    (tmp_path / "kvgate.yaml").write_text(config_map["data"]["kvgate.yaml"])
+    return load_config(str(tmp_path / "kvgate.yaml"), environ={"KVGATE__ADMIN__KEY": "k"})
+
+
+def test_every_manifest_is_valid_kubernetes(overlay: tuple[str, list[dict[str, Any]]]) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    _, documents = overlay
     kinds = sorted(d["kind"] for d in documents)
-    assert kinds == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "HorizontalPodAutoscaler",
-                     "PodDisruptionBudget", "Secret", "Service", "Service", "StatefulSet"]  # fmt: skip
+    assert kinds == ["ConfigMap", "Deployment", "Deployment", "HorizontalPodAutoscaler", "HorizontalPodAutoscaler",
+                     "PodDisruptionBudget", "Secret", "Service", "Service", "Service", "StatefulSet"]  # fmt: skip
     for doc in documents:
         kubernetes_validate.validate(doc, "1.30", strict=True)
 
 
-def test_the_kit_agrees_with_the_gateway(documents: list[dict[str, Any]], tmp_path: Path) -> None:
-    config_map = next(d for d in documents if d["kind"] == "ConfigMap")
-    (tmp_path / "kvgate.yaml").write_text(config_map["data"]["kvgate.yaml"])
-    config = load_config(str(tmp_path / "kvgate.yaml"), environ={"KVGATE__ADMIN__KEY": "k"})
+def test_the_kit_agrees_with_the_gateway(overlay: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    name, documents = overlay
+    config = gateway_config(documents, tmp_path)
     assert config.routing.policy == "cache-aware" and config.admin.key == "k"
-    pod = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    pod = one(documents, "Deployment", "kvgate")["spec"]["template"]["spec"]
     gateway = pod["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
     assert pod["terminationGracePeriodSeconds"] > config.server.shutdown_grace_s
     assert {e["name"] for e in gateway["env"]} == {"KVGATE__ADMIN__KEY"}
-    statefulset = next(d for d in documents if d["kind"] == "StatefulSet")
+    # the engines kvgate finds are the StatefulSet's pods, by its headless Service, with their KV events and replay
+    statefulset = one(documents, "StatefulSet", "vllm")
     service = next(d for d in documents if d["kind"] == "Service" and d["spec"].get("clusterIP") == "None")
     ports = {p["name"]: p["port"] for p in service["spec"]["ports"]}
     (engine,) = config.engines
-    assert engine.dns is not None  # the engines kvgate finds are the StatefulSet's pods, by its headless Service
+    assert engine.dns is not None
     assert engine.dns.name == statefulset["spec"]["serviceName"] == service["metadata"]["name"]
-    assert (engine.dns.port, engine.dns.kv_events_port) == (ports["http"], ports["kv-events"])
+    assert (engine.dns.port, engine.dns.kv_events_port, engine.dns.kv_events_replay_port) == (
+        ports["http"], ports["kv-events"], ports["kv-replay"]
+    )  # fmt: skip
+    args = " ".join(statefulset["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert '"endpoint":"tcp://*:5557"' in args and '"replay_endpoint":"tcp://*:5558"' in args
+    # the gateways share the kit's Redis
+    assert config.admission.redis is not None
+    redis_host = config.admission.redis.url.split("//", 1)[1].split(":", 1)[0]
+    assert one(documents, "Service", redis_host)["spec"]["selector"] == {"app": "kvgate-redis"}
+    if name == "cpu":  # the gateway's tokenizer is the one its init container builds, where it is mounted
+        (model, tokenizer), = config.cache.tokenizers.items()  # fmt: skip
+        assert f"--served-model-name={model}" in args and f"--model={tokenizer}" in args
+        mounts = {m["mountPath"] for m in gateway["volumeMounts"]}
+        assert any(tokenizer.startswith(m) for m in mounts)
+        assert pod["initContainers"][0]["command"][-1] == tokenizer
+    else:
+        limits = statefulset["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits == {"nvidia.com/gpu": 1}
 
 
-def test_the_autoscalers_scale_the_kits_own_workloads(documents: list[dict[str, Any]]) -> None:
-    targets = {(d["kind"], d["metadata"]["name"]) for d in documents if d["kind"] in ("Deployment", "StatefulSet")}
+def test_the_autoscalers_scale_the_kits_own_workloads(overlay: tuple[str, list[dict[str, Any]]]) -> None:
+    _, documents = overlay
+    targets = {("Deployment", "kvgate"), ("StatefulSet", "vllm")}
     hpas = [d for d in documents if d["kind"] == "HorizontalPodAutoscaler"]
     assert {(h["spec"]["scaleTargetRef"]["kind"], h["spec"]["scaleTargetRef"]["name"]) for h in hpas} == targets
     engines = next(h for h in hpas if h["spec"]["scaleTargetRef"]["kind"] == "StatefulSet")
     external = {m["external"]["metric"]["name"] for m in engines["spec"]["metrics"] if m["type"] == "External"}
     assert "kvgate_queue_depth" in external  # a gauge the gateways export (tests/test_observability.py)
     assert all(h["spec"]["minReplicas"] >= 2 for h in hpas)  # one still serves while another is disrupted
+
+
+@needs_kubectl
+def test_the_monitoring_component_scrapes_the_kits_gateways_and_engines(tmp_path: Path) -> None:
+    """Rendered on top of an overlay (the Prometheus Operator's kinds are not in the Kubernetes schemas: their
+    selectors and ports are checked against what the kit defines)."""
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",  # kustomize takes relative roots only
+        "resources": [os.path.relpath(KIT / "overlays" / "gpu", tmp_path)],
+        "components": [os.path.relpath(KIT / "components" / "monitoring", tmp_path)],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    documents = render(tmp_path)
+    service_monitor = one(documents, "ServiceMonitor", "kvgate")
+    service = one(documents, "Service", "kvgate")
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in service_monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+    pod_monitor = one(documents, "PodMonitor", "vllm")
+    pod = one(documents, "StatefulSet", "vllm")["spec"]["template"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    container_ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= container_ports
+
+
+def test_the_compose_file_is_consistent_and_its_pieces_are_valid(tmp_path: Path) -> None:
+    compose = yaml.safe_load((COMPOSE / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"engine", "gateway", "haproxy", "redis", "prometheus", "grafana"} <= services.keys()
+    assert services["gateway"]["deploy"]["replicas"] >= 2
+    for service in services.values():  # every file mounted from the kit exists
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (COMPOSE / source).exists(), source
+        build = service.get("build")
+        if build:
+            assert (COMPOSE / build["context"] / build["dockerfile"]).is_file()
+    config = load_config(str(COMPOSE / "kvgate.yaml"), environ={})
+    (engine,) = config.engines
+    assert engine.dns is not None and engine.dns.name == "engine"
+    engine_args = " ".join(services["engine"]["command"])
+    assert f"--port={engine.dns.port}" in engine_args and f"--served-model-name={engine.model}" in engine_args
+    assert config.admission.redis is not None and "//redis:" in config.admission.redis.url
+    if shutil.which("haproxy"):
+        subprocess.run(["haproxy", "-c", "-q", "-f", str(COMPOSE / "haproxy.cfg")], check=True)
+    if shutil.which("promtool"):
+        for name in ("prometheus.yml", "../observability/kvgate-alerts.yaml"):
+            shutil.copy(COMPOSE / name, tmp_path)
+        subprocess.run(
+            ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], check=True, capture_output=True
+        )

@@ -84,6 +84,7 @@ defaults
     option redispatch 1
     retry-on conn-failure empty-response response-timeout
     option http-buffer-request
+    option http-no-delay
 frontend entry
     bind 127.0.0.1:{port}
     default_backend gateways
