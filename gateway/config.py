@@ -260,6 +260,14 @@ class FleetConfig(StrictModel):
         description="which replica holds a stored response (/v1/responses/{id}) is kept in Redis this long",
     )
     reconnect_max_s: float = Field(5.0, gt=0, description="longest delay between reconnect attempts")
+    claim_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="a cold prefix (no replica holds its first block) placed by one gateway is claimed in Redis this "
+        "long: another gateway placing the same prefix meanwhile sends it to the same replica (a burst of one new "
+        "prefix through several gateways lands on one replica, as through one gateway); costs one Redis round trip "
+        "per cold placement; 0 = off",
+    )
 
 
 class AdminConfig(StrictModel):

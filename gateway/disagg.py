@@ -128,7 +128,7 @@ class PrefillStep:
         tried: list[str] = []
         for _ in range(self.retry.max_attempts):
             try:
-                replica, _decision = self.router.choose(info, tried, prefill=True)
+                replica, _decision = await self.router.choose(info, tried, prefill=True)
             except GatewayError:
                 return None
             tried.append(replica.id)

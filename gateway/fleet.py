@@ -16,6 +16,11 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
   `CacheAwareState.apply_shared` (O(prompt blocks) each); its own are skipped.
 - Stored responses: `publish_response` buffers `SET <prefix>:response:<id> replica EX response_ttl_s`, sent with
   the decisions; a gateway asked about a response it did not record looks it up (`GET`, bounded by `timeout_s`).
+- Cold placement (`claim`): the stream tells the others about a decision a few milliseconds late, so a burst of
+  one new prefix through several gateways would be placed by each on its own choice. A gateway about to place a
+  prefix no replica holds first claims its first block (`SET <prefix>:claim:<hash> replica NX GET PX claim_ms`):
+  if another gateway claimed it, the request goes to that replica (reason `fleet-claim`). One round trip per cold
+  placement, bounded by `timeout_s`; an error keeps the gateway's own choice.
 - Sessions older than the history: while the gateway has not been reading for a whole session TTL, a local miss asks
   Redis (`GET`, bounded by `timeout_s`); after that every live binding came through the stream and a miss costs
   nothing.
@@ -58,6 +63,13 @@ class FleetMetrics:
             registry=registry,
         )
         self.connected = Gauge("kvgate_fleet_connected", "1 while reading the shared routing stream", registry=registry)
+        self.claims = Counter(
+            "kvgate_fleet_claims_total",
+            "Cold placements claimed in Redis: won (this gateway's choice stands), joined (another gateway's claim "
+            "decided the replica), error (Redis did not answer: own choice)",
+            ["outcome"],
+            registry=registry,
+        )
         self.session_lookups = Counter(
             "kvgate_fleet_session_lookups_total",
             "Sessions unknown here looked up in Redis (found, missing, error)",
@@ -131,6 +143,23 @@ class RoutingShare:
         except (RedisError, OSError):
             return None
         return value.decode() if isinstance(value, bytes) else value
+
+    async def claim(self, first_block: int, replica: str) -> str:
+        """The replica a cold prefix starting with `first_block` goes to: `replica`, unless another gateway claimed
+        the prefix within `claim_ms`."""
+        if not self.config.claim_ms:
+            return replica
+        key = f"{self.config.key_prefix}:claim:{first_block:x}"
+        try:
+            prior = await self._client.set(key, replica, nx=True, get=True, px=int(self.config.claim_ms))
+        except (RedisError, OSError):
+            self.metrics.claims.labels("error").inc()
+            return replica
+        if prior is None:
+            self.metrics.claims.labels("won").inc()
+            return replica
+        self.metrics.claims.labels("joined").inc()
+        return prior.decode() if isinstance(prior, bytes) else str(prior)
 
     async def session_replica(self, session: bytes) -> str | None:
         since = self._reading_since

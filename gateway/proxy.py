@@ -66,10 +66,10 @@ class UpstreamProxy:
         self.settings = settings
         self.prefill = PrefillStep(self, router, metrics, settings.disagg, settings.retry)
 
-    def _route(
+    async def _route(
         self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, tried: Collection[str], attempt: int
     ) -> tuple[Replica, Decision]:
-        replica, decision = self.router.choose(info, tried)
+        replica, decision = await self.router.choose(info, tried)
         if attempt:
             self.metrics.model(parsed.model).retries.value += 1
         ctx.attempts = attempt + 1
@@ -104,7 +104,7 @@ class UpstreamProxy:
                     replica, decision = pinned, Decision(pinned.id, "holds-response")
                     ctx.attempts, ctx.replica, ctx.route_reason = 1, pinned.id, decision.reason
                 else:
-                    replica, decision = self._route(parsed, info, ctx, tried, attempt)
+                    replica, decision = await self._route(parsed, info, ctx, tried, attempt)
             except GatewayError:
                 if last_error is not None:
                     raise last_error from None

@@ -17,6 +17,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_parse import BodyKind
 from policies.base import EMPTY_MAPPING, Decision, Footprint, NoCandidate, Policy, RequestInfo, RoutingView
 from policies.disagg import Split, split
+from policies.filters import routable
 
 
 class CacheHooks(Protocol):
@@ -38,6 +39,8 @@ class CacheHooks(Protocol):
     def offloaded(self, info: RequestInfo, overlap: Mapping[str, int]) -> Mapping[str, int]: ...
 
     def session_replica(self, info: RequestInfo) -> str | None: ...
+
+    async def claim_cold(self, info: RequestInfo, replica: str) -> str: ...
 
     def footprint(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, Footprint]: ...
 
@@ -120,10 +123,11 @@ class Router:
             min_prefill_tokens=min_prefill_tokens,
         )  # fmt: skip
 
-    def choose(
+    async def choose(
         self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False
     ) -> tuple[Replica, Decision]:
-        """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it."""
+        """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it. A prefix
+        placed cold may go where another gateway just placed it instead (`CacheHooks.claim_cold`)."""
         view = self.view(info, exclude, prefill=prefill)
         try:
             decision = self.policy.decide(view)
@@ -132,6 +136,10 @@ class Router:
             raise Overloaded(
                 f"no replica of model {info.model!r} can take the request now", code="no_ready_replica"
             ) from None
+        if decision.reason == "cold-least-load" and self.cache is not None:
+            claimed = await self.cache.claim_cold(info, decision.replica)
+            if claimed != decision.replica and any(r.id == claimed for r in routable(view.replicas)):
+                decision = Decision(claimed, "fleet-claim", decision.scores)
         replica = self.replicas.get(decision.replica)
         if replica is None:  # a policy may only pick from the view; this is a policy bug
             raise RuntimeError(f"policy {self.policy.name} picked unknown replica {decision.replica!r}")

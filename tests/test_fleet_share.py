@@ -188,3 +188,31 @@ async def test_a_stored_response_is_found_through_another_gateway(
                     assert (await resp.json())["id"] == response_id
             async with http.get(f"{b.url}/v1/responses/resp-unknown") as resp:
                 assert resp.status == 404
+
+
+async def test_a_new_prefix_sent_through_two_gateways_at_once_lands_on_one_replica(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    """The stream tells the other gateway a few milliseconds late; the cold-placement claim decides at once."""
+    await redis_server.start()
+    async with sims(3) as servers:
+        async with (
+            running_gateway(config(servers, redis_server.url)) as a,
+            running_gateway(config(servers, redis_server.url)) as b,
+        ):
+            for gw in (a, b):
+                await wait_subscribed(gw)
+                await wait_for(lambda gw=gw: len(gw.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            await chat(http, b, "warm-up")  # the two gateways' tie-breaks now differ, as their views would
+            for i in range(6):
+                system = f"Application {i} has its own long instructions. " * 30
+                (ra, _), (rb, _) = await asyncio.gather(
+                    chat(http, a, "first", system=system), chat(http, b, "second", system=system)
+                )
+                assert ra == rb
+            claims = {
+                o: metric(a, "kvgate_fleet_claims_total", outcome=o) + metric(b, "kvgate_fleet_claims_total", outcome=o)
+                for o in ("won", "joined")
+            }
+            assert claims == {"won": 7, "joined": 6}  # the warm-up's prefix was claimed too

@@ -77,6 +77,9 @@ class SharedRouting(Protocol):
     async def session_replica(self, session: bytes) -> str | None:
         """The replica another gateway bound the session to, when this one may not have heard of it."""
 
+    async def claim(self, first_block: int, replica: str) -> str:
+        """The replica a cold prefix goes to: `replica`, or the one another gateway just placed it on."""
+
 
 def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
     """A cheap size estimate deciding inline vs thread-pool tokenization."""
@@ -396,6 +399,13 @@ class CacheAwareState:
         digest = self._session_digest(info)
         replica = self.sessions.get_digest(digest) if digest is not None else None
         return replica if replica in self._replicas else None
+
+    async def claim_cold(self, info: RequestInfo, replica: str) -> str:
+        """The replica for a request placed cold (no replica holds its first block): `replica`, or, with other
+        gateways, the one that placed the same prefix first."""
+        if self.shared is None or not info.block_hashes:
+            return replica
+        return await self.shared.claim(info.block_hashes[0], replica)
 
     def on_routed(self, info: RequestInfo, decision: Decision) -> None:
         rid = decision.replica
