@@ -199,7 +199,7 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     policy = build_policy(cfg.routing.policy, cfg.routing.params)
-    router = Router(policy, app[REPLICAS], app[METRICS], app.get(CACHE))
+    router = Router(policy, app[REPLICAS], app[METRICS], app.get(CACHE), max_candidates=cfg.routing.max_candidates)
     app[ROUTER] = router
     app[PROXY] = UpstreamProxy(
         app[UPSTREAM],

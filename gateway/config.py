@@ -204,8 +204,18 @@ class DisaggregationConfig(StrictModel):
     )
 
 
+_MIN_CANDIDATES = 9  # the sample (8) and one holder
+
+
 class RoutingConfig(StrictModel):
     policy: str = Field("least-load", description="routing policy: cache-aware, least-load, round-robin")
+    max_candidates: int = Field(
+        16,
+        ge=_MIN_CANDIDATES,
+        description="with more replicas of a model than this, cache-aware routing weighs only the replicas that "
+        "hold the prompt's first block, the session's, and a random sample of the others (at least 8: the power of "
+        "d choices), so its cost per request does not grow with the pool",
+    )
     params: dict[str, Any] = Field(
         default_factory=dict, description="policy parameters (validated by the policy at load time)"
     )

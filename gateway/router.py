@@ -1,11 +1,15 @@
 """The async shell around a routing policy: gathers a snapshot, calls the pure `decide`, records the outcome.
 
 Per decision: O(r) to snapshot the model's r replicas, plus whatever the cache hooks cost (O(prompt blocks) per
-replica for the prefix index), plus the policy itself.
+replica for the prefix index), plus the policy itself. With the cache hooks and more than `max_candidates`
+replicas, r is bounded: the view holds only the replicas holding the prompt's first block (the index's hints,
+O(those)), the session's, and a seeded random sample of the others (`max_candidates` in all, at least
+`_MIN_SAMPLE` sampled): a cold prompt is placed by the power of d choices, a cached one among its holders.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -40,11 +44,16 @@ class CacheHooks(Protocol):
 
     def session_replica(self, info: RequestInfo) -> str | None: ...
 
+    def holders(self, info: RequestInfo) -> list[str]: ...
+
     async def claim_cold(self, info: RequestInfo, replica: str) -> str: ...
 
     def footprint(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, Footprint]: ...
 
     def on_routed(self, info: RequestInfo, decision: Decision) -> None: ...
+
+
+_MIN_SAMPLE = 8
 
 
 class Router:
@@ -54,11 +63,15 @@ class Router:
         replicas: ReplicaSet,
         metrics: GatewayMetrics,
         cache: CacheHooks | None = None,
+        *,
+        max_candidates: int = 16,
     ) -> None:
         self.policy = policy
         self.replicas = replicas
         self.metrics = metrics
         self.cache = cache
+        self.max_candidates = max_candidates
+        self._rng = random.Random(0)  # the candidate sample: seeded, so a run is reproducible
         self._seq = 0
         self._plain: dict[tuple[str, str], RequestInfo] = {}  # see request_info
 
@@ -96,6 +109,8 @@ class Router:
         replicas = self.replicas.for_model(info.model)
         if prefill or (replicas and self.replicas.disaggregated(info.model)):
             replicas = [r for r in replicas if (r.role == "prefill") == prefill]
+        elif self.cache is not None and len(replicas) > self.max_candidates:
+            replicas = self._candidates(info, replicas)
         if exclude:
             replicas = [r for r in replicas if r.id not in exclude]
         snaps = tuple([r.snapshot(now) for r in replicas])
@@ -112,6 +127,22 @@ class Router:
             session = self.cache.session_replica(info)
         self._seq += 1
         return RoutingView(info, snaps, overlap, session, self._seq, footprint, offloaded)
+
+    def _candidates(self, info: RequestInfo, replicas: Sequence[Replica]) -> list[Replica]:
+        """A bounded subset of a large pool: the session's replica, the holders of the prompt's first block (as
+        many as leave room for the sample), then a random sample of the rest."""
+        assert self.cache is not None
+        chosen: dict[str, Replica] = {}
+        session = self.cache.session_replica(info)
+        for rid in ([session] if session else []) + self.cache.holders(info):
+            r = self.replicas.get(rid)
+            if r is not None and (r.model == info.model or info.model in r.adapters):
+                chosen[rid] = r
+                if len(chosen) >= self.max_candidates - _MIN_SAMPLE:
+                    break
+        for r in self._rng.sample(replicas, min(len(replicas), self.max_candidates - len(chosen))):
+            chosen.setdefault(r.id, r)
+        return list(chosen.values())
 
     def split(self, info: RequestInfo, prompt_tokens: int, min_prefill_tokens: int) -> Split:
         """Whether the request's prefill runs on a prefill replica (`policies.disagg`)."""

@@ -252,3 +252,20 @@ def test_a_self_describing_cpu_store_is_rehashed_and_unknown_hashes_are_skipped(
     assert idx.apply_stored("a", StoredBlocks([0x1, 0x2], None, tokens, BS), SEED, offloaded=True) == 2
     assert idx.offloaded(hashes(tokens), {"a": 0}) == {"a": 2}
     assert idx.apply_stored("a", StoredBlocks([0x77], None, [], BS), SEED, offloaded=True) == -1
+
+
+def test_holders_of_a_first_block_follow_routing_events_and_eviction() -> None:
+    idx = KvIndex()
+    idx.add_replica("a", capacity_blocks=4)
+    idx.add_replica("b", capacity_blocks=100)
+    idx.add_replica("c", capacity_blocks=100)
+    idx.record_routed("a", [1, 2, 3])
+    idx.record_routed("b", [1, 2])
+    assert sorted(idx.holders(1)) == ["a", "b"] and idx.holders(2) == []  # only first blocks are hinted
+    idx.record_routed("a", [7, 8, 9, 10])  # a holds 4 blocks: these push 1, 2 and 3 out
+    assert idx.holders(1) == ["b"]
+    tokens = list(range(32))
+    idx.apply_stored("c", StoredBlocks(["e0", "e1"], None, tokens, 16), root_seed=5)  # a root block, by event
+    assert idx.holders(chain_hashes(tokens, 16, 5)[0]) == ["c"]
+    idx.remove_replica("b")
+    assert idx.holders(1) == []

@@ -32,6 +32,11 @@ Sources:
 LRU order: a routed prompt's blocks are inserted tail first, so its head is the most recently used and, under
 capacity pressure, a prefix is forgotten from its end, as vLLM evicts (it frees a request's blocks tail first).
 
+First blocks: `roots` maps the first block of every prompt routed or stored (a KV event's root block) to the
+replicas it was recorded on, an LRU of `_MAX_ROOTS` hints validated when read: `holders(h)` answers "which replicas
+hold this prompt's first block" in O(replicas listed), independent of the pool, so a router over a large pool can
+weigh only those (and a sample of the rest) instead of every replica.
+
 Complexity: `overlap` is O(blocks of the prompt) per replica and stops at the first miss (C-level iteration; the
 per-block Python loop only runs when a speculative entry in the run may have expired); inserts, removals and
 evictions are O(1) per block; `footprint` is O(blocks that left the window). Memory: at most `capacity` entries per
@@ -154,6 +159,7 @@ _MAX_AGES = 256
 # The second tier's bound: a multiple of the GPU capacity (hosts usually give offloading several times the GPU's KV).
 _OFFLOAD_FACTOR = 8
 _OFFLOAD_MIN = 65_536
+_MAX_ROOTS = 262_144  # first blocks remembered (hints of which replicas hold them)
 
 
 class KvIndex:
@@ -168,6 +174,7 @@ class KvIndex:
         self._hot_window_s = hot_window_s
         self._clock = clock
         self._replicas: dict[str, _ReplicaBlocks] = {}
+        self._roots: OrderedDict[int, set[str]] = OrderedDict()
 
     # --- membership -------------------------------------------------------------------------------------------
     def add_replica(
@@ -193,6 +200,28 @@ class KvIndex:
             r.engine_to_kvgate.clear()
             r.offloaded.clear()
             r.offload_map.clear()
+
+    def _note_root(self, h: int, replica_id: str) -> None:
+        roots = self._roots
+        found = roots.get(h)
+        if found is None:
+            found = roots[h] = set()
+            if len(roots) > _MAX_ROOTS:
+                roots.popitem(last=False)
+        else:
+            roots.move_to_end(h)
+        found.add(replica_id)
+
+    def holders(self, first_block: int) -> list[str]:
+        """The replicas that hold `first_block` now (confirmed or speculative), from the hints; stale hints (the
+        block was evicted, the replica left) are dropped as they are found."""
+        found = self._roots.get(first_block)
+        if not found:
+            return []
+        live = [rid for rid in found if (r := self._replicas.get(rid)) is not None and first_block in r.blocks]
+        if len(live) < len(found):
+            found.intersection_update(live)
+        return live
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._replicas
@@ -296,6 +325,8 @@ class KvIndex:
         now = self._clock()
         expiry = now + self._ttl if (r.precise and self._ttl is not None) else None
         r.insert_all(reversed(hashes), expiry)  # the head ends up most recent: a prefix loses its tail first
+        if hashes:
+            self._note_root(hashes[0], replica_id)
         recent, move_to_end = r.recent, r.recent.move_to_end
         for h in hashes:
             recent[h] = now
@@ -348,6 +379,8 @@ class KvIndex:
         for engine_hash, h in pairs:
             r.map_engine(engine_hash, h)
         r.insert_all([h for _, h in pairs], None)
+        if event.parent_block_hash is None and pairs:
+            self._note_root(pairs[0][1], replica_id)
         return len(pairs)
 
     @staticmethod

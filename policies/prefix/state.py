@@ -374,6 +374,10 @@ class CacheAwareState:
             approximate=tok.approximate,
         )
 
+    def holders(self, info: RequestInfo) -> list[str]:
+        """The replicas holding the prompt's first block (O(those replicas), not O(pool))."""
+        return self.index.holders(info.block_hashes[0]) if info.block_hashes else []
+
     def footprint(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, Footprint]:
         return self.index.footprint(info.block_hashes, replica_ids)
 
