@@ -306,6 +306,7 @@ class EnginePool:
             dtype=m.dtype,
             cache_root=str(Path(self.config.cache_root).resolve()) if self.config.cache_root else None,
             kv_transfer_config=m.kv_transfer_config,
+            otlp_traces_endpoint=m.otlp_traces_endpoint,
             lora_modules=dict(m.lora_modules),
             max_loras=m.max_loras,
             max_lora_rank=m.max_lora_rank,

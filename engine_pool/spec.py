@@ -152,6 +152,11 @@ class ModelPoolConfig(_Strict):
         description="both = answers whole requests; prefill = computes prompts' KV for decode replicas to load "
         "(disaggregated serving); decode = answers requests, loading the KV a prefill replica computed",
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="vLLM's --otlp-traces-endpoint (e.g. http://otel-collector:4317): the engine's own spans, joined "
+        "to the gateway's trace by the traceparent kvgate sends (tracing.otlp_endpoint)",
+    )
     kv_transfer_config: dict[str, object] | None = Field(
         None,
         description="vLLM's --kv-transfer-config (the KV connector of disaggregated serving), e.g. "

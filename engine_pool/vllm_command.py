@@ -71,6 +71,7 @@ class EngineLaunchSpec:
     access_log: bool = False
     python: str = field(default_factory=lambda: sys.executable)
     kv_transfer_config: Mapping[str, object] | None = None  # --kv-transfer-config (disaggregated serving)
+    otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint (the engine's own spans)
     lora_modules: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path; non-empty enables LoRA
     max_loras: int | None = None
     max_lora_rank: int | None = None
@@ -189,6 +190,8 @@ def vllm_argv(spec: EngineLaunchSpec) -> list[str]:
             argv += ["--max-loras", str(spec.max_loras)]
         if spec.max_lora_rank is not None:
             argv += ["--max-lora-rank", str(spec.max_lora_rank)]
+    if spec.otlp_traces_endpoint is not None:
+        argv += ["--otlp-traces-endpoint", spec.otlp_traces_endpoint]
     if not spec.access_log:
         argv.append("--disable-uvicorn-access-log")
     argv += list(spec.extra_args)

@@ -8,6 +8,7 @@ Nothing is module-global: a test can run several gateways in one process.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -53,6 +54,7 @@ from gateway.keys import (
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
 from gateway.router import Router
+from gateway.tracing import Tracer
 from policies.registry import build_policy
 
 log = logging.getLogger("kvgate.gateway")
@@ -243,6 +245,8 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
+    tracing = app[CONFIG].tracing
+    tracer = Tracer(tracing) if tracing.otlp_endpoint else None
     app[COMPLETIONS] = CompletionService(
         app[CONFIG],
         app[METRICS],
@@ -252,8 +256,13 @@ async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
         app[PROXY],
         app.get(CACHE),
         app.get(FLEET),
+        tracer,
     )
-    yield
+    try:
+        yield
+    finally:
+        if tracer is not None:
+            await asyncio.to_thread(tracer.close)  # after in-flight requests finished: their spans go out
 
 
 def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = None) -> web.Application:

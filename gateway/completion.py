@@ -30,6 +30,7 @@ from gateway.proxy import UpstreamProxy
 from gateway.request_parse import ParsedRequest, parse_multipart, parse_request
 from gateway.responder import Responder
 from gateway.router import Router
+from gateway.tracing import Tracer, valid_traceparent
 from policies.base import RequestInfo
 from policies.prefix.state import CacheAwareState
 
@@ -75,6 +76,7 @@ class CompletionService:
         proxy: UpstreamProxy,
         cache: CacheAwareState | None,
         shared: RoutingShare | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics
@@ -84,12 +86,18 @@ class CompletionService:
         self.proxy = proxy
         self.cache = cache
         self.holders = ResponseHolders(replicas, shared)
+        self.tracer = tracer
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
 
     async def handle(self, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
         """Answer one request; returns the response for aiohttp to finish (a stream is already written)."""
         ctx = RequestContext(request_id, endpoint.name, time.monotonic())
+        traceparent = request.headers.get("traceparent")
+        if self.tracer is not None:
+            ctx.trace = self.tracer.begin(traceparent)
+        elif traceparent is not None and valid_traceparent(traceparent):
+            ctx.client_traceparent = traceparent
         out = Responder(request)
         admission = self.admission
         info: RequestInfo | None = None
@@ -115,6 +123,7 @@ class CompletionService:
                 session_key=headers.get(self._session_header),
             )
             async with admission.slot(identity, parsed.model, info.prompt_tokens or len(raw) // 4, ctx):
+                ctx.admitted_at = time.monotonic()
                 ctx.status = await self.proxy.forward(
                     out, request.raw_path, parsed, info, ctx, raw, salted, method=endpoint.method, pinned=holder
                 )
@@ -175,6 +184,8 @@ class CompletionService:
         self._observe(ctx)
         if self._access_log != "off":
             log_access(ctx, self._access_log)
+        if ctx.trace is not None and self.tracer is not None:
+            self.tracer.finish(ctx)
 
     def client_left(self, ctx: RequestContext) -> None:
         if ctx.delivered:  # the client had every event and left before the chunked terminator: a success

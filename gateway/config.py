@@ -280,6 +280,21 @@ class FleetConfig(StrictModel):
     )
 
 
+class TracingConfig(StrictModel):
+    """OpenTelemetry spans of every request's stages (gateway.tracing; needs `pip install "kvgate[tracing]"`)."""
+
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces endpoint, e.g. http://otel-collector:4318/v1/traces; None = tracing off"
+    )
+    service_name: str = Field("kvgate", description="the spans' service.name")
+    sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="share of requests traced when the client sent no sampled traceparent"
+    )
+    headers: dict[str, str] = Field(default_factory=dict, description="headers of the OTLP requests (auth)")
+    timeout_s: float = Field(5.0, gt=0, description="deadline of one export")
+    max_queue: int = Field(8192, ge=1, description="spans waiting for export at most; more are dropped")
+
+
 class AdminConfig(StrictModel):
     key: str | None = Field(None, description="bearer key for /admin/*; admin endpoints are off when unset")
 
@@ -304,6 +319,9 @@ class GatewayConfig(StrictModel):
         default_factory=CacheConfig,
         description="prefix hashing, KV block index, KV events and sessions; used only by the cache-aware routing "
         "policy",
+    )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig, description="OpenTelemetry spans along the request path (OTLP/HTTP)"
     )
     fleet: FleetConfig = Field(
         default_factory=FleetConfig,

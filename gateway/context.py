@@ -7,6 +7,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class TraceIds:
+    """A traced request's ids (gateway.tracing): its trace, the client's span, its own and the upstream call's."""
+
+    trace_id: int
+    parent_span_id: int | None  # the client's span, when it sent a traceparent
+    request_span_id: int
+    upstream_span_id: int
+
+    def upstream_traceparent(self) -> str:
+        return f"00-{self.trace_id:032x}-{self.upstream_span_id:016x}-01"
+
+
+@dataclass(slots=True)
 class RequestContext:
     request_id: str
     endpoint: str
@@ -32,6 +45,13 @@ class RequestContext:
     split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
     prefill_done_at: float | None = None  # time.monotonic() when a split request's prefill step answered
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
+    # tracing (gateway.tracing): the ids of a sampled request, and when its stages ended (time.monotonic())
+    trace: TraceIds | None = None
+    client_traceparent: str | None = None  # with tracing off: the client's, passed on to the engine as it came
+    admitted_at: float | None = None
+    route_started: float | None = None
+    routed_at: float | None = None
+    sent_at: float | None = None
 
     def set_usage(self, usage: object) -> None:
         if not isinstance(usage, dict):

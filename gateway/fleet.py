@@ -50,6 +50,7 @@ log = logging.getLogger("kvgate.fleet")
 
 _MIN_BACKOFF_S = 0.05
 _READ_BLOCK_MS = 1000
+_MAX_RESPONSE_ID = 256
 _READ_COUNT = 512  # stream entries per XREAD: a long history is applied in slices, between requests
 
 
@@ -135,6 +136,8 @@ class RoutingShare:
 
     async def response_replica(self, response_id: str) -> str | None:
         """The replica another gateway recorded as holding the stored response, or None."""
+        if len(response_id) > _MAX_RESPONSE_ID:  # a client's path: no engine makes ids that long
+            return None
         return await self._get(self._response_key(response_id))
 
     async def _get(self, key: str) -> str | None:

@@ -69,7 +69,9 @@ class UpstreamProxy:
     async def _route(
         self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, tried: Collection[str], attempt: int
     ) -> tuple[Replica, Decision]:
+        ctx.route_started = time.monotonic()
         replica, decision = await self.router.choose(info, tried)
+        ctx.routed_at = time.monotonic()
         if attempt:
             self.metrics.model(parsed.model).retries.value += 1
         ctx.attempts = attempt + 1
@@ -144,7 +146,13 @@ class UpstreamProxy:
 
     @staticmethod
     def _ask_headers(ctx: RequestContext, content_type: str) -> dict[str, str]:
-        return {"Content-Type": content_type, "x-request-id": ctx.request_id}
+        headers = {"Content-Type": content_type, "x-request-id": ctx.request_id}
+        if ctx.trace is not None:  # the engine's spans join the request's trace under kvgate.upstream
+            headers["traceparent"] = ctx.trace.upstream_traceparent()
+            ctx.sent_at = time.monotonic()
+        elif ctx.client_traceparent is not None:
+            headers["traceparent"] = ctx.client_traceparent
+        return headers
 
     async def send(
         self,

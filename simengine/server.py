@@ -82,6 +82,9 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
     rid = request.headers.get("X-Request-Id")
     if rid is not None:
         response.headers["X-Request-Id"] = rid
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None:  # what vLLM would parent its request spans on (--otlp-traces-endpoint)
+        request.app[ENGINE_KEY].traceparents.append(traceparent)
 
 
 # --- generation ----------------------------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""Tracing along the request path, received by an OTLP/HTTP receiver on loopback (the protocol's own protobuf
+messages, decoded with opentelemetry-proto): a request with a client `traceparent` yields one span per stage in the
+client's trace, parented as the docs say, the engine receives a `traceparent` naming the upstream span, and a
+request without one starts its own trace; with tracing off the client's traceparent reaches the engine as sent."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from simengine import SimConfig
+from tests.conftest import gateway_over_sims, wait_for
+
+trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+STAGES = ["kvgate.request", "kvgate.admission", "kvgate.route", "kvgate.upstream", "kvgate.relay"]
+
+
+@asynccontextmanager
+async def otlp_receiver() -> AsyncIterator[tuple[str, list[Any]]]:
+    """POST /v1/traces, as an OpenTelemetry collector's OTLP/HTTP receiver takes it: every span received."""
+    spans: list[Any] = []
+
+    async def traces(request: web.Request) -> web.Response:
+        message = trace_service_pb2.ExportTraceServiceRequest()
+        message.ParseFromString(await request.read())
+        for resource_spans in message.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                spans.extend(scope_spans.spans)
+        return web.Response(body=trace_service_pb2.ExportTraceServiceResponse().SerializeToString(),
+                            content_type="application/x-protobuf")  # fmt: skip
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}/v1/traces", spans
+    finally:
+        await runner.cleanup()
+
+
+async def chat(http: aiohttp.ClientSession, url: str, headers: dict[str, str], stream: bool) -> None:
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 4,
+            "stream": stream}  # fmt: skip
+    async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+        assert resp.status == 200
+        await resp.read()
+
+
+async def test_a_traced_request_yields_a_span_per_stage_in_the_clients_trace(http: aiohttp.ClientSession) -> None:
+    async with otlp_receiver() as (endpoint, spans):
+        tracing = {"otlp_endpoint": endpoint}
+        async with gateway_over_sims([SimConfig()], tracing=tracing, routing={"policy": "cache-aware"}) as (gw, sims):
+            await chat(http, gw.url, {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"}, stream=True)
+            await chat(http, gw.url, {}, stream=False)  # no traceparent: a trace of its own (sample_ratio 1)
+            await chat(http, gw.url, {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-00"}, stream=False)  # not sampled
+        # the gateway flushed its spans on shutdown
+        traced = [s for s in spans if s.trace_id.hex() == TRACE]
+        by_name = {s.name: s for s in traced}
+        assert sorted(by_name) == sorted(STAGES)
+        request = by_name["kvgate.request"]
+        assert request.parent_span_id.hex() == CLIENT_SPAN
+        assert all(by_name[n].parent_span_id == request.span_id for n in STAGES[1:])
+        for earlier, later in [("kvgate.admission", "kvgate.route"), ("kvgate.route", "kvgate.upstream"),
+                               ("kvgate.upstream", "kvgate.relay")]:  # fmt: skip
+            assert by_name[earlier].end_time_unix_nano <= by_name[later].end_time_unix_nano
+        assert request.start_time_unix_nano <= by_name["kvgate.admission"].start_time_unix_nano
+        assert by_name["kvgate.relay"].end_time_unix_nano <= request.end_time_unix_nano
+        route = {a.key: a.value for a in by_name["kvgate.route"].attributes}
+        assert route["kvgate.route_reason"].string_value == "cold-least-load"
+        # the engine got the trace context naming kvgate's upstream span: its own spans join the trace there
+        upstream = by_name["kvgate.upstream"].span_id.hex()
+        assert sims[0].engine.traceparents[0] == f"00-{TRACE}-{upstream}-01"
+        others = {s.trace_id for s in spans if s.trace_id.hex() != TRACE}
+        assert len(others) == 1  # the request without a traceparent; the unsampled one sent nothing
+        assert len(sims[0].engine.traceparents) == 2
+
+
+async def test_with_tracing_off_the_clients_trace_context_reaches_the_engine(http: aiohttp.ClientSession) -> None:
+    async with gateway_over_sims([SimConfig()]) as (gw, sims):
+        sent = f"00-{TRACE}-{CLIENT_SPAN}-01"
+        await chat(http, gw.url, {"traceparent": sent}, stream=True)
+        await chat(http, gw.url, {"traceparent": "00-not-a-trace-context"}, stream=True)  # not passed on
+        await wait_for(lambda: sims[0].engine.stats.completed == 2, what="the requests completed")
+        assert list(sims[0].engine.traceparents) == [sent]
+
+
+def test_the_pool_turns_on_vllms_own_tracing() -> None:
+    from engine_pool.spec import PoolConfig
+    from engine_pool.vllm_command import EngineLaunchSpec, vllm_argv
+
+    cfg = PoolConfig.model_validate(
+        {"models": [{"name": "m", "kind": "sim", "otlp_traces_endpoint": "http://collector:4317"}]}
+    )
+    argv = vllm_argv(
+        EngineLaunchSpec(model="/models/m", port=1, otlp_traces_endpoint=cfg.models[0].otlp_traces_endpoint)
+    )
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://collector:4317"
+    assert "--otlp-traces-endpoint" not in vllm_argv(EngineLaunchSpec(model="/models/m", port=1))
