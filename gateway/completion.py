@@ -36,6 +36,9 @@ from policies.prefix.state import CacheAwareState
 
 log = logging.getLogger("kvgate.gateway")
 
+# a model's 503s that send its requests on to a fallback (models.fallbacks); others (quota store down, the tenant's
+# own queue bound) would refuse the fallback too
+_NO_CAPACITY = frozenset({"no_ready_replica", "queue_full", "queue_timeout", "engines_not_discovered"})
 HELD_MAX = 100_000  # stored responses remembered (id -> replica), least recently used dropped first
 
 
@@ -86,6 +89,8 @@ class CompletionService:
         self.proxy = proxy
         self.cache = cache
         self.holders = ResponseHolders(replicas, shared)
+        self._aliases = config.models.aliases
+        self._fallbacks = config.models.fallbacks
         self.tracer = tracer
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
@@ -106,7 +111,11 @@ class CompletionService:
             identity = admission.identify(headers)  # 401 before anything else when auth is on
             ctx.tenant = identity.tenant
             raw, parsed, holder = await self._read(request, endpoint)
-            if not self.replicas.for_model(parsed.model):  # metrics label only known models: bounded cardinality
+            if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
+                parsed.model = self._aliases.get(parsed.model, parsed.model)
+            chain = [parsed.model, *(self._fallbacks.get(parsed.model, ()) if holder is None else ())]
+            # metrics label only known models (bounded cardinality); a model with fallbacks is a configured name
+            if len(chain) == 1 and not self.replicas.for_model(parsed.model):
                 if self.replicas.undiscovered():  # an engine not reached yet may serve it: ask again soon
                     raise Overloaded(
                         f"the model {parsed.model!r} is not served by any engine reached so far",
@@ -115,18 +124,29 @@ class CompletionService:
                 raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
             ctx.model, ctx.stream = parsed.model, parsed.stream
             salted = endpoint.body != "multipart" and admission.apply_cache_salt(identity, parsed.body)
-            info = await self.router.request_info(
-                model=parsed.model,
-                endpoint=endpoint.body,
-                body=parsed.body,
-                tenant=identity.tenant,
-                session_key=headers.get(self._session_header),
-            )
-            async with admission.slot(identity, parsed.model, info.prompt_tokens or len(raw) // 4, ctx):
-                ctx.admitted_at = time.monotonic()
-                ctx.status = await self.proxy.forward(
-                    out, request.raw_path, parsed, info, ctx, raw, salted, method=endpoint.method, pinned=holder
+            for i, model in enumerate(chain):
+                if i:  # the previous model had no capacity: its fallback, as if asked for
+                    self.metrics.fallbacks.labels(chain[0], model).inc()
+                    ctx.extra_headers["x-kvgate-fallback"] = f"{chain[0]} -> {model}"
+                    parsed.model = ctx.model = model
+                info = await self.router.request_info(
+                    model=model,
+                    endpoint=endpoint.body,
+                    body=parsed.body,
+                    tenant=identity.tenant,
+                    session_key=headers.get(self._session_header),
                 )
+                try:
+                    async with admission.slot(identity, model, info.prompt_tokens or len(raw) // 4, ctx):
+                        ctx.admitted_at = time.monotonic()
+                        ctx.status = await self.proxy.forward(
+                            out, request.raw_path, parsed, info, ctx, raw, salted, method=endpoint.method,
+                            pinned=holder,
+                        )  # fmt: skip
+                    break
+                except Overloaded as err:
+                    if i + 1 == len(chain) or out.started or err.code not in _NO_CAPACITY:
+                        raise
         except GatewayError as err:
             await self._error(err, ctx, out)
         except ConnectionResetError:  # a write found the client gone

@@ -280,6 +280,34 @@ class FleetConfig(StrictModel):
     )
 
 
+class ModelsConfig(StrictModel):
+    """Names clients may use beyond the served ones, and where a model's requests go when it has no capacity."""
+
+    aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="requested name -> served model or adapter, e.g. {gpt-4o-mini: tiny-llama}; listed by "
+        "/v1/models; the response's `model` is what the engine served",
+    )
+    fallbacks: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="model -> models to try in order when it has no capacity now (no ready replica, its queue "
+        "full or timed out: a 503), e.g. {big: [small]}; counted in kvgate_model_fallbacks_total and named in "
+        "the x-kvgate-fallback response header; the last one's 503 (with Retry-After) is the answer",
+    )
+
+    @model_validator(mode="after")
+    def _no_chains(self) -> ModelsConfig:
+        for alias, target in self.aliases.items():
+            if target in self.aliases:
+                raise ValueError(f"aliases.{alias}: {target!r} is an alias itself (aliases resolve once)")
+        for model, chain in self.fallbacks.items():
+            if model in chain or len(set(chain)) != len(chain):
+                raise ValueError(f"fallbacks.{model}: a model appears twice in its chain")
+            if model in self.aliases or any(m in self.aliases for m in chain):
+                raise ValueError(f"fallbacks.{model}: name served models, not aliases")
+        return self
+
+
 class TracingConfig(StrictModel):
     """OpenTelemetry spans of every request's stages (gateway.tracing; needs `pip install "kvgate[tracing]"`)."""
 
@@ -319,6 +347,9 @@ class GatewayConfig(StrictModel):
         default_factory=CacheConfig,
         description="prefix hashing, KV block index, KV events and sessions; used only by the cache-aware routing "
         "policy",
+    )
+    models: ModelsConfig = Field(
+        default_factory=ModelsConfig, description="model aliases and ordered fallbacks when a model has no capacity"
     )
     tracing: TracingConfig = Field(
         default_factory=TracingConfig, description="OpenTelemetry spans along the request path (OTLP/HTTP)"

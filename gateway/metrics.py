@@ -73,6 +73,12 @@ class GatewayMetrics:
         self.cancelled = FastCounter(
             "kvgate_client_disconnects", "Requests whose client left before the end.", ["model"], r
         )
+        self.fallbacks = FastCounter(
+            "kvgate_model_fallbacks",
+            "Requests for a model without capacity sent on to a fallback model (models.fallbacks).",
+            ["model", "fallback"],
+            r,
+        )
         self.connections_refused = FastCounter(
             "kvgate_client_connections_refused", "Connections refused over server.max_connections.", [], r
         ).labels()

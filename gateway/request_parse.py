@@ -173,18 +173,22 @@ _USAGE_OPTION = b'"stream_options":{"include_usage":true},'
 
 def upstream_body(parsed: ParsedRequest, raw: bytes, salted: bool) -> bytes:
     """The body sent to the engine: the client's bytes untouched, unless the gateway must ask for the usage chunk
-    of a stream (`stream_options.include_usage`) or set the tenant's `cache_salt` (`salted`). A stream option
-    alone is spliced in after the opening brace when the client sent no `stream_options` (UTF-8 bodies); otherwise
-    the body is re-read and re-written by the standard library, which keeps every value exactly as sent."""
+    of a stream (`stream_options.include_usage`), set the tenant's `cache_salt` (`salted`) or name the model it
+    routes to (an alias or a fallback: `parsed.model` is not the body's). A stream option alone is spliced in after
+    the opening brace when the client sent no `stream_options` (UTF-8 bodies); otherwise the body is re-read and
+    re-written by the standard library, which keeps every value exactly as sent."""
     wants_usage = parsed.stream and not parsed.include_usage  # include_usage is True for "json" bodies
-    if not (wants_usage or salted):
+    renamed = parsed.body.get("model", parsed.model) != parsed.model
+    if not (wants_usage or salted or renamed):
         return raw
-    if not salted and not parsed.stdlib_json and "stream_options" not in parsed.body:
+    if not (salted or renamed) and not parsed.stdlib_json and "stream_options" not in parsed.body:
         start = raw.index(b"{") + 1
         return raw[:start] + _USAGE_OPTION + raw[start:]
     body = json.loads(raw)
     if salted:
         body["cache_salt"] = parsed.body["cache_salt"]
+    if renamed:
+        body["model"] = parsed.model
     if wants_usage:
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return json.dumps(body, separators=(",", ":")).encode()
