@@ -1,11 +1,11 @@
-"""Admin HTTP endpoints (`/admin/...`): reload the admission config; list replicas, drain, restart, rolling
+"""Admin HTTP endpoints (`/admin/...`): reload the configuration; list replicas, drain, restart, rolling
 restart, scale.
 
 Authenticated by `Authorization: Bearer <admin.key>` (constant-time comparison); when `admin.key` is unset every
 admin route answers 404. Operations run as tasks the pool owns (a client that disconnects does not cancel a rolling
 restart half way); `?wait=false` answers 202 at once instead of waiting for the result.
 
-    POST /admin/reload                            swap the admission config (body: the section, or empty: re-read)
+    POST /admin/reload                            re-read the config file (empty body) or swap the admission section
     GET  /admin/replicas                          every replica (managed and attached) with its state
     POST /admin/replicas/{id}/drain               drain then stop a managed replica
     POST /admin/replicas/{id}/restart             drain, stop, relaunch (also revives a failed replica)
@@ -31,7 +31,8 @@ from gateway.admission.config import AdmissionConfig
 from gateway.body import ExpectHandler, read_body
 from gateway.config import format_validation_error
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.keys import ADMISSION, CONFIG, POOL, REPLICAS
+from gateway.keys import CONFIG, CONFIG_PATH, POOL, REPLICAS
+from gateway.reload import RELOADER
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _OPS = web.AppKey("admin_operations", set[asyncio.Task[Any]])
@@ -141,28 +142,34 @@ async def scale(request: web.Request) -> web.Response:
     return await _operation(request, f"scale {model} {n}", pool.scale(model, n))
 
 
-async def reload_admission(request: web.Request) -> web.Response:
-    """Swap the admission config without a restart: an empty body re-reads the config file the gateway was started
-    with (file + environment, like SIGHUP); a JSON body is the new `admission` section (`{"admission": {...}}` or the
-    section itself). In-flight and queued requests are not touched."""
+async def reload_config(request: web.Request) -> web.Response:
+    """An empty body re-reads the config file the gateway was started with (file + environment, like SIGHUP) and
+    applies what can change without a restart (gateway.reload), answering what was applied and what needs a
+    restart; a JSON body is a new `admission` section (`{"admission": {...}}` or the section itself). Invalid input
+    changes nothing and answers 400 with the path-qualified reason. In-flight and queued requests are not touched."""
     check_admin(request.headers, request.app[CONFIG].admin.key)
-    controller = request.app[ADMISSION]
+    reloader = request.app[RELOADER]
     raw = await read_body(request, request.app[CONFIG].server)
     try:
         if raw.strip():
             data = json.loads(raw)
             if isinstance(data, dict) and "admission" in data:
                 data = data["admission"]
-            config = AdmissionConfig.model_validate(data)
-        elif controller.reload_source is not None:
-            config = await asyncio.to_thread(controller.reload_source)
+            config = reloader.running.model_copy(update={"admission": AdmissionConfig.model_validate(data)})
+            result = reloader.apply(config)
+        elif request.app.get(CONFIG_PATH) is not None:
+            result = await reloader.reload_file()
         else:
             raise BadRequest("no config file to re-read: send the admission section as the JSON body")
     except ValueError as exc:
         message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
         raise BadRequest(message) from None
-    controller.reload(config)
-    return web.json_response({"reloaded": True, "tenants": sorted(config.tenants), "auth": config.auth})
+    admission = reloader.running.admission
+    return web.json_response({
+        "reloaded": True, "tenants": sorted(admission.tenants), "auth": admission.auth, "applied": result.applied,
+        "restart_needed": result.restart_needed, "engines_added": result.engines_added,
+        "engines_removed": result.engines_removed,
+    })  # fmt: skip
 
 
 async def _state(awaitable: Awaitable[Any]) -> str:
@@ -181,7 +188,7 @@ async def _ops_ctx(app: web.Application) -> AsyncIterator[None]:
 
 def add_routes(app: web.Application, expect: ExpectHandler) -> None:
     app.cleanup_ctx.append(_ops_ctx)
-    app.router.add_post("/admin/reload", reload_admission, expect_handler=expect)
+    app.router.add_post("/admin/reload", reload_config, expect_handler=expect)
     app.router.add_get("/admin/replicas", list_replicas, expect_handler=expect)
     app.router.add_post("/admin/replicas/{id}/drain", drain, expect_handler=expect)
     app.router.add_post("/admin/replicas/{id}/restart", restart, expect_handler=expect)

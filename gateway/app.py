@@ -15,21 +15,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from engine_pool.discovery import DnsDiscovery, DnsTarget
+from engine_pool.discovery import DnsDiscovery
 from engine_pool.http_client import UpstreamClient
 from engine_pool.pool import EnginePool
-from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway import handlers
-from gateway.admission.config import AdmissionConfig
 from gateway.admission.controller import AdmissionController
 from gateway.admission.local import LocalQuotaStore
 from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.quota import QuotaStore
 from gateway.admission.redis_store import RedisQuotaStore
+from gateway.attached import attached_replica, dns_target
 from gateway.cache_ctx import cache_ctx
 from gateway.completion import CompletionService
-from gateway.config import EngineConfig, GatewayConfig, load_config
+from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, GatewayError, error_response, http_exception_to_error
 from gateway.fleet import RoutingShare, shared_redis_url
 from gateway.ids import IdSource
@@ -38,7 +37,6 @@ from gateway.keys import (
     CACHE,
     COMPLETIONS,
     CONFIG,
-    CONFIG_PATH,
     DISCOVERY,
     FLEET,
     IDS,
@@ -53,6 +51,7 @@ from gateway.keys import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
+from gateway.reload import RELOADER, ConfigReloader
 from gateway.router import Router
 from gateway.tracing import Tracer
 from policies.registry import build_policy
@@ -61,37 +60,6 @@ log = logging.getLogger("kvgate.gateway")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def attached_replica(engine: EngineConfig) -> Replica:
-    assert engine.url is not None
-    host = engine.url.split("://", 1)[1]
-    return Replica(
-        engine.name or host,
-        engine.url,
-        engine.model,
-        metrics_url=engine.metrics_url,
-        kv_events_endpoint=engine.kv_events_endpoint,
-        kv_events_replay_endpoint=engine.kv_events_replay_endpoint,
-        tokenizer=engine.tokenizer,
-        max_concurrency=engine.max_concurrency,
-        max_num_seqs=engine.max_num_seqs,
-        managed=False,
-        role=engine.role,
-    )
-
-
-def dns_target(engine: EngineConfig) -> DnsTarget:
-    """The discovery of an `engines[]` entry with `dns`: its fields, and the entry's replica settings."""
-    d = engine.dns
-    assert d is not None
-    return DnsTarget(
-        id=engine.name or d.name, name=d.name, port=d.port, srv=d.srv, scheme=d.scheme, model=engine.model,
-        tokenizer=engine.tokenizer, kv_events_port=d.kv_events_port, kv_events_replay_port=d.kv_events_replay_port,
-        max_concurrency=engine.max_concurrency, max_num_seqs=engine.max_num_seqs, role=engine.role,
-        interval_s=d.interval_s, timeout_s=d.timeout_s, nameserver=d.nameserver, drain_timeout_s=d.drain_timeout_s,
-        warmup_timeout_s=d.warmup_timeout_s, max_endpoints=d.max_endpoints,
-    )  # fmt: skip
 
 
 _REQUEST_ID_MAX = 128
@@ -213,13 +181,6 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
 
 
-def _admission_file_source(path: str) -> Callable[[], AdmissionConfig]:
-    def load() -> AdmissionConfig:
-        return load_config(path).admission
-
-    return load
-
-
 async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
     """Tenants, quotas and the fair queue: the quota store (Redis when configured), the metrics, the controller."""
     cfg = app[CONFIG].admission
@@ -230,10 +191,7 @@ async def _admission_ctx(app: web.Application) -> AsyncIterator[None]:
         store = redis_store = RedisQuotaStore(cfg.redis, metrics, max_tenants=cfg.max_tenants)
     else:
         store = LocalQuotaStore(max_tenants=cfg.max_tenants)
-    path = app.get(CONFIG_PATH)
-    controller = AdmissionController(
-        cfg, app[REPLICAS], app[ROUTER], store, metrics, reload_source=_admission_file_source(path) if path else None
-    )
+    controller = AdmissionController(cfg, app[REPLICAS], app[ROUTER], store, metrics)
     if redis_store is not None:
         redis_store.start()
     controller.start()
@@ -258,9 +216,12 @@ async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
         app.get(FLEET),
         tracer,
     )
+    reloader = app[RELOADER] = ConfigReloader(app)
+    reloader.start()
     try:
         yield
     finally:
+        await reloader.close()
         if tracer is not None:
             await asyncio.to_thread(tracer.close)  # after in-flight requests finished: their spans go out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -20,7 +21,7 @@ from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
 from gateway.admission.controller import AdmissionController
 from gateway.body import read_body
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ModelsConfig
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, render_error
@@ -89,11 +90,15 @@ class CompletionService:
         self.proxy = proxy
         self.cache = cache
         self.holders = ResponseHolders(replicas, shared)
-        self._aliases = config.models.aliases
-        self._fallbacks = config.models.fallbacks
+        self.set_models(config.models)
         self.tracer = tracer
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
+
+    def set_models(self, models: ModelsConfig) -> None:
+        """Aliases and fallbacks (at start and on a config reload)."""
+        self.aliases: Mapping[str, str] = models.aliases
+        self._fallbacks: Mapping[str, list[str]] = models.fallbacks
 
     async def handle(self, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
         """Answer one request; returns the response for aiohttp to finish (a stream is already written)."""
@@ -112,7 +117,7 @@ class CompletionService:
             ctx.tenant = identity.tenant
             raw, parsed, holder = await self._read(request, endpoint)
             if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
-                parsed.model = self._aliases.get(parsed.model, parsed.model)
+                parsed.model = self.aliases.get(parsed.model, parsed.model)
             chain = [parsed.model, *(self._fallbacks.get(parsed.model, ()) if holder is None else ())]
             # metrics label only known models (bounded cardinality); a model with fallbacks is a configured name
             if len(chain) == 1 and not self.replicas.for_model(parsed.model):

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import GatewayConfig
+from gateway.keys import CONFIG_PATH
 from gateway.listener import GatewayListener
 
 
@@ -26,8 +27,11 @@ class RunningGateway:
 
 
 @asynccontextmanager
-async def running_gateway(config: GatewayConfig) -> AsyncIterator[RunningGateway]:
+async def running_gateway(config: GatewayConfig, *, config_path: str | None = None) -> AsyncIterator[RunningGateway]:
+    """`config_path`: the file `config` came from, re-read by a reload (SIGHUP, POST /admin/reload)."""
     app = build_app(config)
+    if config_path is not None:
+        app[CONFIG_PATH] = config_path
     listener = GatewayListener(app, config)
     port = await listener.start()
     try:

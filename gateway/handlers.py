@@ -63,7 +63,7 @@ async def list_models(request: web.Request) -> web.Response:
             entry["max_model_len"] = min(lens)
         data.append(entry)
     served = {entry["id"]: entry for entry in data}
-    for alias, target in sorted(request.app[CONFIG].models.aliases.items()):
+    for alias, target in sorted(request.app[COMPLETIONS].aliases.items()):
         if target in served and alias not in served:  # another name of a served model: its entry, renamed
             data.append({**served[target], "id": alias, "root": served[target].get("root", target)})
     return web.json_response({"object": "list", "data": data})

@@ -19,8 +19,9 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.keys import ADMISSION, CONFIG_PATH, REPLICAS
+from gateway.keys import CONFIG_PATH, REPLICAS
 from gateway.listener import GatewayListener
+from gateway.reload import RELOADER
 from policies.registry import policy_names
 
 log = logging.getLogger("kvgate")
@@ -63,7 +64,8 @@ async def serve(
     config: GatewayConfig, *, ready: asyncio.Future[int] | None = None, config_path: str | None = None
 ) -> None:
     """Run until SIGINT/SIGTERM (or cancellation); `ready` receives the bound port once listening. SIGHUP (and
-    `POST /admin/reload`) re-reads the admission section of `config_path` without dropping requests."""
+    `POST /admin/reload`) re-reads `config_path` and applies what can change without dropping requests
+    (gateway.reload)."""
     app = build_app(config)
     if config_path is not None:
         app[CONFIG_PATH] = config_path
@@ -83,7 +85,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)  # the handler only records the request; this coroutine acts
-    loop.add_signal_handler(signal.SIGHUP, app[ADMISSION].request_reload)
+    loop.add_signal_handler(signal.SIGHUP, app[RELOADER].request_reload)
     try:
         await stop.wait()
         log.info("shutting down: draining in-flight requests (up to %.0f s)", config.server.shutdown_grace_s)

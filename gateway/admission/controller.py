@@ -25,7 +25,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +89,6 @@ class AdmissionController:
         router: Router,
         store: QuotaStore,
         metrics: AdmissionMetrics,
-        *,
-        reload_source: Callable[[], AdmissionConfig] | None = None,
     ) -> None:
         self.config = config
         self.auth = Authenticator(config)
@@ -98,14 +96,12 @@ class AdmissionController:
         self.router = router
         self.store = store
         self.metrics = metrics
-        self.reload_source = reload_source  # blocking loader (runs in a thread) for SIGHUP / empty admin reload
         self._queues: dict[str, FairQueue] = {}  # per model; models come from the replica set (bounded)
         self._active: dict[str, int] = {}  # model -> admitted requests holding a slot
         self._tenant_active: dict[str, int] = {}  # tenant -> admitted, not finished (bounded by configured tenants)
         self._defaulted: set[str] = set()  # replicas whose gate this controller set
         self.drain = DrainRate()
         self._lease_ids = IdSource()
-        self._reload_wanted = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         replicas.add_listener(self)
         metrics.export(self.tenants_in_flight, self.queued)
@@ -116,7 +112,6 @@ class AdmissionController:
             self._apply_default_gate(replica)
         self._tasks = [
             asyncio.create_task(self._watch(), name="kvgate:admission-watch"),
-            asyncio.create_task(self._reload_loop(), name="kvgate:admission-reload"),
         ]
 
     async def close(self) -> None:
@@ -395,21 +390,3 @@ class AdmissionController:
         log.info("admission config reloaded: %d tenants, auth %s", len(config.tenants), "on" if config.auth else "off")
         for model in list(self._queues):
             self.pump(model)
-
-    def request_reload(self) -> None:
-        """Signal-handler safe: only records the request; the reload task acts on it."""
-        self._reload_wanted.set()
-
-    async def _reload_loop(self) -> None:
-        while True:
-            await self._reload_wanted.wait()
-            self._reload_wanted.clear()
-            if self.reload_source is None:
-                log.warning("reload requested but the gateway was started without a config file")
-                continue
-            try:
-                config = await asyncio.to_thread(self.reload_source)
-            except ValueError as exc:  # ConfigError / ValidationError: keep the running config
-                log.error("config reload failed, keeping the running config: %s", exc)
-                continue
-            self.reload(config)

@@ -1,0 +1,113 @@
+"""Reload of the whole configuration file without a restart (POST /admin/reload with an empty body, as SIGHUP):
+engines join and leave (a removed one finishes its in-flight request), tenants, routing parameters and aliases
+change under traffic, sections that need a restart are named and keep running, and an invalid file changes
+nothing and says where it is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from gateway.admission.config import hash_key
+from gateway.config import load_config
+from gateway.embedded import RunningGateway, running_gateway
+from gateway.keys import REPLICAS
+from simengine import SimConfig, SimServer, run_sim_engine
+from tests.conftest import wait_for
+from tests.test_admission_gateway import wait_ready
+
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+def config_file(path: Path, engines: list[SimServer], **extra: Any) -> None:
+    data: dict[str, Any] = {
+        "server": {"port": 0, "access_log": "off"},
+        "health": {"interval_s": 0.1, "timeout_s": 1.0, "metrics_interval_s": 0.1},
+        "admin": {"key": "adm"},
+        "routing": {"policy": "least-load"},
+        "engines": [{"url": s.url} for s in engines],
+        "admission": {"auth": True, "tenants": {"acme": {"keys": [hash_key("sk-acme")]}}},
+    }
+    data.update(extra)
+    path.write_text(yaml.safe_dump(data))
+
+
+@asynccontextmanager
+async def gateway_from(path: Path) -> AsyncIterator[RunningGateway]:
+    async with running_gateway(load_config(str(path), environ={}), config_path=str(path)) as gw:
+        yield gw
+
+
+async def chat(http: aiohttp.ClientSession, gw: RunningGateway, key: str, model: str = "sim", **body: Any) -> Any:
+    payload = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body}
+    async with http.post(
+        f"{gw.url}/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {key}"}
+    ) as r:
+        return r.status, r.headers.get("x-kvgate-replica"), await r.json()
+
+
+async def reload(http: aiohttp.ClientSession, gw: RunningGateway) -> tuple[int, dict[str, Any]]:
+    async with http.post(f"{gw.url}/admin/reload", headers=ADMIN) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_reloading_the_file_applies_engines_tenants_routing_and_aliases(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    async with AsyncExitStack() as stack:
+        sims = [
+            await stack.enter_async_context(run_sim_engine(SimConfig(model="sim", decode_ms=50, seed=i)))
+            for i in range(2)
+        ]
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, sims[:1])
+        gw = await stack.enter_async_context(gateway_from(path))
+        await wait_ready(http, gw.url)
+        first = sims[0].url.split("://", 1)[1]
+        assert (await chat(http, gw, "sk-acme"))[:2] == (200, first)
+        assert (await chat(http, gw, "sk-new"))[0] == 401
+        slow = asyncio.create_task(chat(http, gw, "sk-acme", max_tokens=40))  # in flight on the first engine
+        await wait_for(lambda: any(r.in_flight for r in gw.app[REPLICAS]), what="a request in flight")
+
+        # the second engine replaces the first; a new tenant; an alias; cache-aware routing; a new port
+        config_file(
+            path, sims[1:], routing={"policy": "cache-aware"}, models={"aliases": {"gpt-4o-mini": "sim"}},
+            admission={"auth": True, "tenants": {"acme": {"keys": [hash_key("sk-acme")]},
+                                                 "new": {"keys": [hash_key("sk-new")]}}},
+            server={"port": 1, "access_log": "off"},
+        )  # fmt: skip
+        status, answer = await reload(http, gw)
+        assert status == 200, answer
+        second = sims[1].url.split("://", 1)[1]
+        assert answer["engines_added"] == [second] and answer["engines_removed"] == [first]
+        assert set(answer["applied"]) == {"admission", "routing", "models", "engines"}
+        assert answer["restart_needed"] == ["server"]
+        status, _, body = await slow  # the removed engine finished what it had
+        assert status == 200 and body["usage"]["completion_tokens"] == 40
+        await wait_ready(http, gw.url)
+        status, replica, _ = await chat(http, gw, "sk-new", model="gpt-4o-mini")
+        assert (status, replica) == (200, second)
+        async with http.get(f"{gw.url}/admin/replicas", headers=ADMIN) as resp:
+            listed = {r["id"] for r in (await resp.json())["replicas"]}
+        assert listed == {second}
+
+
+async def test_an_invalid_file_changes_nothing_and_says_where(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with run_sim_engine(SimConfig(model="sim")) as sim:
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, [sim])
+        async with gateway_from(path) as gw:
+            await wait_ready(http, gw.url)
+            config_file(path, [sim], routing={"policy": "cache-aware", "params": {"no_such_param": 1}})
+            status, answer = await reload(http, gw)
+            assert status == 400 and "routing" in answer["error"]["message"]
+            path.write_text("engines: [")  # not even YAML
+            status, answer = await reload(http, gw)
+            assert status == 400
+            assert (await chat(http, gw, "sk-acme"))[0] == 200  # still the old config
