@@ -62,8 +62,11 @@ def metric(gw: RunningGateway, name: str, **labels: str) -> float:
     return gw.app[REGISTRY].get_sample_value(name, labels) or 0.0
 
 
-async def wait_subscribed(gw: RunningGateway) -> None:
-    await wait_for(lambda: metric(gw, "kvgate_fleet_connected") == 1, what="subscribed to the routing channel")
+async def wait_subscribed(gw: RunningGateway, replicas: int | None = None) -> None:
+    """Reading the shared stream, and (with `replicas`) that many replicas registered in the cache state."""
+    await wait_for(lambda: metric(gw, "kvgate_fleet_connected") == 1, what="reading the routing stream")
+    if replicas is not None:
+        await wait_for(lambda: len(gw.app[CACHE].index.sizes()) == replicas, what="replicas registered")
 
 
 async def test_a_session_and_a_prefix_routed_by_one_gateway_are_known_to_the_other(
@@ -74,8 +77,7 @@ async def test_a_session_and_a_prefix_routed_by_one_gateway_are_known_to_the_oth
     async with sims(3) as servers, running_gateway(config(servers, redis_server.url)) as a:
         async with running_gateway(config(servers, redis_server.url)) as b:
             for gw in (a, b):
-                await wait_subscribed(gw)
-                await wait_for(lambda gw=gw: len(gw.app[CACHE].index.sizes()) == 3, what="replicas registered")
+                await wait_subscribed(gw, 3)
             sessions = [f"agent-{i}" for i in range(6)]
             bound = {s: (await chat(http, a, f"turn 1 of {s}", session=s))[0] for s in sessions}
             await wait_for(
@@ -95,8 +97,7 @@ async def test_a_session_and_a_prefix_routed_by_one_gateway_are_known_to_the_oth
             assert await chat(http, b, "another question", system=other) == (replica, "cache-hit")
         # a gateway started later learns what was routed before it from the stream's history
         async with running_gateway(config(servers, redis_server.url)) as c:
-            await wait_subscribed(c)
-            await wait_for(lambda: len(c.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            await wait_subscribed(c, 3)
             assert await chat(http, c, "a third question", system=other) == (replica, "cache-hit")
             for s in sessions:
                 assert await chat(http, c, f"turn 3 of {s}", session=s) == (bound[s], "session")
@@ -109,8 +110,7 @@ async def test_a_gateway_started_after_the_history_finds_sessions_in_redis(
     await redis_server.start()
     async with sims(3) as servers:
         async with running_gateway(config(servers, redis_server.url, history=1)) as a:
-            await wait_subscribed(a)
-            await wait_for(lambda: len(a.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            await wait_subscribed(a, 3)
             sessions = [f"agent-{i}" for i in range(6)]
             bound = {s: (await chat(http, a, f"turn 1 of {s}", session=s))[0] for s in sessions}
             await wait_for(
@@ -118,8 +118,7 @@ async def test_a_gateway_started_after_the_history_finds_sessions_in_redis(
                 what="a published its decisions",
             )
         async with running_gateway(config(servers, redis_server.url, history=1)) as c:
-            await wait_subscribed(c)
-            await wait_for(lambda: len(c.app[CACHE].index.sizes()) == 3, what="replicas registered")
+            await wait_subscribed(c, 3)
             for s in sessions:
                 assert await chat(http, c, f"turn 2 of {s}", session=s) == (bound[s], "session")
             # the stream kept the last decision only: the other sessions' bindings came from their Redis keys
@@ -202,8 +201,7 @@ async def test_a_new_prefix_sent_through_two_gateways_at_once_lands_on_one_repli
             running_gateway(config(servers, redis_server.url)) as b,
         ):
             for gw in (a, b):
-                await wait_subscribed(gw)
-                await wait_for(lambda gw=gw: len(gw.app[CACHE].index.sizes()) == 3, what="replicas registered")
+                await wait_subscribed(gw, 3)
             await chat(http, b, "warm-up")  # the two gateways' tie-breaks now differ, as their views would
             for i in range(6):
                 system = f"Application {i} has its own long instructions. " * 30

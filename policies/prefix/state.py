@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -40,15 +40,13 @@ from policies.prefix.kv_index import KvIndex
 from policies.prefix.metrics import PrefixMetrics
 from policies.prefix.routed import Routed, RoutedRequests
 from policies.prefix.sessions import SessionTable, session_digest
+from policies.prefix.shared import EarlyDecisions, SharedRouting
 from policies.prefix.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
 _MAX_PENDING = 65_536  # routed requests awaiting on_finished (parity); oldest forgotten first
 _MAX_TOKENIZERS = 32
-_MAX_EARLY_REPLICAS = 256  # replicas not registered yet whose shared decisions are kept for when they are
-_MAX_EARLY_DECISIONS = 4096  # per such replica, the newest
-_MAX_SEEN = 4096  # replica ids once registered (their later shared decisions are not kept while they are away)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,19 +64,6 @@ class _Replica:
     events_endpoint: str | None
     replay_endpoint: str | None
     subscriber: KvEventSubscriber | None = None
-
-
-class SharedRouting(Protocol):
-    """What several gateways share of their routing (gateway.fleet.RoutingShare, over Redis)."""
-
-    def publish(self, replica: str, hashes: Sequence[int], session: bytes | None) -> None:
-        """This gateway sent a request with these prompt blocks (and session digest) to `replica`."""
-
-    async def session_replica(self, session: bytes) -> str | None:
-        """The replica another gateway bound the session to, when this one may not have heard of it."""
-
-    async def claim(self, first_block: int, replica: str) -> str:
-        """The replica a cold prefix goes to: `replica`, or the one another gateway just placed it on."""
 
 
 def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
@@ -148,9 +133,7 @@ class CacheAwareState:
         self._stopping: set[asyncio.Task[None]] = set()
         self._events = KvEventApplier(self.index, self.metrics)
         self.shared: SharedRouting | None = None
-        # shared decisions for replicas this gateway has not registered yet (it is starting, or the engine is new)
-        self._early: OrderedDict[str, deque[tuple[Sequence[int], bytes | None, bool]]] = OrderedDict()
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._early = EarlyDecisions()  # the others' decisions for replicas not registered here yet
 
     # --- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -223,11 +206,7 @@ class CacheAwareState:
         if self._zmq is not None:
             self._start_subscriber(replica_id, r)
         self._preload(spec)
-        self._seen[replica_id] = None
-        self._seen.move_to_end(replica_id)
-        if len(self._seen) > _MAX_SEEN:
-            self._seen.popitem(last=False)
-        for hashes, session, past in self._early.pop(replica_id, ()):
+        for hashes, session, past in self._early.registered(replica_id):
             self.apply_shared(replica_id, hashes, session, past=past)
 
     def _preload(self, spec: str) -> None:
@@ -435,13 +414,7 @@ class CacheAwareState:
         (its history): a replica with KV events then learns nothing from it (its events, replayed, say what it
         holds; the decision's speculative insert expired long ago)."""
         if replica not in self._replicas:
-            if replica not in self._seen:
-                early = self._early.get(replica)
-                if early is None:
-                    early = self._early[replica] = deque(maxlen=_MAX_EARLY_DECISIONS)
-                    if len(self._early) > _MAX_EARLY_REPLICAS:
-                        self._early.popitem(last=False)
-                early.append((hashes, session, past))
+            self._early.keep(replica, (hashes, session, past))
             return
         if hashes and not (past and self._replicas[replica].events_endpoint is not None):
             self.index.record_routed(replica, hashes)
