@@ -244,6 +244,7 @@ class EnginePool:
             max_concurrency=m.max_concurrency,
             max_num_seqs=m.max_num_seqs,
             managed=True,
+            pooling=m.warmup_path != "/v1/completions",
         )
         slot = Slot(slot_id, m, index, port, kv_port, replay_port, replica)
         self.supervisor.add(slot)
@@ -283,6 +284,8 @@ class EnginePool:
                 argv += ["--kv-transfer-config", json.dumps(m.kv_transfer_config, separators=(",", ":"))]
             if m.lora_modules:
                 argv += ["--lora-modules", *(f"{name}={path}" for name, path in m.lora_modules.items())]
+            if m.dynamic_lora:
+                argv.append("--runtime-lora")
             return LaunchCommand(argv + list(m.extra_args), env, parse_cpu_list(assign.cpu_bind or ""))
         device = self._devices.get(m.name, "cpu")
         spec = EngineLaunchSpec(
@@ -307,7 +310,10 @@ class EnginePool:
             cache_root=str(Path(self.config.cache_root).resolve()) if self.config.cache_root else None,
             kv_transfer_config=m.kv_transfer_config,
             otlp_traces_endpoint=m.otlp_traces_endpoint,
-            lora_modules=dict(m.lora_modules),
+            lora_modules={name: str(Path(path).resolve()) for name, path in m.lora_modules.items()},
+            dynamic_lora=m.dynamic_lora,
+            runner=m.runner,
+            convert=m.convert,
             max_loras=m.max_loras,
             max_lora_rank=m.max_lora_rank,
             extra_args=tuple(m.extra_args),

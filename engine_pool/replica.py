@@ -49,6 +49,7 @@ class Replica:
         max_num_seqs: int | None = None,
         managed: bool = False,
         role: Role = "both",
+        pooling: bool = False,
     ) -> None:
         self.id = replica_id
         self.url = url.rstrip("/")
@@ -66,6 +67,7 @@ class Replica:
         self.max_num_seqs = max_num_seqs  # the engine's batch slots, when configured
         self.managed = managed  # started by kvgate's engine pool (restartable) or attached
         self.role: Role = role  # both, or one side of disaggregated serving (prefill / decode)
+        self.pooling = pooling  # a pooling model (embeddings, classification): answers no chat or completions
         self.max_model_len: int | None = None
         self.adapters: dict[str, str] = {}  # LoRA adapter name -> root (its path), from the engine's /v1/models
         self.healthy = False  # last health probe passed

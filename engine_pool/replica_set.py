@@ -24,6 +24,7 @@ from engine_pool.replica import Replica
 
 log = logging.getLogger("kvgate.replicas")
 _JSON = {"Content-Type": "application/json"}
+COMPLETIONS = "/v1/completions"  # the warm-up of a generating model
 
 
 class ReplicaListener(Protocol):
@@ -172,19 +173,55 @@ class ReplicaSet:
         self._notify()
 
     # --- probing ---------------------------------------------------------------------------------------------
-    async def warm_up(self, replica: Replica, model: str, prompt: str, max_tokens: int, timeout_s: float) -> str | None:
-        """One real completion on the replica; None on success, else why it failed."""
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    async def warm_up(
+        self, replica: Replica, model: str, prompt: str, max_tokens: int, timeout_s: float, *, path: str = COMPLETIONS
+    ) -> str | None:
+        """One real inference on the replica: a completion, or at `path` the pooling endpoint of a pooling model
+        (`/v1/embeddings`, `/classify`, `/pooling`); None on success, else why it failed."""
+        body: dict[str, object] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        if path != COMPLETIONS:
+            body = {"model": model, "input": [prompt] if path == "/classify" else prompt}
         try:
             status, raw = await self._client.fetch(
-                "POST", f"{replica.url}/v1/completions", json.dumps(body).encode(), _JSON, timeout_s=timeout_s
+                "POST", f"{replica.url}{path}", json.dumps(body).encode(), _JSON, timeout_s=timeout_s
             )
             data = json.loads(raw)
         except (ConnectionError, TimeoutError, ValueError) as exc:
             return f"warm-up failed: {exc!r}"
-        if status == 200 and isinstance(data, dict) and data.get("choices"):
+        if status == 200 and isinstance(data, dict) and (data.get("choices") or data.get("data")):
             return None
         return f"warm-up answered HTTP {status}"
+
+    # --- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, VLLM_ALLOW_RUNTIME_LORA_UPDATING) -----------
+    async def load_adapter(self, replica: Replica, name: str, path: str, *, timeout_s: float) -> str | None:
+        """Load adapter `name` from `path` on the replica; None when it holds it now (loaded, or already there),
+        else the engine's reason. Routable for it at once, before the next probe lists it."""
+        body = json.dumps({"lora_name": name, "lora_path": path}).encode()
+        status, raw = await self._client.fetch(
+            "POST", f"{replica.url}/v1/load_lora_adapter", body, _JSON, timeout_s=timeout_s
+        )
+        if status != 200 and not (status == 400 and b"already been loaded" in raw):
+            return _engine_message(status, raw)
+        if replica.adapters.get(name) != path:
+            replica.adapters = {**replica.adapters, name: path}
+            self._forget_models()
+            self._notify()
+        return None
+
+    async def unload_adapter(self, replica: Replica, name: str, *, timeout_s: float) -> str | None:
+        """Unload adapter `name` from the replica (requests already running with it finish); None on success or
+        when it was not loaded, else the engine's reason."""
+        body = json.dumps({"lora_name": name}).encode()
+        status, raw = await self._client.fetch(
+            "POST", f"{replica.url}/v1/unload_lora_adapter", body, _JSON, timeout_s=timeout_s
+        )
+        if status not in (200, 404):
+            return _engine_message(status, raw)
+        if name in replica.adapters:
+            replica.adapters = {k: v for k, v in replica.adapters.items() if k != name}
+            self._forget_models()
+            self._notify()
+        return None
 
     async def probe_health(self, replica: Replica) -> bool:
         try:
@@ -248,3 +285,14 @@ class ReplicaSet:
             elif replica.healthy:
                 await self.scrape_metrics(replica)
             await asyncio.sleep(min(self.metrics_interval_s, max(0.0, next_health - time.monotonic())))
+
+
+def _engine_message(status: int, raw: bytes) -> str:
+    """An engine's error answer in a sentence: its OpenAI-shaped message, or the status and the start of the body."""
+    try:
+        message = json.loads(raw)["error"]["message"]
+        if isinstance(message, str):
+            return f"HTTP {status}: {message[:500]}"
+    except (ValueError, KeyError, TypeError):
+        pass
+    return f"HTTP {status}: {raw[:200].decode(errors='replace')}"

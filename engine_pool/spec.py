@@ -221,8 +221,23 @@ class ModelPoolConfig(_Strict):
         description="LoRA adapters to load: name -> local path (vLLM's --enable-lora --lora-modules name=path); a "
         "request for an adapter's name goes only to replicas that list it",
     )
+    dynamic_lora: bool = Field(
+        False,
+        description="vllm: serve vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, --enable-lora even "
+        "without lora_modules): the gateway loads the adapters of models.adapters on demand",
+    )
     max_loras: int | None = Field(None, ge=1, description="adapters resident at once per replica (vLLM --max-loras)")
     max_lora_rank: int | None = Field(None, ge=1, description="largest adapter rank (vLLM --max-lora-rank)")
+    runner: Literal["generate", "pooling"] = Field(
+        "generate",
+        description="vllm: --runner; pooling = an embedding, classification or reward model (warmed up at its own "
+        "endpoint, see `convert`)",
+    )
+    convert: Literal["embed", "classify", "reward"] | None = Field(
+        None,
+        description="vllm: --convert, a generative checkpoint served as a pooling model; the warm-up asks "
+        "/v1/embeddings (embed, or a pooling runner without convert), /classify or /pooling (reward)",
+    )
     extra_args: list[str] = Field(default_factory=list, description="arguments appended to the engine's command line")
     env: dict[str, str] = Field(
         default_factory=dict, description="environment variables for the engine processes (win over inherited ones)"
@@ -264,6 +279,13 @@ class ModelPoolConfig(_Strict):
         if self.role != "both" and self.kv_transfer_config is None:
             raise ValueError(f"role {self.role} needs kv_transfer_config (the KV connector that hands KV over)")
         return self
+
+    @property
+    def warmup_path(self) -> str:
+        """Where the warm-up inference goes: a completion, or the pooling model's own endpoint."""
+        if self.runner == "generate" and self.convert is None:
+            return "/v1/completions"
+        return {"classify": "/classify", "reward": "/pooling"}.get(self.convert or "embed", "/v1/embeddings")
 
     @property
     def served(self) -> str:

@@ -353,9 +353,11 @@ class Supervisor:
         return status == 200
 
     async def _warm_up(self, slot: Slot, timeout_s: float) -> str | None:
-        """One real completion; None on success, else why it failed."""
+        """One real inference (a completion, or the pooling model's own request); None on success, else why not."""
         m = slot.model
-        return await self.replicas.warm_up(slot.replica, m.served, m.warmup_prompt, m.warmup_max_tokens, timeout_s)
+        return await self.replicas.warm_up(
+            slot.replica, m.served, m.warmup_prompt, m.warmup_max_tokens, timeout_s, path=m.warmup_path
+        )
 
     async def _readiness(self, slot: Slot, gen: int, proc: EngineProcess) -> None:
         deadline = slot.started_at + slot.model.startup_deadline_s

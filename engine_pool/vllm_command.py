@@ -73,8 +73,11 @@ class EngineLaunchSpec:
     kv_transfer_config: Mapping[str, object] | None = None  # --kv-transfer-config (disaggregated serving)
     otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint (the engine's own spans)
     lora_modules: Mapping[str, str] = field(default_factory=dict)  # adapter name -> path; non-empty enables LoRA
+    dynamic_lora: bool = False  # vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    runner: str = "generate"  # --runner (pooling: embeddings, classification, reward)
+    convert: str | None = None  # --convert
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -184,8 +187,14 @@ def vllm_argv(spec: EngineLaunchSpec) -> list[str]:
         argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
     if spec.kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(spec.kv_transfer_config), separators=(",", ":"))]
-    if spec.lora_modules:
-        argv += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path in spec.lora_modules.items())]
+    if spec.runner != "generate":
+        argv += ["--runner", spec.runner]
+    if spec.convert is not None:
+        argv += ["--convert", spec.convert]
+    if spec.lora_modules or spec.dynamic_lora:
+        argv.append("--enable-lora")
+        if spec.lora_modules:
+            argv += ["--lora-modules", *(f"{name}={path}" for name, path in spec.lora_modules.items())]
         if spec.max_loras is not None:
             argv += ["--max-loras", str(spec.max_loras)]
         if spec.max_lora_rank is not None:
@@ -219,6 +228,8 @@ def vllm_env(spec: EngineLaunchSpec, base_env: Mapping[str, str]) -> dict[str, s
         env.pop("VLLM_TARGET_DEVICE", None)
         if spec.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+    if spec.dynamic_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.update(spec.extra_env)
     return env
 

@@ -13,6 +13,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.serve", "run the gateway (and the engine pool it is configured with)"),
     "sim-engine": ("simengine.cli", "run a simulated vLLM engine (tests, benchmarks)"),
     "make-tiny-model": ("engine_pool.tiny_model", "build the tiny random-weight Llama offline"),
+    "make-tiny-lora": ("engine_pool.tiny_lora", "build a tiny LoRA adapter for the tiny model offline"),
     "loadgen": ("loadgen.cli", "load generator: sweep, run, quality, compare"),
     "plan": ("loadgen.plan", "capacity plan from a model's config.json and a device: KV fit, decode ceiling"),
     "admin": ("engine_pool.admin_cli", "drain / rolling-restart / scale a running gateway"),

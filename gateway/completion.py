@@ -19,6 +19,7 @@ from aiohttp import web
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
+from gateway.adapters import AdapterLoader
 from gateway.admission.controller import AdmissionController
 from gateway.body import read_body
 from gateway.config import GatewayConfig, ModelsConfig
@@ -90,15 +91,17 @@ class CompletionService:
         self.proxy = proxy
         self.cache = cache
         self.holders = ResponseHolders(replicas, shared)
+        self.adapters = AdapterLoader(replicas, metrics, config.models)
         self.set_models(config.models)
         self.tracer = tracer
         self._session_header = config.cache.session_header.lower()
         self._access_log = config.server.access_log
 
     def set_models(self, models: ModelsConfig) -> None:
-        """Aliases and fallbacks (at start and on a config reload)."""
+        """Aliases, fallbacks and the adapters loaded on demand (at start and on a config reload)."""
         self.aliases: Mapping[str, str] = models.aliases
         self._fallbacks: Mapping[str, list[str]] = models.fallbacks
+        self.adapters.configure(models)
 
     async def handle(self, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
         """Answer one request; returns the response for aiohttp to finish (a stream is already written)."""
@@ -118,6 +121,7 @@ class CompletionService:
             raw, parsed, holder = await self._read(request, endpoint)
             if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
                 parsed.model = self.aliases.get(parsed.model, parsed.model)
+            await self.adapters.ensure(parsed.model)  # a LoRA adapter kvgate loads on demand (models.dynamic_lora)
             chain = [parsed.model, *(self._fallbacks.get(parsed.model, ()) if holder is None else ())]
             # metrics label only known models (bounded cardinality); a model with fallbacks is a configured name
             if len(chain) == 1 and not self.replicas.for_model(parsed.model):

@@ -280,6 +280,13 @@ class FleetConfig(StrictModel):
     )
 
 
+class AdapterSpec(StrictModel):
+    """A LoRA adapter the gateway may load on an engine at run time (vLLM's /v1/load_lora_adapter)."""
+
+    base: str = Field(description="the served model it was trained for: only that model's replicas load it")
+    path: str = Field(description="what the engine loads it from (a folder on the engine's machine)")
+
+
 class ModelsConfig(StrictModel):
     """Names clients may use beyond the served ones, and where a model's requests go when it has no capacity."""
 
@@ -294,6 +301,26 @@ class ModelsConfig(StrictModel):
         "full or timed out: a 503), e.g. {big: [small]}; counted in kvgate_model_fallbacks_total and named in "
         "the x-kvgate-fallback response header; the last one's 503 (with Retry-After) is the answer",
     )
+    dynamic_lora: bool = Field(
+        False,
+        description="a request for an adapter of `adapters` that no ready replica holds loads it first on the best "
+        "replica of its base model (free adapter slot, then least load), unloading that replica's least recently "
+        "requested adapter when its `lora_slots` are full; concurrent requests wait for that one load; the engines "
+        "need vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: pool `dynamic_lora: true`)",
+    )
+    adapters: dict[str, AdapterSpec] = Field(
+        default_factory=dict,
+        description="adapter name -> {base, path}: the adapters `dynamic_lora` may load, e.g. "
+        "{sql: {base: tiny, path: /adapters/sql}}",
+    )
+    lora_slots: int = Field(
+        1,
+        ge=1,
+        description="adapters a replica holds at most when kvgate loads them (set it to the engines' --max-loras)",
+    )
+    lora_load_timeout_s: float = Field(
+        120.0, gt=0, description="longest wait for one adapter load (or unload); then the requests waiting get 504"
+    )
 
     @model_validator(mode="after")
     def _no_chains(self) -> ModelsConfig:
@@ -305,6 +332,11 @@ class ModelsConfig(StrictModel):
                 raise ValueError(f"fallbacks.{model}: a model appears twice in its chain")
             if model in self.aliases or any(m in self.aliases for m in chain):
                 raise ValueError(f"fallbacks.{model}: name served models, not aliases")
+        if self.dynamic_lora and not self.adapters:
+            raise ValueError("dynamic_lora: name the adapters it may load in `adapters`")
+        for name, spec in self.adapters.items():
+            if spec.base in self.adapters:
+                raise ValueError(f"adapters.{name}: the base must be a served model, not the adapter or another one")
         return self
 
 

@@ -133,6 +133,14 @@ class UpstreamError(GatewayError):
         return super().body()
 
 
+class AdapterLoadFailed(GatewayError):
+    """An engine refused to load the LoRA adapter a request names (models.dynamic_lora): its reason, as 502."""
+
+    status = 502
+    type = "upstream_error"
+    code = "adapter_load_failed"
+
+
 class UpstreamUnavailable(GatewayError, ConnectionError):
     """Could not reach any replica (connect refused, reset before the first byte) within the retry budget."""
 

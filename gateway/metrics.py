@@ -79,6 +79,19 @@ class GatewayMetrics:
             ["model", "fallback"],
             r,
         )
+        self.lora_loads = FastCounter(
+            "kvgate_lora_loads",
+            "LoRA adapter loads kvgate asked an engine for (models.dynamic_lora), by outcome: loaded, failed, "
+            "timeout, unreachable, no_replica.",
+            ["adapter", "outcome"],
+            r,
+        )
+        self.lora_unloads = FastCounter(
+            "kvgate_lora_unloads",
+            "LoRA adapters unloaded to free a slot for another (least recently requested first), by outcome.",
+            ["adapter", "outcome"],
+            r,
+        )
         self.connections_refused = FastCounter(
             "kvgate_client_connections_refused", "Connections refused over server.max_connections.", [], r
         ).labels()
@@ -146,8 +159,22 @@ class GatewayMetrics:
             now = time.monotonic()
             return [((r.id, r.model or "?"), 1.0 if r.routable(now) else 0.0) for r in replicas]
 
+        def adapter_replicas() -> list[tuple[tuple[str], float]]:
+            held: dict[str, int] = {}
+            for r in replicas:
+                for adapter in r.adapters:
+                    held[adapter] = held.get(adapter, 0) + 1
+            return [((adapter,), n) for adapter, n in held.items()]
+
         CallbackGauge(
             "kvgate_replica_in_flight", "Requests in flight per replica.", ["replica"], self.registry, in_flight
+        )
+        CallbackGauge(
+            "kvgate_lora_adapter_replicas",
+            "Replicas holding each LoRA adapter now (its requests per adapter: kvgate_requests_total{model}).",
+            ["adapter"],
+            self.registry,
+            adapter_replicas,
         )
 
         def queue_price() -> list[tuple[tuple[str], float]]:

@@ -107,7 +107,7 @@ async def _announce_ready(app: web.Application, base_url: str) -> None:
             names = ", ".join(
                 f"{m} ({sum(r.routable(now) for r in rs)}/{len(rs)} replicas ready)" for m, rs in sorted(models.items())
             )
-            first = sorted(models)[0]
+            first = min(models, key=lambda m: (any(r.pooling for r in models[m]), m))  # a chat model if any
             log.info(
                 "ready: %s. OpenAI base URL %s/v1, e.g. curl %s/v1/chat/completions -H 'Content-Type: "
                 'application/json\' -d \'{"model": "%s", "messages": [{"role": "user", '

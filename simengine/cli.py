@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crash-after", type=int, default=f.crash_after)
     p.add_argument("--fail-health", action="store_true")
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="LoRA adapters, as vLLM's flag")
+    p.add_argument(
+        "--runtime-lora", action="store_true", help="serve /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)"
+    )
+    p.add_argument("--lora-load-ms", type=float, default=d.lora_load_ms, help="how long a runtime load takes")
     return p
 
 

@@ -47,6 +47,9 @@ class SimConfig(BaseModel):
     hide_cache_config: bool = False
     # LoRA adapters (vLLM's --lora-modules name=path): listed by /v1/models with `parent`, accepted as `model`
     lora_modules: dict[str, str] = Field(default_factory=dict)
+    # vLLM's runtime LoRA API (/v1/load_lora_adapter, /v1/unload_lora_adapter; VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    runtime_lora: bool = False
+    lora_load_ms: float = Field(default=0.0, ge=0.0)  # how long a runtime load takes
     max_model_len: int = Field(default=8192, ge=2)
     max_num_seqs: int = Field(default=64, ge=1)  # concurrent running requests
     max_waiting: int = Field(default=10_000, ge=0)  # queued requests beyond this get 503

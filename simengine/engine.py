@@ -51,6 +51,8 @@ class SimStats:
     generated_tokens: int = 0
     cached_tokens_total: int = 0
     prompt_tokens_total: int = 0
+    lora_loads: int = 0  # adapters loaded and unloaded at run time (vLLM's /v1/load_lora_adapter)
+    lora_unloads: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,7 @@ class _Waiter:
 class SimEngine:
     def __init__(self, config: SimConfig, *, exit_fn: Callable[[int], object] = os._exit) -> None:
         self.config = config
+        self.adapters = dict(config.lora_modules)  # LoRA adapter name -> path: the started ones and those loaded since
         self.faults: Faults = config.faults
         self.cache = PrefixCache(config.num_blocks, config.block_size, config.model, cpu_blocks=config.cpu_blocks)
         self.transfer = SharedKvStore(config.kv_transfer_dir) if config.kv_transfer_dir else None

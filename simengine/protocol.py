@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,13 +52,14 @@ class GenRequest:
     remote_decode: bool = False  # kv_transfer_params.do_remote_decode: a prefill step whose decode runs elsewhere
 
 
-def check_model(body: Mapping[str, Any], cfg: SimConfig) -> str:
+def check_model(body: Mapping[str, Any], cfg: SimConfig, adapters: Collection[str]) -> str:
+    """The model a body names: the served model (when it names none) or one of the loaded `adapters`."""
     model = body.get("model")
     if model is None:
         return cfg.model
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    if model != cfg.model and model not in cfg.lora_modules:
+    if model != cfg.model and model not in adapters:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     return model
 
@@ -106,11 +107,11 @@ def chat_tokens(body: Mapping[str, Any], default_generation_prompt: bool = True)
         raise bad_request(str(exc), "messages") from exc
 
 
-def parse_generation(kind: Kind, body: Any, cfg: SimConfig) -> GenRequest:
+def parse_generation(kind: Kind, body: Any, cfg: SimConfig, adapters: Collection[str]) -> GenRequest:
     """Validate a chat or completions body; raises `OpenAIError`."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    model = check_model(body, cfg)
+    model = check_model(body, cfg, adapters)
     tokens = chat_tokens(body) if kind == "chat" else prompt_tokens(body)
     if not tokens:
         raise bad_request("the prompt must not be empty", "messages" if kind == "chat" else "prompt")

@@ -90,7 +90,7 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 # --- generation ----------------------------------------------------------------------------------------------
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    req = parse_generation(kind, await _body(request), engine.config)
+    req = parse_generation(kind, await _body(request), engine.config, engine.adapters)
     if not engine.cache.can_ever_fit(len(req.tokens) + req.max_tokens):
         raise bad_request(
             f"prompt + max_tokens ({len(req.tokens) + req.max_tokens} tokens) exceeds the KV cache "
@@ -168,7 +168,7 @@ async def _json_object(request: web.Request) -> tuple[SimEngine, dict[str, Any],
     body = await _body(request)
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    return engine, body, check_model(body, engine.config)
+    return engine, body, check_model(body, engine.config, engine.adapters)
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -209,7 +209,7 @@ async def transcriptions(request: web.Request) -> web.Response:
     and first bytes' checksum), so a test can tell the bytes arrived intact."""
     engine = request.app[ENGINE_KEY]
     form = await request.post()
-    check_model({"model": form.get("model")}, engine.config)
+    check_model({"model": form.get("model")}, engine.config, engine.adapters)
     upload = form.get("file")
     if not isinstance(upload, web.FileField):
         raise bad_request("'file' is required (a form file)", "file")
@@ -275,8 +275,39 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": cfg.max_model_len,
         "permission": [],
     }
-    adapters = [{**card, "id": name, "root": path, "parent": cfg.model} for name, path in cfg.lora_modules.items()]
+    loaded = request.app[ENGINE_KEY].adapters.items()
+    adapters = [{**card, "id": name, "root": path, "parent": cfg.model, "max_model_len": None} for name, path in loaded]
     return _json({"object": "list", "data": [card, *adapters]})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING): the adapter's folder must exist (vLLM reads its
+    weights: a missing one fails at once); loading takes `lora_load_ms`; a name already loaded is refused as vLLM
+    refuses it."""
+    engine = request.app[ENGINE_KEY]
+    body = await _body(request)
+    name, path = (body.get("lora_name"), body.get("lora_path")) if isinstance(body, dict) else (None, None)
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        return _error(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+    if name in engine.adapters:
+        return _error(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
+    if not await asyncio.to_thread(os.path.isdir, path):
+        return _error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
+    await asyncio.sleep(engine.config.lora_load_ms / 1000)
+    engine.adapters[name] = path
+    engine.stats.lora_loads += 1
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body = await _body(request)
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or name not in engine.adapters:
+        return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+    del engine.adapters[name]
+    engine.stats.lora_unloads += 1
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -359,6 +390,9 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/v1/audio/translations", transcriptions)
     app.router.add_post("/detokenize", detokenize_handler)
     app.router.add_get("/load", load)
+    if engine.config.runtime_lora:  # vLLM registers these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/version", version)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_get("/sim/stats", sim_stats)

@@ -58,7 +58,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("vllm-disagg")
     models = [group("tiny-prefill", "prefill", "0", tmp / "kv"), group("tiny-decode", "decode", "1", tmp / "kv")]
     routing = {"policy": "cache-aware", "disaggregation": {"min_prefill_tokens": 256}}
-    with pool_gateway(tmp, admin_key="disagg-admin", models=models, routing=routing) as gw:
+    with pool_gateway(tmp, admin_key="disagg-admin", pool_models=models, routing=routing) as gw:
         yield gw
 
 

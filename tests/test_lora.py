@@ -4,12 +4,19 @@ the adapter loaded; vLLM's own flags from the pool spec."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Any
+
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pool.spec import PoolConfig
-from engine_pool.vllm_command import EngineLaunchSpec, vllm_argv
+from engine_pool.vllm_command import EngineLaunchSpec, vllm_argv, vllm_env
 from gateway.keys import REPLICAS
+from policies.base import ReplicaState
+from policies.lora import AdapterPlacement, place_adapter
 from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
@@ -66,3 +73,116 @@ def test_pool_spec_passes_lora_flags_to_vllm() -> None:
     assert argv[i + 1 : i + 3] == ["--lora-modules", "sql=/adapters/sql"]
     assert argv[argv.index("--max-loras") + 1] == "2" and argv[argv.index("--max-lora-rank") + 1] == "16"
     assert "--enable-lora" not in vllm_argv(EngineLaunchSpec(model="/models/m", port=1))
+
+
+# --- adapters loaded on demand (models.dynamic_lora, vLLM's runtime LoRA API) -------------------------------------
+RUNTIME = BASE.model_copy(update={"runtime_lora": True, "lora_load_ms": 200.0})
+
+
+def lora_counts(text: str) -> dict[tuple[str, str, str], float]:
+    """(metric, adapter, outcome) -> value of kvgate's LoRA counters and gauges in a /metrics page."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("kvgate_lora_"):
+                out[(s.name, s.labels["adapter"], s.labels.get("outcome", ""))] = s.value
+    return out
+
+
+async def sim_totals(http: aiohttp.ClientSession, sims: list[Any], key: str) -> list[int]:
+    found = []
+    for sim in sims:
+        async with http.get(f"{sim.url}/sim/stats") as resp:
+            found.append((await resp.json())[key])
+    return found
+
+
+def adapters_config(tmp_path: Path, names: list[str], **extra: Any) -> dict[str, Any]:
+    for name in names:
+        (tmp_path / name).mkdir(exist_ok=True)  # the simulated engine loads a folder that exists, as vLLM does
+    catalog = {name: {"base": "base", "path": str(tmp_path / name)} for name in names}
+    return {"dynamic_lora": True, "adapters": catalog, "lora_slots": 1, **extra}
+
+
+async def complete(http: aiohttp.ClientSession, url: str, model: str, i: int = 0) -> tuple[int, str, dict[str, Any]]:
+    body = {"model": model, "prompt": f"adapter request {i}", "max_tokens": 2}
+    async with http.post(url + "/v1/completions", json=body) as resp:
+        return resp.status, resp.headers.get("x-kvgate-replica", ""), await resp.json()
+
+
+async def test_an_adapter_is_loaded_once_on_demand_and_the_least_recent_one_leaves(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    models = adapters_config(tmp_path, ["sql", "chat", "fin", "ops"])
+    async with gateway_over_sims([RUNTIME] * 3, models=models) as (gw, sims):
+        results = await asyncio.gather(*(complete(http, gw.url, "sql", i) for i in range(6)))
+        assert [status for status, _, _ in results] == [200] * 6
+        assert len({replica for _, replica, _ in results}) == 1  # all on the replica that loaded it
+        assert sum(await sim_totals(http, sims, "lora_loads")) == 1  # six concurrent requests, one load
+        async with http.get(gw.url + "/v1/models") as resp:
+            listed = {m["id"]: m for m in (await resp.json())["data"]}
+        assert listed["sql"]["parent"] == "base" and listed["sql"]["root"] == str(tmp_path / "sql")
+        holders = {results[0][1]}
+        for name in ("chat", "fin"):  # a free slot elsewhere first: one adapter per replica
+            status, replica, _ = await complete(http, gw.url, name)
+            assert status == 200 and replica not in holders
+            holders.add(replica)
+        status, replica, _ = await complete(http, gw.url, "ops")  # every slot taken: sql, asked least recently, goes
+        assert status == 200 and replica == results[0][1]
+        evicted_port = next(r.port for r in gw.app[REPLICAS] if r.id == replica)
+        assert await sim_totals(http, sims, "lora_unloads") == [int(s.port == evicted_port) for s in sims]
+        status, replica, _ = await complete(http, gw.url, "sql")  # loaded again, in place of chat
+        assert status == 200
+        async with http.get(gw.url + "/metrics") as resp:
+            counts = lora_counts(await resp.text())
+        assert counts[("kvgate_lora_loads_total", "sql", "loaded")] == 2
+        assert counts[("kvgate_lora_loads_total", "ops", "loaded")] == 1
+        assert counts[("kvgate_lora_unloads_total", "sql", "unloaded")] == 1
+        assert counts[("kvgate_lora_unloads_total", "chat", "unloaded")] == 1
+        assert counts[("kvgate_lora_adapter_replicas", "sql", "")] == 1
+        assert ("kvgate_lora_adapter_replicas", "chat", "") not in counts
+        assert sum(await sim_totals(http, sims, "lora_loads")) == 5
+
+
+async def test_an_adapter_that_cannot_load_is_a_clear_error_not_a_hang(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    models = adapters_config(tmp_path, ["sql"], lora_load_timeout_s=0.5)
+    models["adapters"]["gone"] = {"base": "base", "path": str(tmp_path / "no-such-folder")}
+    models["adapters"]["slow"] = {"base": "base", "path": str(tmp_path / "sql")}
+    slow = RUNTIME.model_copy(update={"lora_load_ms": 5000.0})
+    async with gateway_over_sims([slow], models=models) as (gw, _):
+        results = await asyncio.gather(*(complete(http, gw.url, "gone", i) for i in range(3)))
+        for status, _, body in results:  # every waiter gets the engine's reason
+            assert status == 502 and body["error"]["code"] == "adapter_load_failed"
+            assert "No adapter found" in body["error"]["message"]
+        status, _, body = await complete(http, gw.url, "slow")
+        assert status == 504 and "took longer than 0.5 s" in body["error"]["message"]
+    async with gateway_over_sims([BASE], models=adapters_config(tmp_path, ["sql"])) as (gw, _):
+        status, _, body = await complete(http, gw.url, "sql")  # an engine without the runtime API: its 404, said
+        assert status == 502 and "HTTP 404" in body["error"]["message"]
+
+
+def test_adapter_placement_prefers_a_free_slot_then_evicts_the_least_recent() -> None:
+    a, b, c = ReplicaState("a", "m", in_flight=3), ReplicaState("b", "m", in_flight=1), ReplicaState("c", "m")
+    used = {"x": 10.0, "y": 5.0, "z": 7.0}
+    free = place_adapter([a, b], {"a": [], "b": ["x"]}, slots=1, last_used=used, loadable=used)
+    assert free == AdapterPlacement("a", None, "free-slot")  # a free slot beats lower load
+    full = place_adapter([a, b], {"a": ["y"], "b": ["x"]}, slots=1, last_used=used, loadable=used)
+    assert full == AdapterPlacement("b", "x", "evict-lru")  # the least loaded, its least recent adapter out
+    tie = place_adapter([b, c.__class__("c", "m", in_flight=1)], {"b": ["x"], "c": ["y"]}, slots=1, last_used=used,
+                        loadable=used)  # fmt: skip
+    assert tie == AdapterPlacement("c", "y", "evict-lru")  # equal load: the replica whose adapter is older
+    pinned = place_adapter([c], {"c": ["static"]}, slots=1, last_used=used, loadable=used)
+    assert pinned == AdapterPlacement("c", None, "over-slots")  # not in the catalog: never unloaded
+    down = ReplicaState("d", "m", ready=False)
+    assert place_adapter([down], {}, slots=1, last_used=used, loadable=used) is None
+
+
+def test_pool_spec_turns_on_the_runtime_lora_api_and_pooling_runner() -> None:
+    spec = EngineLaunchSpec(model="/models/m", port=1, dynamic_lora=True, runner="pooling", convert="embed")
+    argv = vllm_argv(spec)
+    assert "--enable-lora" in argv and "--lora-modules" not in argv
+    assert argv[argv.index("--runner") + 1] == "pooling" and argv[argv.index("--convert") + 1] == "embed"
+    assert vllm_env(spec, {})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env(EngineLaunchSpec(model="/m", port=1), {})

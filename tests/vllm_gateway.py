@@ -31,11 +31,11 @@ def pool_gateway(
     *,
     admin_key: str,
     model: dict[str, Any] | None = None,
-    models: list[dict[str, Any]] | None = None,
+    pool_models: list[dict[str, Any]] | None = None,
     **sections: Any,
 ) -> Iterator[Gateway]:
-    """`model`: the pool model entry (name, replicas, devices, ...), or `models` several; `sections`: extra top-level
-    config sections."""
+    """`model`: the pool model entry (name, replicas, devices, ...), or `pool_models` several; `sections`: extra
+    top-level config sections."""
     port = free_port()
     model_dir = tmp / "model"
     config = {
@@ -47,7 +47,7 @@ def pool_gateway(
             "log_dir": str(tmp / "logs"),
             "model_dir": str(model_dir),
             "cache_root": str(tmp / "vllm-cache"),
-            "models": models if models is not None else [model],
+            "models": pool_models if pool_models is not None else [model],
         },
     }
     cfg_path = tmp / "kvgate.yaml"
