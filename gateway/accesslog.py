@@ -25,6 +25,7 @@ def access_record(ctx: RequestContext) -> dict[str, object]:
         "status": ctx.status,
         "stream": ctx.stream,
         "attempts": ctx.attempts,
+        "migrations": ctx.migrations,
         "prompt_tokens": ctx.prompt_tokens,
         "cached_tokens": ctx.cached_tokens,
         "completion_tokens": ctx.completion_tokens,
@@ -43,7 +44,7 @@ def plain_line(ctx: RequestContext) -> str:
     return (
         f"request_id={ctx.request_id} tenant={ctx.tenant} endpoint={ctx.endpoint} model={ctx.model} "
         f"replica={ctx.replica} route_reason={ctx.route_reason} status={ctx.status} stream={ctx.stream} "
-        f"attempts={ctx.attempts} prompt_tokens={'-' if prompt is None else prompt} "
+        f"attempts={ctx.attempts} migrations={ctx.migrations} prompt_tokens={'-' if prompt is None else prompt} "
         f"cached_tokens={'-' if cached is None else cached} "
         f"completion_tokens={'-' if completion is None else completion} "
         f"ttft_ms={'-' if ttft is None else round(ttft * 1000, 2)} queue_ms={round(ctx.queue_wait_s * 1000, 2)} "

@@ -5,7 +5,9 @@ request starts it (a task of its own, so a client leaving does not abort it), th
 load picks a replica of the adapter's base model (`place_adapter`: free slot, then least load; else unload the
 least recently requested adapter), asks the engine (`ReplicaSet.load_adapter`), and the replica is routable for
 the adapter at once. A refusal is an `AdapterLoadFailed` (502, the engine's reason), a load past
-`lora_load_timeout_s` a 504, no replica of the base model ready a 503 with Retry-After: never a hang. Per request
+`lora_load_timeout_s` a 504, no replica of the base model ready a 503 with Retry-After: never a hang. A hot
+adapter (every holder has `lora_replicate_load` requests outstanding) is loaded on one more replica with a free
+slot in the background (`policies.lora.replica_to_add`), one such load at a time per adapter. Per request
 O(1) when the adapter is resident (one dict lookup and a scan of its holders); a load costs O(replicas x adapters)
 plus the engine's time.
 """
@@ -15,14 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from typing import Any
 
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.config import AdapterSpec, ModelsConfig
-from gateway.errors import AdapterLoadFailed, Overloaded, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import AdapterLoadFailed, GatewayError, Overloaded, UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
-from policies.lora import place_adapter
+from policies.lora import place_adapter, replica_to_add
 
 log = logging.getLogger("kvgate.adapters")
 
@@ -39,6 +42,7 @@ class AdapterLoader:
         """The catalog and its limits (at start and on a config reload)."""
         self.catalog: Mapping[str, AdapterSpec] = models.adapters if models.dynamic_lora else {}
         self.slots = models.lora_slots
+        self.replicate_load = models.lora_replicate_load
         self.timeout_s = models.lora_load_timeout_s
 
     async def ensure(self, name: str) -> None:
@@ -47,15 +51,55 @@ class AdapterLoader:
         spec = self.catalog.get(name)
         if spec is None:
             return
-        now = time.monotonic()
-        self.last_used[name] = now
-        if any(r.routable(now) for r in self.replicas.for_model(name)):
-            return
-        task = self._loading.get(name)
-        if task is None:
-            task = self._loading[name] = asyncio.create_task(self._load(name, spec), name=f"lora-load:{name}")
-            task.add_done_callback(self._loaded)
-        await asyncio.shield(task)
+        self.last_used[name] = time.monotonic()
+        for _ in range(2):  # a background replication awaited first may have failed: then a load of our own
+            now = time.monotonic()
+            task = self._loading.get(name)
+            holders = [r for r in self.replicas.for_model(name) if r.routable(now)]
+            if holders:
+                if task is None and self.replicate_load is not None:
+                    self._replicate_if_hot(name, spec, holders, now)
+                return
+            if task is None:
+                task = self._start(name, self._load(name, spec))
+            await asyncio.shield(task)
+
+    def _start(self, name: str, load: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = self._loading[name] = asyncio.create_task(load, name=f"lora-load:{name}")
+        task.add_done_callback(self._loaded)
+        return task
+
+    def _replicate_if_hot(self, name: str, spec: AdapterSpec, holders: list[Replica], now: float) -> None:
+        """Load a hot adapter on one more replica in the background (`replica_to_add`); its requests meanwhile
+        go to the holders."""
+        assert self.replicate_load is not None
+        held = {r.id for r in holders}
+        others = [r for r in self._bases(spec) if r.id not in held]
+        target = replica_to_add(
+            [r.snapshot(now) for r in holders],
+            [r.snapshot(now) for r in others],
+            {r.id: list(r.adapters) for r in others},
+            slots=self.slots,
+            threshold=self.replicate_load,
+        )
+        replica = None if target is None else self.replicas.get(target)
+        if replica is not None:
+            self._start(name, self._replicate(name, spec, replica))
+
+    async def _replicate(self, name: str, spec: AdapterSpec, replica: Replica) -> None:
+        try:
+            error = await self._call(replica, name, None, spec.path)
+        except GatewayError as exc:
+            error = str(exc)
+        self.metrics.lora_loads.labels(name, "failed" if error else "loaded").inc()
+        if error is None:
+            log.info("loaded hot adapter %s on one more replica, %s", name, replica.id)
+        else:
+            log.warning("loading hot adapter %s on %s failed: %s", name, replica.id, error)
+
+    def _bases(self, spec: AdapterSpec) -> list[Replica]:
+        """The replicas that may load an adapter of `spec.base`."""
+        return [r for r in self.replicas.for_model(spec.base) if r.model == spec.base and r.role != "prefill"]
 
     def _loaded(self, task: asyncio.Task[None]) -> None:
         name = task.get_name().removeprefix("lora-load:")
@@ -66,7 +110,7 @@ class AdapterLoader:
 
     async def _load(self, name: str, spec: AdapterSpec) -> None:
         now = time.monotonic()
-        bases = [r for r in self.replicas.for_model(spec.base) if r.model == spec.base and r.role != "prefill"]
+        bases = self._bases(spec)
         placement = place_adapter(
             [r.snapshot(now) for r in bases],
             {r.id: list(r.adapters) for r in bases},

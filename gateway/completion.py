@@ -133,6 +133,9 @@ class CompletionService:
                 raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
             ctx.model, ctx.stream = parsed.model, parsed.stream
             salted = endpoint.body != "multipart" and admission.apply_cache_salt(identity, parsed.body)
+            kind, routed_body = endpoint.body, parsed.body  # what routing reads: a chat view where there is one
+            if endpoint.chat_view is not None and (chat := endpoint.chat_view(parsed.body)) is not None:
+                kind, routed_body = "chat", chat
             for i, model in enumerate(chain):
                 if i:  # the previous model had no capacity: its fallback, as if asked for
                     self.metrics.fallbacks.labels(chain[0], model).inc()
@@ -140,8 +143,8 @@ class CompletionService:
                     parsed.model = ctx.model = model
                 info = await self.router.request_info(
                     model=model,
-                    endpoint=endpoint.body,
-                    body=parsed.body,
+                    endpoint=kind,
+                    body=routed_body,
                     tenant=identity.tenant,
                     session_key=headers.get(self._session_header),
                 )
@@ -176,7 +179,8 @@ class CompletionService:
 
     async def _read(self, request: web.Request, endpoint: Endpoint) -> tuple[bytes, ParsedRequest, Replica | None]:
         """The body as sent, what kvgate reads of it, and the replica the request must go to (a stored response's
-        holder), by the endpoint's body kind (`gateway.endpoints`)."""
+        holder, also for a response that continues one: `previous_response_id`), by the endpoint's body kind
+        (`gateway.endpoints`)."""
         holder = None
         if endpoint.body == "held":  # a stored response: only the replica that created it has it
             raw, holder = b"", await self.holders.get(request.match_info["response_id"])
@@ -189,6 +193,9 @@ class CompletionService:
         else:
             raw = await read_body(request, self.config.server)
             parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
+            previous = parsed.body.get("previous_response_id") if endpoint.records_id else None
+            if isinstance(previous, str):  # a conversation stored on one replica continues there
+                holder = await self.holders.get(previous)
         parsed.records_id = endpoint.records_id
         if not parsed.model:
             parsed.model = self._only_model()

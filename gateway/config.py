@@ -98,6 +98,19 @@ class RetryConfig(StrictModel):
     )
     breaker_failures: int = Field(3, ge=1, description="consecutive failures that open a replica's circuit breaker")
     breaker_cooldown_s: float = Field(5.0, gt=0, description="open time before trial traffic may close the breaker")
+    migrate_streams: bool = Field(
+        True,
+        description="a chat or completions stream whose engine fails after the first token (reset, stalled past "
+        "timeouts.stream_idle_s, cut short) continues on another replica in the same client stream: the request is "
+        "re-sent with the answer so far (completions: appended to the prompt; chat: the assistant message continued) "
+        "and max_tokens less what was delivered; counted in kvgate_stream_migrations_total",
+    )
+    max_migrations: int = Field(2, ge=1, le=10, description="continuations of one stream at most")
+    migration_buffer_bytes: int = Field(
+        1024 * 1024,
+        ge=1024,
+        description="bytes of relayed events kept per stream for a migration; a longer answer is not migrated",
+    )
 
 
 class HealthConfig(StrictModel):
@@ -317,6 +330,13 @@ class ModelsConfig(StrictModel):
         1,
         ge=1,
         description="adapters a replica holds at most when kvgate loads them (set it to the engines' --max-loras)",
+    )
+    lora_replicate_load: int | None = Field(
+        8,
+        ge=1,
+        description="a dynamic adapter whose every holder has this many requests outstanding (in flight or queued "
+        "at the engine) is loaded on one more replica of its base model that has a free slot and less load, in the "
+        "background; None = one replica per adapter unless it is lost",
     )
     lora_load_timeout_s: float = Field(
         120.0, gt=0, description="longest wait for one adapter load (or unload); then the requests waiting get 504"

@@ -39,6 +39,7 @@ class RequestContext:
     duration_s: float | None = None
     queue_wait_s: float = 0.0
     error: str | None = None
+    migrations: int = 0  # times the stream continued on another replica after its engine failed
     client_disconnected: bool = False
     answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
     delivered: bool = False  # the engine's whole response was relayed (the client may still leave before EOF)
@@ -54,12 +55,14 @@ class RequestContext:
     sent_at: float | None = None
 
     def set_usage(self, usage: object) -> None:
+        """Token counts from an answer's `usage`: chat and completions' names, or the Responses API's."""
         if not isinstance(usage, dict):
             return
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
         self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
         self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
-        details = usage.get("prompt_tokens_details")
+        details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.cached_tokens = details["cached_tokens"]
         elif self.prompt_tokens is not None and self.cached_tokens is None:

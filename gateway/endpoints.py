@@ -6,7 +6,8 @@ cancellation, metrics (labelled with `name`) and the access log. `body` says how
 - "chat" / "completions": validated as OpenAI's chat and completions requests, prefix-hashed for cache-aware
   routing, streams relayed event by event and required to end with `[DONE]`;
 - "json": any JSON object with a `model` (optional where `model_optional`: the pool's only model is meant then),
-  routed by load, a `"stream": true` answer relayed as it comes;
+  routed by load, a `"stream": true` answer relayed as it comes; with a `chat_view` (responses) routed cache-aware
+  as the chat request it stands for;
 - "multipart": a multipart/form-data body (audio), read whole up to `server.max_body_bytes` and forwarded as the
   client sent it; only its `model` and `stream` fields are read;
 - "held": a call about a stored response (`{response_id}` in the path): sent to the replica that created it
@@ -16,9 +17,11 @@ The engine is asked at the same path. A new vLLM endpoint is one more line here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from gateway.request_parse import BodyKind
+from gateway.request_parse import BodyKind, responses_as_chat
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +32,14 @@ class Endpoint:
     model_optional: bool = False
     method: str = "POST"
     records_id: bool = False  # the answer's `id` names state the replica keeps (vLLM's stored responses)
+    # the body as a chat request, for cache-aware routing of an endpoint whose prompt hits the prefix cache
+    chat_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("chat", "/v1/chat/completions", "chat"),
     Endpoint("completions", "/v1/completions", "completions"),
-    Endpoint("responses", "/v1/responses", "json", records_id=True),
+    Endpoint("responses", "/v1/responses", "json", records_id=True, chat_view=responses_as_chat),
     Endpoint("responses", "/v1/responses/{response_id}", "held", method="GET"),
     Endpoint("responses", "/v1/responses/{response_id}/cancel", "held"),
     Endpoint("embeddings", "/v1/embeddings", "json"),

@@ -21,7 +21,18 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32,
 class ModelMetrics:
     """One model's children, resolved once: a request updates them without a label lookup each."""
 
-    __slots__ = ("cached", "cancelled", "completion", "e2e", "itl", "prompt", "retries", "ttft")
+    __slots__ = (
+        "cached",
+        "cancelled",
+        "completion",
+        "e2e",
+        "itl",
+        "migrated",
+        "migration_failed",
+        "prompt",
+        "retries",
+        "ttft",
+    )
 
     def __init__(self, metrics: GatewayMetrics, model: str) -> None:
         self.ttft: Buckets = metrics.ttft.labels(model)
@@ -32,6 +43,8 @@ class ModelMetrics:
         self.completion: Value = metrics.tokens.labels(model, "completion")
         self.cancelled: Value = metrics.cancelled.labels(model)
         self.retries: Value = metrics.retries.labels(model)
+        self.migrated: Value = metrics.migrations.labels(model, "resumed")
+        self.migration_failed: Value = metrics.migrations.labels(model, "failed")
 
 
 class GatewayMetrics:
@@ -67,6 +80,13 @@ class GatewayMetrics:
             "kvgate_upstream_errors", "Failed upstream attempts by replica and kind.", ["replica", "kind"], r
         )
         self.retries = FastCounter("kvgate_retries", "Attempts retried on another replica.", ["model"], r)
+        self.migrations = FastCounter(
+            "kvgate_stream_migrations",
+            "Streams whose engine failed mid-answer, by outcome: resumed on another replica in the same client "
+            "stream, or failed (the client got an error event).",
+            ["model", "outcome"],
+            r,
+        )
         self.decisions = FastCounter(
             "kvgate_routing_decisions", "Routing decisions by policy and reason.", ["policy", "reason"], r
         )

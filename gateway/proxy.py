@@ -34,12 +34,20 @@ from gateway.context import RequestContext
 from gateway.disagg import PrefillStep
 from gateway.errors import GatewayError, Retryable, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
+from gateway.migration import Delivered, continuation, migratable, whole_usage
 from gateway.request_parse import ParsedRequest, upstream_body
 from gateway.responder import Responder
 from gateway.router import Router
 from policies.base import Decision, RequestInfo
 
 _DONE = b"data: [DONE]"
+
+
+class Migration(Exception):
+    """A stream's engine failed after the client got its first events, and the answer can continue elsewhere."""
+
+    def __init__(self, failure: GatewayError) -> None:
+        self.failure = failure
 
 
 @dataclass(slots=True)
@@ -97,6 +105,10 @@ class UpstreamProxy:
         deadline = time.monotonic() + self.settings.timeouts.total_s
         if pinned is None:  # a split model's request first takes its prefill step (gateway.disagg)
             data = await self.prefill.run(path, parsed, info, ctx, data, deadline)
+        retry = self.settings.retry
+        delivered = None
+        if retry.migrate_streams and parsed.stream and migratable(parsed.endpoint, parsed.body):
+            delivered = Delivered(retry.migration_buffer_bytes)
         tried: list[str] = []
         refused: list[Replica] = []  # replicas that answered this request with a 5xx (see below)
         last_error: GatewayError | None = None
@@ -113,7 +125,14 @@ class UpstreamProxy:
                 raise
             tried.append(replica.id)
             try:
-                status = await self._attempt(out, method, path, parsed, replica, decision, ctx, data, deadline)
+                status = await self._attempt(
+                    out, method, path, parsed, replica, decision, ctx, data, deadline, delivered
+                )
+            except Migration as cut:  # the engine failed mid-stream: the answer continues elsewhere
+                assert delivered is not None
+                status = await self._migrate(
+                    out, method, path, parsed, info, ctx, data, deadline, delivered, tried, cut.failure
+                )
             except Retryable as exc:
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 last_error = exc.error
@@ -215,6 +234,7 @@ class UpstreamProxy:
         ctx: RequestContext,
         data: bytes,
         deadline: float,
+        delivered: Delivered | None = None,
     ) -> int:
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
@@ -228,7 +248,7 @@ class UpstreamProxy:
                     err.headers.update(self._headers(ctx, replica, decision))
                     raise err
                 if parsed.stream:
-                    return await self._relay_stream(out, parsed, upstream, replica, decision, ctx, deadline)
+                    return await self._relay_stream(out, parsed, upstream, replica, decision, ctx, deadline, delivered)
                 await self._relay_whole(out, upstream, replica, decision, ctx, deadline, parsed.records_id)
                 return upstream.status
             except BaseException:
@@ -300,12 +320,17 @@ class UpstreamProxy:
         decision: Decision,
         ctx: RequestContext,
         deadline: float,
+        delivered: Delivered | None = None,
     ) -> int:
         """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or
         stalled after it started (the client then gets an OpenAI-shaped error event before the end, never a
-        clean end that looks complete)."""
+        clean end that looks complete), unless it can continue on another replica: then `Migration` is raised
+        (`delivered` keeps what the client got). A continuation's events go into the client's started stream,
+        without its first (role) event, its usage told as the whole answer's."""
         timeouts = self.settings.timeouts
         started = done = False
+        skip_role = out.started  # a continuation (gateway.migration): the client has the role event already
+        before = delivered.tokens_before if delivered is not None else 0
         strip_usage = not parsed.include_usage
         buf = b""
         last_write = 0.0
@@ -324,26 +349,31 @@ class UpstreamProxy:
                     while (end := buf.find(b"\n\n")) >= 0:
                         event, buf = buf[: end + 2], buf[end + 2 :]
                         if b'"usage"' in event and not event.startswith(_DONE):
-                            event = self._usage_event(event, ctx, strip_usage)
+                            event = self._usage_event(event, ctx, strip_usage, before)
                         if parsed.records_id and ctx.answer_id is None and b'"response"' in event:
                             ctx.answer_id = answer_id(event[event.find(b"{") :])
                         if event:
                             events.append(event)
+                    if skip_role and events:
+                        events, skip_role = [e for e in events if b'"role"' not in e], False
                     if not events:
                         continue
                     now = time.monotonic()
                     if not started:
-                        headers = self._headers(ctx, replica, decision)
-                        headers["Content-Type"] = "text/event-stream"
-                        headers["Cache-Control"] = "no-cache"
-                        await out.start_stream(upstream.status, headers)
+                        if not out.started:
+                            headers = self._headers(ctx, replica, decision)
+                            headers["Content-Type"] = "text/event-stream"
+                            headers["Cache-Control"] = "no-cache"
+                            await out.start_stream(upstream.status, headers)
+                            ctx.ttft_s = now - ctx.started
                         started = True
-                        ctx.ttft_s = now - ctx.started
                         window.reschedule(min(end_at, loop.time() + timeouts.stream_idle_s))
                         replica.record_success()
                     else:
                         itl.observe(now - last_write)
                     last_write = now
+                    if delivered is not None:
+                        delivered.add(events)
                     await out.write(b"".join(events))
                     if events[-1].startswith(_DONE):
                         done = ctx.delivered = True  # the client has everything; it may close before the terminator
@@ -374,20 +404,86 @@ class UpstreamProxy:
         elif failure is None and not done:  # chat and completions end with [DONE]: cut short without it
             ctx.error = "upstream_truncated"
             failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
+        if failure is not None and not done and delivered is not None and self._may_migrate(delivered, deadline):
+            raise Migration(failure)
+        return await self._end_stream(out, failure)
+
+    @staticmethod
+    async def _end_stream(out: Responder, failure: GatewayError | None) -> int:
         if failure is not None:
             await out.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
         await out.end()
         return 200 if failure is None else failure.status
 
+    def _may_migrate(self, delivered: Delivered, deadline: float) -> bool:
+        retry = self.settings.retry
+        return delivered.within_bound and delivered.migrations < retry.max_migrations and time.monotonic() < deadline
+
+    async def _migrate(
+        self,
+        out: Responder,
+        method: str,
+        path: str,
+        parsed: ParsedRequest,
+        info: RequestInfo,
+        ctx: RequestContext,
+        data: bytes,
+        deadline: float,
+        delivered: Delivered,
+        failed: list[str],
+        failure: GatewayError,
+    ) -> int:
+        """Continue a stream whose engine failed on other replicas (`gateway.migration`), at most
+        `retry.max_migrations` times; the client's stream ends with the last failure's error event otherwise."""
+        model = self.metrics.model(parsed.model)
+        while self._may_migrate(delivered, deadline):
+            delivered.migrations += 1
+            cont = continuation(parsed.endpoint, data, delivered)
+            if cont is None:
+                break
+            data, tokens = cont
+            delivered.tokens_before += tokens
+            try:
+                replica, decision = await self.router.choose(info, failed)
+            except GatewayError:
+                break
+            failed.append(replica.id)
+            ctx.replica, ctx.route_reason, ctx.migrations = replica.id, "migrated", delivered.migrations
+            try:
+                status = await self._attempt(
+                    out, method, path, parsed, replica, decision, ctx, data, deadline, delivered
+                )
+            except Retryable as exc:  # the continuation failed before its first event
+                self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
+                self.count_failure(replica)
+                failure = exc.error
+                continue
+            except Migration as again:
+                failure = again.failure
+                continue
+            model.migrated.value += 1
+            ctx.error = None
+            return status
+        model.migration_failed.value += 1
+        ctx.error = failure.code
+        return await self._end_stream(out, failure)
+
     @staticmethod
-    def _usage_event(event: bytes, ctx: RequestContext, strip_usage: bool) -> bytes:
-        """Record usage from a usage-carrying event; drop the final usage-only event unless the client asked."""
+    def _usage_event(event: bytes, ctx: RequestContext, strip_usage: bool, tokens_before: int = 0) -> bytes:
+        """Record usage from a usage-carrying event; drop the final usage-only event unless the client asked. A
+        continuation's usage (`tokens_before` delivered by earlier engines) is rewritten as the whole answer's."""
         try:
             payload = json.loads(event[event.index(b"{") :])
         except ValueError:
             return event
+        if isinstance(payload, dict) and isinstance(payload.get("response"), dict):  # the Responses API's events
+            ctx.set_usage(payload["response"].get("usage"))
+            return event
         if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
             return event
+        if tokens_before:
+            payload["usage"] = whole_usage(payload["usage"], tokens_before)
+            event = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
         ctx.set_usage(payload["usage"])
         if strip_usage and not payload.get("choices"):
             return b""

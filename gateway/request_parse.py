@@ -168,6 +168,43 @@ def parse_request(endpoint: BodyKind, raw: bytes, *, model_optional: bool = Fals
     )
 
 
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def responses_as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A Responses API body as the chat request vLLM renders it (for prefix hashing): `instructions` as the system
+    message, then `input` (a string, or message items with string or text-part content, parts as chat's text
+    parts). None when the prompt is not all in the body (`previous_response_id`: the engine prepends a stored
+    conversation; the request goes to its holder anyway) or `input` holds no message. Items after the first that is
+    not a message (a function call, its output) are left out: the prefix before them still hashes the same."""
+    if body.get("previous_response_id") is not None:
+        return None
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            if not isinstance(item, dict) or item.get("type", "message") != "message":
+                break
+            role, content = item.get("role"), item.get("content")
+            if isinstance(content, list):
+                content = [
+                    {"type": "text", "text": p["text"]}
+                    for p in content
+                    if isinstance(p, dict) and p.get("type") in _TEXT_PARTS and isinstance(p.get("text"), str)
+                ]
+            if not isinstance(role, str) or not isinstance(content, str | list):
+                break
+            messages.append({"role": role, "content": content})
+    if not messages or messages[-1]["role"] == "system":
+        return None
+    return {"model": body.get("model"), "messages": messages, "cache_salt": body.get("cache_salt")}
+
+
 _USAGE_OPTION = b'"stream_options":{"include_usage":true},'
 
 

@@ -6,6 +6,10 @@ all taken it unloads the adapter asked for least recently (the engine keeps serv
 it: vLLM's unload only forgets the name). Adapters kvgate cannot load again (not in its catalog: loaded by someone
 else, or from the engine's command line) are never chosen to leave, and a replica whose slots they fill all is
 used only when no other can take the adapter. O(r x a) for r replicas holding a adapters each.
+
+`replica_to_add` is the residency term for a hot adapter: when every replica holding it has at least `threshold`
+requests outstanding (its own queue) and a replica of the base model with a free slot has fewer, the adapter is
+loaded there too, so its requests stop queueing behind one another while other replicas idle. O(r).
 """
 
 from __future__ import annotations
@@ -52,3 +56,20 @@ def place_adapter(
         best = min(with_victim, key=lambda r: (r.load, last_used.get(victims[r.id], 0.0)))
         return AdapterPlacement(best.id, victims[best.id], "evict-lru")
     return AdapterPlacement(min(candidates, key=lambda r: r.load).id, None, "over-slots")
+
+
+def replica_to_add(
+    holders: Sequence[ReplicaState],
+    others: Sequence[ReplicaState],
+    resident: Mapping[str, Collection[str]],
+    *,
+    slots: int,
+    threshold: int,
+) -> str | None:
+    """Another replica (of `others`, the base model's replicas without the adapter) to load a hot adapter on, or
+    None: only when every holder has `threshold` requests outstanding or more, onto a free slot (never evicting)."""
+    ready = routable(holders)
+    if not ready or min(r.load for r in ready) < threshold:
+        return None
+    free = [r for r in routable(others) if len(resident.get(r.id, ())) < slots and r.load < threshold]
+    return min(free, key=lambda r: r.load).id if free else None

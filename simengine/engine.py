@@ -8,9 +8,11 @@ further token after ``decode_ms + decode_ms_per_seq x running`` (+ with ``chunke
 of the prompts being computed meanwhile: min(their uncached tokens, budget) x ``prefill_us_per_token``). Every
 request sleeps on its own timer (no global step loop), so the cost per token is one ``asyncio.sleep``. With
 ``instant`` nothing sleeps and all tokens are emitted in one call. Output is exactly ``max_tokens`` words
-``" w<k>"`` chosen by the prompt's hash: deterministic. Cancellation (the client went away) at any await stops the
-request, frees its slot and blocks and counts it as ``cancelled``. Bounded state: the waiting queue
-(``max_waiting``), the cache, the words.
+``" w<k>"``, autoregressive and deterministic as greedy decoding is: each word is chosen by the CRC-32 of the
+whole text before it (the prompt's text, then the words so far), so a prompt that ends with part of an answer is
+continued exactly as the answer went on (request migration re-sends it so). Cancellation (the client went away)
+at any await stops the request, frees its slot and blocks and counts it as ``cancelled``. Bounded state: the
+waiting queue (``max_waiting``), the cache, the words.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import os
 import random
 import time
+import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -28,6 +31,7 @@ from simengine.config import Faults, SimConfig
 from simengine.kv_events import KVEventPublisher
 from simengine.kv_transfer import SharedKvStore
 from simengine.metrics import SimMetrics
+from simengine.tokenize import text_state
 
 Emit = Callable[[Sequence[str], int], Awaitable[None]]  # (output words, cached prompt tokens)
 _VOCAB = 1000
@@ -176,10 +180,14 @@ class SimEngine:
             + handed_tokens * cfg.handover_us_per_token / 1e6
         )
 
-    def output_words(self, prompt_len: int, hashes: Sequence[int], n: int) -> list[str]:
-        base = hashes[-1] if hashes else prompt_len * 2_654_435_761
-        words = self._words
-        return [words[(base + 7 * i) % _VOCAB] for i in range(n)]
+    def output_words(self, tokens: Sequence[int], n: int) -> list[str]:
+        """`n` words after the prompt `tokens`: each one by the CRC-32 of the text so far. O(prompt + n) in C."""
+        state, words, out = text_state(tokens), self._words, []
+        for _ in range(n):
+            word = words[state % _VOCAB]
+            out.append(word)
+            state = zlib.crc32(word.encode(), state)
+        return out
 
     # --- admission ---------------------------------------------------------------------------------------
     def _can_start(self, hashes: Sequence[int], total: int) -> bool:
@@ -280,7 +288,7 @@ class SimEngine:
         stats.cached_tokens_total += alloc.cached_tokens
         self._notify()
         try:
-            words = self.output_words(prompt_len, hashes, max_tokens)
+            words = self.output_words(tokens, max_tokens)
             if save_kv and self.transfer is not None:
                 self.transfer.save(hashes)
             if cfg.instant:

@@ -101,10 +101,40 @@ def chat_tokens(body: Mapping[str, Any], default_generation_prompt: bool = True)
     add_gen = body.get("add_generation_prompt", default_generation_prompt)
     if not isinstance(add_gen, bool):
         raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+    continue_final = body.get("continue_final_message", False)
+    if not isinstance(continue_final, bool):
+        raise bad_request("'continue_final_message' must be a boolean", "continue_final_message")
+    if continue_final and add_gen:  # vLLM's own check
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     try:
-        return tokenize_chat(messages, add_gen)
+        return tokenize_chat(messages, add_gen, continue_final)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
+
+
+def responses_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of a Responses API body, as vLLM builds them: `instructions` as the system message, then
+    `input` (a string: one user message; or message items whose content is a string or input_text/output_text
+    parts)."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("'input' must be a string or a non-empty list of messages", "input")
+    for i, item in enumerate(items):
+        content = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+            raise bad_request(f"input[{i}] must be a message with a role", f"input[{i}]")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise bad_request(f"input[{i}].content must be a string or a list of text parts", f"input[{i}]")
+        messages.append({"role": item["role"], "content": content})
+    return messages
 
 
 def parse_generation(kind: Kind, body: Any, cfg: SimConfig, adapters: Collection[str]) -> GenRequest:

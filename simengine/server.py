@@ -38,6 +38,7 @@ from simengine.protocol import (
     error_body,
     parse_generation,
     prompt_tokens,
+    responses_messages,
     usage,
 )
 from simengine.tokenize import detokenize, tokenize_text
@@ -127,9 +128,10 @@ async def _stream(
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
     prompt_len = len(req.tokens)
     sent = 0
+    stalled = False
 
     async def emit(words: Sequence[str], cached: int) -> None:
-        nonlocal sent
+        nonlocal sent, stalled
         out: list[str] = []
         if not resp.prepared:  # first byte only once the request runs: faults and queueing precede it
             await resp.prepare(request)
@@ -143,7 +145,8 @@ async def _stream(
         if faults.cut_after_tokens is not None and sent >= faults.cut_after_tokens and request.transport:
             request.transport.abort()  # what a killed engine's socket does
             raise ConnectionResetError("injected cut")
-        if faults.stall_after_tokens is not None and sent - len(words) < faults.stall_after_tokens <= sent:
+        if faults.stall_after_tokens is not None and sent >= faults.stall_after_tokens and not stalled:
+            stalled = True  # once per stream, also when the fault is set while the stream runs
             await asyncio.sleep(faults.stall_s)
 
     res = await engine.generate(req.tokens, hashes, req.max_tokens, emit)
@@ -220,23 +223,62 @@ async def transcriptions(request: web.Request) -> web.Response:
 RESPONSES = web.AppKey("sim_responses", dict)  # stored responses of this engine (bounded below)
 
 
-async def responses(request: web.Request) -> web.Response:
-    """OpenAI's Responses API, non-streamed: the answer is stored here (as vLLM stores it where it ran)."""
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API as vLLM serves it: `instructions` and `input` (a string or message items) rendered
+    by the chat template after the conversation of `previous_response_id` (stored here: 404 when this engine does
+    not hold it), prefix-cached as chat is; the answer is stored here, as vLLM stores it where it ran. Streamed as
+    `response.created`, `response.output_text.delta` per token and `response.completed` events."""
     engine, body, model = await _json_object(request)
-    text = body.get("input")
-    if not isinstance(text, str):
-        raise bad_request("'input' must be a string", "input")
-    res = await engine.generate(tokenize_text(text), [], int(body.get("max_output_tokens") or 8), _ignore)
-    answer = {
-        "id": engine.new_id("resp"), "object": "response", "model": model, "status": "completed",
-        "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
-        "usage": {"input_tokens": res.prompt_tokens, "output_tokens": res.completion_tokens},
-    }  # fmt: skip
     stored = request.app[RESPONSES]
-    stored[answer["id"]] = answer
+    previous = body.get("previous_response_id")
+    history: list[dict[str, Any]] = []
+    if previous is not None:
+        if previous not in stored:
+            raise OpenAIError(404, f"Response with id '{previous}' not found.", "NotFoundError", "previous_response_id")
+        history = list(stored[previous]["_messages"])
+    messages = history + responses_messages(body)
+    tokens = chat_tokens({"messages": messages})
+    max_tokens = int(body.get("max_output_tokens") or 8)
+    rid = engine.new_id("resp")
+    words: list[str] = []
+    stream = body.get("stream") is True
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+    def event(kind: str, payload: dict[str, Any]) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode()
+
+    async def emit(new: Sequence[str], cached: int) -> None:
+        words.extend(new)
+        if stream:
+            if not resp.prepared:
+                await resp.prepare(request)
+                await resp.write(event("response.created", {"response": {"id": rid, "status": "in_progress"}}))
+            await resp.write(b"".join(event("response.output_text.delta", {"delta": w}) for w in new))
+
+    try:
+        res = await engine.generate(tokens, engine.cache.block_hashes(tokens), max_tokens, emit)
+    except SimFaultError as exc:
+        return _error(500, f"simulated engine failure: {exc}", "InternalServerError")
+    except OverloadedError as exc:
+        return _error(503, str(exc), "ServiceUnavailableError")
+    text = "".join(words)
+    answer = {
+        "id": rid, "object": "response", "model": model, "status": "completed",
+        "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}],
+        "usage": {
+            "input_tokens": res.prompt_tokens, "output_tokens": res.completion_tokens,
+            "total_tokens": res.prompt_tokens + res.completion_tokens,
+            "input_tokens_details": {"cached_tokens": res.cached_tokens},
+        },
+    }  # fmt: skip
+    stored[rid] = {**answer, "_messages": [*messages, {"role": "assistant", "content": text}]}
     while len(stored) > 1000:
         stored.pop(next(iter(stored)))
-    return _json(answer)
+    if not stream:
+        return _json(answer)
+    await resp.write(event("response.completed", {"response": answer}))
+    await resp.write_eof()
+    return resp
 
 
 async def _ignore(words: Sequence[str], cached: int) -> None:
@@ -249,7 +291,7 @@ async def stored_response(request: web.Request) -> web.Response:
         raise OpenAIError(404, "Response not found", "NotFoundError", "response_id")
     if request.path.endswith("/cancel"):
         answer["status"] = "cancelled"
-    return _json(answer)
+    return _json({k: v for k, v in answer.items() if k != "_messages"})
 
 
 async def detokenize_handler(request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ as is. Cost: O(bytes) per call, no state.
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,8 +39,11 @@ def _content_text(content: Any) -> str:
     raise ValueError("message content must be a string, a list of text parts or null")
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render chat messages with the simulator's template; raises ValueError on a malformed message."""
+def render_chat(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False
+) -> str:
+    """Render chat messages with the simulator's template; raises ValueError on a malformed message.
+    `continue_final_message`: the last message is left open (no newline after it), for the model to continue it."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("'messages' must be a list of message objects")
     out: list[str] = []
@@ -50,6 +54,8 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
         if not isinstance(role, str) or not role:
             raise ValueError("each message needs a non-empty string 'role'")
         out.append(f"<|{role}|>\n{_content_text(message.get('content'))}\n")
+    if continue_final_message and out:
+        out[-1] = out[-1][:-1]
     if add_generation_prompt:
         out.append("<|assistant|>\n")
     return "".join(out)
@@ -70,9 +76,24 @@ def tokenize_text(text: str) -> list[int]:
     return tokenize_bytes(text.encode("utf-8"))
 
 
-def tokenize_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def tokenize_chat(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, continue_final_message: bool = False
+) -> list[int]:
     """Token ids of chat messages rendered with `render_chat`."""
-    return tokenize_text(render_chat(messages, add_generation_prompt))
+    return tokenize_text(render_chat(messages, add_generation_prompt, continue_final_message))
+
+
+def text_state(tokens: Sequence[int]) -> int:
+    """The CRC-32 of the text `tokens` stand for (the bytes `tokenize_text` cut; token-id prompts beyond 4 bytes:
+    their decimal list): the start of the output's autoregressive state (`simengine.engine.output_words`). C-speed,
+    O(tokens)."""
+    if not tokens:
+        return 0
+    try:
+        data = struct.pack(f"<{len(tokens) - 1}I", *tokens[:-1]) + tokens[-1].to_bytes(CHUNK_BYTES, "little")
+    except (struct.error, OverflowError):
+        return zlib.crc32(repr(list(tokens)).encode())
+    return zlib.crc32(data.rstrip(b"\0") if data[-1] == 0 else data)
 
 
 def detokenize(token_ids: Iterable[int]) -> str:

@@ -125,3 +125,53 @@ async def test_a_stored_response_is_retrieved_and_cancelled_on_the_replica_that_
         async with http.get(gw.url + "/v1/responses/resp-unknown") as resp:
             assert resp.status == 404 and (await resp.json())["error"]["code"] == "response_not_found"
         assert (await requests_total(http, gw.url))[("responses", "200")] == 8
+
+
+def token_totals(text: str, model: str) -> dict[str, float]:
+    return {
+        s.labels["kind"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvgate_tokens_total" and s.labels["model"] == model
+    }
+
+
+async def test_responses_are_routed_by_their_prompt_streamed_and_continued_where_they_are_stored(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Responses share a long `instructions` prefix: cache-aware routing keeps them on the replica holding it (the
+    chat view of the body), the engine reports it cached; a stream's usage (in its response.completed event) is
+    counted; a response continuing another (`previous_response_id`) goes to the replica storing the first."""
+    instructions = " ".join(f"Rule {i}: be brief about topic {i}." for i in range(60))
+    cache = {"tokenizers": {"sim": "sim"}}
+    async with gateway_over_sims([SIM, SIM, SIM], routing={"policy": "cache-aware"}, cache=cache) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            routed, cached = set(), []
+            for i in range(5):
+                raw = await client.responses.with_raw_response.create(
+                    model="sim", instructions=instructions, input=[{"role": "user", "content": f"question {i}"}]
+                )
+                routed.add(raw.headers["x-kvgate-replica"])
+                usage = raw.parse().usage
+                assert usage is not None
+                cached.append(usage.input_tokens_details.cached_tokens)
+            assert len(routed) == 1 and min(cached[1:]) > 100  # the instructions' blocks, cached where they are
+            (holder,) = routed
+            async with http.get(gw.url + "/metrics") as resp:
+                before = token_totals(await resp.text(), "sim")
+            events = [e async for e in await client.responses.create(model="sim", input="stream me", stream=True)]
+            assert events[0].type == "response.created" and events[-1].type == "response.completed"
+            final = events[-1].response
+            assert final.usage is not None and "".join(e.delta for e in events if e.type.endswith(".delta"))
+            async with http.get(gw.url + "/metrics") as resp:
+                after = token_totals(await resp.text(), "sim")
+            assert after["prompt"] - before["prompt"] == final.usage.input_tokens
+            assert after["completion"] - before["completion"] == final.usage.output_tokens
+            first = await client.responses.with_raw_response.create(model="sim", instructions=instructions, input="a")
+            first_holder, first_id = first.headers["x-kvgate-replica"], first.parse().id
+            assert first_holder == holder
+            for i in range(4):  # without the pin, two in three would reach a replica that does not store it
+                raw = await client.responses.with_raw_response.create(
+                    model="sim", input=f"and then {i}", previous_response_id=first_id
+                )
+                assert raw.headers["x-kvgate-replica"] == first_holder and raw.parse().status == "completed"

@@ -18,7 +18,7 @@ from gateway.keys import REPLICAS
 from policies.base import ReplicaState
 from policies.lora import AdapterPlacement, place_adapter
 from simengine import SimConfig
-from tests.conftest import gateway_over_sims
+from tests.conftest import gateway_over_sims, wait_for
 
 BASE = SimConfig(model="base", instant=True)
 WITH_SQL = BASE.model_copy(update={"lora_modules": {"sql": "/adapters/sql", "chat": "/adapters/chat"}})
@@ -186,3 +186,37 @@ def test_pool_spec_turns_on_the_runtime_lora_api_and_pooling_runner() -> None:
     assert argv[argv.index("--runner") + 1] == "pooling" and argv[argv.index("--convert") + 1] == "embed"
     assert vllm_env(spec, {})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env(EngineLaunchSpec(model="/m", port=1), {})
+
+
+@pytest.mark.parametrize("replicate_load", [2, None])
+async def test_a_hot_adapter_is_loaded_on_one_more_replica(
+    replicate_load: int | None, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Requests for one adapter pile up on its replica while the other idles: past `lora_replicate_load` requests
+    outstanding on every holder, the adapter is loaded on the idle replica too and requests spread over both."""
+    slow = RUNTIME.model_copy(update={"instant": False, "decode_ms": 20.0, "lora_load_ms": 50.0})
+    models = adapters_config(tmp_path, ["sql"], lora_replicate_load=replicate_load)
+    async with gateway_over_sims([slow, slow], models=models) as (gw, sims):
+
+        async def wave(n: int) -> set[str]:
+            async def one(i: int) -> str:
+                body = {"model": "sql", "prompt": f"hot {i}", "max_tokens": 30, "ignore_eos": True}
+                async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return resp.headers["x-kvgate-replica"]
+
+            return set(await asyncio.gather(*(one(i) for i in range(n))))
+
+        assert len(await wave(4)) == 1  # loaded once, on one replica
+        first = asyncio.create_task(wave(4))  # keeps the holder busy while the next wave arrives
+        await wait_for(lambda: sum(r.in_flight for r in gw.app[REPLICAS]) >= 4, what="first wave in flight")
+        await wave(2)
+        await first
+        if replicate_load is not None:  # the second load runs in the background
+            await wait_for(lambda: len(gw.app[REPLICAS].for_model("sql")) == 2, what="the adapter on both replicas")
+        loads = sum(await sim_totals(http, sims, "lora_loads"))
+        spread = await wave(8)
+        if replicate_load is None:
+            assert loads == 1 and len(spread) == 1
+        else:
+            assert loads == 2 and len(spread) == 2

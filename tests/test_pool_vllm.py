@@ -2,7 +2,8 @@
 
 One gateway process with one pair of replicas is shared by the whole module (start-up costs about 30 s); the tests
 run in file order and the last one stops it: nothing routed before warm-up; kill -9 of one replica under load
-(no failed request, restarted, rejoins after warm-up); rolling restart under steady load with zero failed
+(no failed request, restarted, rejoins after warm-up); a stream whose engine is killed mid-answer completes from
+the other replica (request migration); rolling restart under steady load with zero failed
 requests; SIGTERM to kvgate lets in-flight streams finish and leaves no vLLM process behind.
 """
 
@@ -190,6 +191,36 @@ async def test_kill_9_one_replica_under_load(gateway: Gateway) -> None:
         assert ok > 0
         assert now["state"] == "ready" and now["restarts"] == victim["restarts"] + 1
         assert not psutil.pid_exists(victim["pid"]) or psutil.Process(victim["pid"]).status() == "zombie"
+
+
+@pytest.mark.timeout(600)
+async def test_a_stream_survives_kill_9_of_its_engine(gateway: Gateway) -> None:
+    """Request migration on real vLLM: the engine of a chat stream is killed after ten tokens; the answer goes on
+    from another replica in the same stream and ends as asked (finish_reason length), its usage the whole answer's."""
+    async with aiohttp.ClientSession() as session, oai(gateway) as client:
+        await wait_all_ready(session, gateway, 420)
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a long story about routers."}],
+            max_tokens=120,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXTRA,
+        )
+        victim = (await replicas(session, gateway))[stream.response.headers["x-kvgate-replica"]]
+        content, usage, finish = 0, None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                if choice.delta.content:
+                    content += 1
+                    if content == 10:
+                        os.kill(victim["pid"], signal.SIGKILL)
+        async with session.get(f"{gateway.url}/metrics") as resp:
+            metrics = await resp.text()
+    assert finish == "length" and usage is not None and usage.completion_tokens >= 120
+    assert f'kvgate_stream_migrations_total{{model="{MODEL}",outcome="resumed"}} 1.0' in metrics
 
 
 @pytest.mark.timeout(900)
