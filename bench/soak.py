@@ -12,6 +12,7 @@ kill -9 of an engine and its restart 5 s later on the same port; an engine answe
 stalling 30% of them for 8 s, for 20 s; a Redis restart.
 
 Checks: every request ended as a success or an honest 429 / 503 / 504 (a stream: with `[DONE]`, or an error event;
+streams whose engine was killed continue on another replica: `stream_migrations` counts them;
 a connection cut, an empty answer, another status or a client timeout of 120 s count as failures); after the
 traffic stops, the gateway's in-flight and queue gauges return to 0; the gateway's RSS after the run against after
 the warm-up (first 10% of the run).
@@ -219,6 +220,18 @@ async def gauges(url: str) -> dict[str, float]:
     return out
 
 
+async def migration_counts(url: str) -> dict[str, float]:
+    """kvgate_stream_migrations_total by outcome (streams whose engine failed mid-answer, resumed or not)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvgate_stream_migrations_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         redis_port = free_port()
@@ -288,6 +301,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.5)
         rss_end = rss_mib(gateway.proc.pid)
+        migrations = await migration_counts(url)
         for child in [gateway, *engines, redis]:
             child.stop()
     total = sum(out.counts.values())
@@ -296,7 +310,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "minutes": args.minutes, "workers": args.workers, "seed": args.seed, "requests": total,
         "outcomes": dict(out.counts), "failures": failures, "failure_examples": out.failures[:20],
-        "faults": fault_log, "gauges_after": settled, "rss_after_warmup_mib": round(rss_warm, 1),
+        "faults": fault_log, "gauges_after": settled, "stream_migrations": migrations,
+        "rss_after_warmup_mib": round(rss_warm, 1),
         "rss_end_mib": round(rss_end, 1), "rss_growth": round(rss_end / rss_warm - 1, 4) if rss_warm else None,
         "rss_samples_s_mib": rss_samples,
     }  # fmt: skip

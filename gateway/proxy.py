@@ -461,6 +461,9 @@ class UpstreamProxy:
             except Migration as again:
                 failure = again.failure
                 continue
+            except GatewayError as refused:  # the engine refused the continuation (4xx): the stream ends with it
+                failure = refused
+                break
             model.migrated.value += 1
             ctx.error = None
             return status
