@@ -64,6 +64,13 @@ class AdapterLoader:
                 task = self._start(name, self._load(name, spec))
             await asyncio.shield(task)
 
+    async def close(self) -> None:
+        """Cancel the loads in progress (shutdown)."""
+        tasks = list(self._loading.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def _start(self, name: str, load: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = self._loading[name] = asyncio.create_task(load, name=f"lora-load:{name}")
         task.add_done_callback(self._loaded)

@@ -222,6 +222,7 @@ async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await reloader.close()
+        await app[COMPLETIONS].adapters.close()
         if tracer is not None:
             await asyncio.to_thread(tracer.close)  # after in-flight requests finished: their spans go out
 

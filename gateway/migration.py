@@ -31,10 +31,11 @@ class Delivered:
     tokens_before: int = 0  # tokens delivered by earlier engines of this stream (after a migration)
     migrations: int = 0
 
-    def add(self, events: list[bytes]) -> None:
+    def add(self, events: list[bytes], size: int) -> None:
+        """Keep `events` (`size` bytes in all) while within the bound."""
         if self.size <= self.limit_bytes:
             self.events.extend(events)
-            self.size += sum(len(e) for e in events)
+            self.size += size
 
     @property
     def within_bound(self) -> bool:

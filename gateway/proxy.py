@@ -372,9 +372,10 @@ class UpstreamProxy:
                     else:
                         itl.observe(now - last_write)
                     last_write = now
+                    data = b"".join(events)
                     if delivered is not None:
-                        delivered.add(events)
-                    await out.write(b"".join(events))
+                        delivered.add(events, len(data))
+                    await out.write(data)
                     if events[-1].startswith(_DONE):
                         done = ctx.delivered = True  # the client has everything; it may close before the terminator
         except TimeoutError:
