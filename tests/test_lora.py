@@ -1,6 +1,7 @@
 """LoRA adapters through the gateway, with simulated engines that serve them as vLLM does (listed by /v1/models
 with `parent`, accepted as `model`): discovered per replica, listed once, and routed only to replicas that have
-the adapter loaded; vLLM's own flags from the pool spec."""
+the adapter loaded; vLLM's own flags from the pool spec; adapters loaded on demand through vLLM's runtime LoRA API
+(one load for concurrent requests, least recently requested out first, clear errors, a hot adapter spread)."""
 
 from __future__ import annotations
 
@@ -170,8 +171,8 @@ def test_adapter_placement_prefers_a_free_slot_then_evicts_the_least_recent() ->
     assert free == AdapterPlacement("a", None, "free-slot")  # a free slot beats lower load
     full = place_adapter([a, b], {"a": ["y"], "b": ["x"]}, slots=1, last_used=used, loadable=used)
     assert full == AdapterPlacement("b", "x", "evict-lru")  # the least loaded, its least recent adapter out
-    tie = place_adapter([b, c.__class__("c", "m", in_flight=1)], {"b": ["x"], "c": ["y"]}, slots=1, last_used=used,
-                        loadable=used)  # fmt: skip
+    busy_c = ReplicaState("c", "m", in_flight=1)
+    tie = place_adapter([b, busy_c], {"b": ["x"], "c": ["y"]}, slots=1, last_used=used, loadable=used)
     assert tie == AdapterPlacement("c", "y", "evict-lru")  # equal load: the replica whose adapter is older
     pinned = place_adapter([c], {"c": ["static"]}, slots=1, last_used=used, loadable=used)
     assert pinned == AdapterPlacement("c", None, "over-slots")  # not in the catalog: never unloaded
