@@ -3,11 +3,14 @@ random, and the checks an operator cares about.
 
     python -m bench.soak                         # 20 minutes (the issue's run); writes docs/bench/soak.json
     python -m bench.soak --minutes 3 --json ''   # a short smoke
+    python -m bench.soak --minutes 10 --json '' --trace-memory   # where the gateway's memory grew (tracemalloc)
 
 Set-up, all child processes on loopback: Redis (the quota store), 3 simulated engines (`kvgate sim-engine`), one
 `kvgate serve` in front (cache-aware, two tenants with keys: one limited to 4 concurrent requests and 600 per
 minute, Redis fail-open, stream idle timeout 5 s). Traffic: 24 closed-loop workers, seeded: streamed and whole chat,
-completions, agent sessions, and clients that leave in the middle of a stream. Faults, one every 10-30 s (seeded):
+completions, agent sessions, and clients that leave in the middle of a stream. Warm-up: traffic without faults until
+the prefix index (the gateway's largest bounded table: blocks, hot window and engine-hash map per replica) is full
+on every replica, at least 10% and at most 30% of the run. Then faults, one every 10-30 s (seeded):
 kill -9 of an engine and its restart 5 s later on the same port; an engine answering 500 to 30% of requests, or
 stalling 30% of them for 8 s, for 20 s; a Redis restart.
 
@@ -15,7 +18,7 @@ Checks: every request ended as a success or an honest 429 / 503 / 504 (a stream:
 streams whose engine was killed continue on another replica: `stream_migrations` counts them;
 a connection cut, an empty answer, another status or a client timeout of 120 s count as failures); after the
 traffic stops, the gateway's in-flight and queue gauges return to 0; the gateway's RSS after the run against after
-the warm-up (first 10% of the run).
+the warm-up (bounded tables grow until they are full: that is their design; growth past it is what a leak is).
 """
 
 from __future__ import annotations
@@ -232,6 +235,55 @@ async def migration_counts(url: str) -> dict[str, float]:
     return out
 
 
+async def index_fill(url: str) -> tuple[float, float]:
+    """The prefix index's blocks and capacity, summed over the replicas (kvgate_prefix_index_*)."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    held = capacity = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvgate_prefix_index_blocks{"):
+            held += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvgate_prefix_index_capacity_blocks{"):
+            capacity += float(line.rsplit(" ", 1)[1])
+    return held, capacity
+
+
+async def warm_up(url: str, started: float, duration: float) -> dict[str, Any]:
+    """Traffic without faults until the gateway's largest bounded table, the prefix index, is full on every
+    replica (its memory grows until then by design), and at least 10% of the run; at most 30% of it."""
+    while True:
+        held, capacity = await index_fill(url)
+        elapsed = time.monotonic() - started
+        full = capacity > 0 and held >= capacity
+        if (full and elapsed >= 0.1 * duration) or elapsed >= 0.3 * duration:
+            return {"s": round(elapsed), "index_blocks": held, "index_capacity_blocks": capacity, "index_full": full}
+        await asyncio.sleep(2.0)
+
+
+async def snapshot(pid: int, path: Path) -> None:
+    """Ask the traced gateway (bench/_tracemem.py) for a tracemalloc snapshot and wait until it is written."""
+    os.kill(pid, signal.SIGUSR1)
+    for _ in range(600):
+        if await asyncio.to_thread(path.exists):  # written under another name, then renamed
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"no tracemalloc snapshot at {path}")
+
+
+def memory_growth(before: Path, after: Path, top: int = 15) -> list[str]:
+    """The allocation sites (their innermost frames) that grew most between two snapshots."""
+    import tracemalloc
+
+    keep = [tracemalloc.Filter(False, "<frozen *>"), tracemalloc.Filter(False, tracemalloc.__file__)]
+    old = tracemalloc.Snapshot.load(str(before)).filter_traces(keep)
+    new = tracemalloc.Snapshot.load(str(after)).filter_traces(keep)
+    lines = []
+    for stat in new.compare_to(old, "traceback")[:top]:
+        frames = [f"{Path(f.filename).name}:{f.lineno}" for f in reversed(stat.traceback)]  # innermost first
+        lines.append(f"{stat.size_diff / 1024:+.1f} KiB ({stat.count_diff:+d} blocks): {' < '.join(frames[:6])}")
+    return lines
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         redis_port = free_port()
@@ -270,20 +322,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = Path(tmp) / "kvgate.yaml"
         cfg.write_text(yaml.safe_dump(gateway_config(port, urls, f"redis://127.0.0.1:{redis_port}/0")))
         url = f"http://127.0.0.1:{port}"
-        gateway = Child([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--log-level", "ERROR"],
-                        f"{url}/ready")  # fmt: skip
+        serve = ["gateway.cli", "serve", "--config", str(cfg), "--log-level", "ERROR"]
+        tracer = ["bench._tracemem", tmp] if args.trace_memory else []
+        gateway = Child([sys.executable, "-m", *tracer, *serve], f"{url}/ready")
         gateway.start()
         assert gateway.proc is not None
-        out, fault_log = Outcomes(), []
+        out, fault_log = Outcomes(), list[str]()
         stop = asyncio.Event()
         started = time.monotonic()
-        runners = [
-            asyncio.create_task(traffic(url, stop, out, args.seed, args.workers)),
-            asyncio.create_task(faults(engines, urls, redis, stop, args.seed, fault_log)),
-        ]
         duration = args.minutes * 60
-        await asyncio.sleep(duration * 0.1)
+        runners = [asyncio.create_task(traffic(url, stop, out, args.seed, args.workers))]
+        warmup = await warm_up(url, started, duration)
+        runners.append(asyncio.create_task(faults(engines, urls, redis, stop, args.seed, fault_log)))
         rss_warm = rss_mib(gateway.proc.pid)
+        if args.trace_memory:
+            await snapshot(gateway.proc.pid, Path(tmp) / "0.snap")
         rss_samples = [(round(time.monotonic() - started), round(rss_warm, 1))]
         while time.monotonic() - started < duration:
             await asyncio.sleep(min(30.0, duration - (time.monotonic() - started)))
@@ -302,6 +355,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(0.5)
         rss_end = rss_mib(gateway.proc.pid)
         migrations = await migration_counts(url)
+        growth: list[str] = []
+        if args.trace_memory:
+            await snapshot(gateway.proc.pid, Path(tmp) / "1.snap")
+            growth = memory_growth(Path(tmp) / "0.snap", Path(tmp) / "1.snap")
         for child in [gateway, *engines, redis]:
             child.stop()
     total = sum(out.counts.values())
@@ -311,9 +368,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "minutes": args.minutes, "workers": args.workers, "seed": args.seed, "requests": total,
         "outcomes": dict(out.counts), "failures": failures, "failure_examples": out.failures[:20],
         "faults": fault_log, "gauges_after": settled, "stream_migrations": migrations,
-        "rss_after_warmup_mib": round(rss_warm, 1),
+        "warmup": warmup, "rss_after_warmup_mib": round(rss_warm, 1),
         "rss_end_mib": round(rss_end, 1), "rss_growth": round(rss_end / rss_warm - 1, 4) if rss_warm else None,
-        "rss_samples_s_mib": rss_samples,
+        "rss_samples_s_mib": rss_samples, **({"traced_growth": growth} if args.trace_memory else {}),
     }  # fmt: skip
 
 
@@ -322,6 +379,12 @@ def main() -> int:
     p.add_argument("--minutes", type=float, default=20.0)
     p.add_argument("--workers", type=int, default=24)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="run the gateway under tracemalloc and report the "
+        "allocation sites that grew after the warm-up (a diagnostic: tracing changes timing and RSS)",
+    )
     p.add_argument("--json", default="docs/bench/soak.json", help="where to write the result ('' = nowhere)")
     args = p.parse_args()
     result = asyncio.run(run(args))

@@ -27,9 +27,10 @@ import orjson
 
 from engine_pool.http_client import UpstreamResponse
 from engine_pool.replica import Replica
+from gateway.answers import upstream_error
 from gateway.config import DisaggregationConfig, RetryConfig
 from gateway.context import RequestContext
-from gateway.errors import GatewayError, Retryable, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import GatewayError, Retryable, UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.request_parse import ParsedRequest
 from gateway.router import Router
@@ -62,8 +63,6 @@ class Sender(Protocol):
     ) -> UpstreamResponse: ...
 
     def count_failure(self, replica: Replica) -> None: ...
-
-    async def upstream_error(self, upstream: UpstreamResponse) -> UpstreamError: ...
 
 
 def prefill_body(data: bytes) -> bytes:
@@ -152,10 +151,10 @@ class PrefillStep:
                 raise Retryable("timeout", exc) from None
             try:
                 if upstream.status >= 500:
-                    raise Retryable(f"http_{upstream.status}", await self.sender.upstream_error(upstream))
+                    raise Retryable(f"http_{upstream.status}", await upstream_error(upstream))
                 if upstream.status >= 400:
                     replica.record_success()  # the engine works; the request was bad: the client's answer
-                    raise await self.sender.upstream_error(upstream)
+                    raise await upstream_error(upstream)
                 try:
                     raw = await upstream.read()
                 except (ConnectionError, TimeoutError) as exc:

@@ -22,19 +22,17 @@ import json
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
-
-import orjson
 
 from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
+from gateway.answers import answer_id, upstream_error, usage_event, usage_of
 from gateway.config import DisaggregationConfig, RetryConfig, TimeoutConfig
 from gateway.context import RequestContext
 from gateway.disagg import PrefillStep
-from gateway.errors import GatewayError, Retryable, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import GatewayError, Retryable, UpstreamTimeout, UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
-from gateway.migration import Delivered, continuation, migratable, whole_usage
+from gateway.migration import Delivered, continuation, migratable
 from gateway.request_parse import ParsedRequest, upstream_body
 from gateway.responder import Responder
 from gateway.router import Router
@@ -241,10 +239,10 @@ class UpstreamProxy:
             upstream = await self.send(replica, method, path, data, ctx, deadline, parsed.stream, parsed.content_type)
             try:
                 if upstream.status >= 500:
-                    raise Retryable(f"http_{upstream.status}", await self.upstream_error(upstream)) from None
+                    raise Retryable(f"http_{upstream.status}", await upstream_error(upstream)) from None
                 if upstream.status >= 400:
                     replica.record_success()  # the engine works; the request was bad
-                    err = await self.upstream_error(upstream)
+                    err = await upstream_error(upstream)
                     err.headers.update(self._headers(ctx, replica, decision))
                     raise err
                 if parsed.stream:
@@ -258,28 +256,6 @@ class UpstreamProxy:
                 upstream.release()
         finally:
             replica.end(started)
-
-    async def upstream_error(self, upstream: UpstreamResponse) -> UpstreamError:
-        upstream.set_timeout(5.0)
-        try:
-            raw = await upstream.read()
-            body: Any = json.loads(raw)
-        except (ValueError, TimeoutError, ConnectionError):
-            body = None
-        if isinstance(body, dict) and isinstance(body.get("error"), dict):
-            msg = str(body["error"].get("message", "upstream error"))
-            return UpstreamError(msg, status=upstream.status, upstream_body=body)
-        if isinstance(body, dict) and "message" in body:  # vLLM's older flat error shape
-            wrapped: dict[str, object] = {
-                "error": {
-                    "message": str(body["message"]),
-                    "type": str(body.get("type", "upstream_error")),
-                    "param": body.get("param"),
-                    "code": body.get("code", upstream.status),
-                }
-            }
-            return UpstreamError(str(body["message"]), status=upstream.status, upstream_body=wrapped)
-        return UpstreamError(f"engine answered HTTP {upstream.status}", status=upstream.status)
 
     async def _relay_whole(
         self,
@@ -349,7 +325,7 @@ class UpstreamProxy:
                     while (end := buf.find(b"\n\n")) >= 0:
                         event, buf = buf[: end + 2], buf[end + 2 :]
                         if b'"usage"' in event and not event.startswith(_DONE):
-                            event = self._usage_event(event, ctx, strip_usage, before)
+                            event = usage_event(event, ctx, strip_usage, before)
                         if parsed.records_id and ctx.answer_id is None and b'"response"' in event:
                             ctx.answer_id = answer_id(event[event.find(b"{") :])
                         if event:
@@ -471,65 +447,3 @@ class UpstreamProxy:
         model.migration_failed.value += 1
         ctx.error = failure.code
         return await self._end_stream(out, failure)
-
-    @staticmethod
-    def _usage_event(event: bytes, ctx: RequestContext, strip_usage: bool, tokens_before: int = 0) -> bytes:
-        """Record usage from a usage-carrying event; drop the final usage-only event unless the client asked. A
-        continuation's usage (`tokens_before` delivered by earlier engines) is rewritten as the whole answer's."""
-        try:
-            payload = json.loads(event[event.index(b"{") :])
-        except ValueError:
-            return event
-        if isinstance(payload, dict) and isinstance(payload.get("response"), dict):  # the Responses API's events
-            ctx.set_usage(payload["response"].get("usage"))
-            return event
-        if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
-            return event
-        if tokens_before:
-            payload["usage"] = whole_usage(payload["usage"], tokens_before)
-            event = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-        ctx.set_usage(payload["usage"])
-        if strip_usage and not payload.get("choices"):
-            return b""
-        return event
-
-
-def answer_id(raw: bytes) -> str | None:
-    """The `id` of a stored response: a whole answer's own, or the `response.id` of a stream's event."""
-    try:
-        payload = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
-        payload = payload["response"]
-    found = payload.get("id") if isinstance(payload, dict) else None
-    return found if isinstance(found, str) and len(found) <= 256 else None
-
-
-_DECODER = json.JSONDecoder()
-
-
-def usage_of(raw: bytes) -> object:
-    """The `usage` object of a completion response, parsing only that object rather than the whole body: its end
-    is the brace that closes it (usage holds numbers and nested objects of numbers; anything else is read by the
-    standard library's decoder from the object's start)."""
-    idx = raw.rfind(b'"usage"')
-    if idx < 0:
-        return None
-    start = raw.find(b"{", idx)
-    if start < 0:
-        return None
-    end = raw.find(b"}", start)
-    nested = raw.find(b"{", start + 1, end)
-    while nested >= 0 and end >= 0:  # a nested object closes first: the usage object ends at a later brace
-        nested = raw.find(b"{", nested + 1, end)
-        end = raw.find(b"}", end + 1)
-    try:
-        return orjson.loads(raw[start : end + 1])
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        usage, _ = _DECODER.raw_decode(raw[start:].decode("utf-8", "replace"))
-    except ValueError:
-        return None
-    return usage

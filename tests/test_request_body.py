@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.answers import usage_of
 from gateway.body import nested_deeper
 from gateway.config import ConfigError, load_config
 from gateway.errors import BadRequest
-from gateway.proxy import usage_of
 from gateway.request_parse import parse_request, upstream_body
 from simengine import SimConfig
 from tests.conftest import gateway_over_sims

@@ -1,0 +1,104 @@
+"""What the gateway reads in an engine's answers: errors, usage, the ids of stored responses.
+
+Costs: `usage_of` parses only the usage object of a whole answer (a reverse search for `"usage"` and the braces
+that close it; the standard decoder from there only when that slice is not JSON); `usage_event` parses one SSE
+event, only those that carry usage; `answer_id` one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+from engine_pool.http_client import UpstreamResponse
+from gateway.context import RequestContext
+from gateway.errors import UpstreamError
+from gateway.migration import whole_usage
+
+
+async def upstream_error(upstream: UpstreamResponse) -> UpstreamError:
+    """The engine's error answer as an OpenAI-shaped error (its own body when it has one), read within 5 s."""
+    upstream.set_timeout(5.0)
+    try:
+        raw = await upstream.read()
+        body: Any = json.loads(raw)
+    except (ValueError, TimeoutError, ConnectionError):
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        msg = str(body["error"].get("message", "upstream error"))
+        return UpstreamError(msg, status=upstream.status, upstream_body=body)
+    if isinstance(body, dict) and "message" in body:  # vLLM's older flat error shape
+        wrapped: dict[str, object] = {
+            "error": {
+                "message": str(body["message"]),
+                "type": str(body.get("type", "upstream_error")),
+                "param": body.get("param"),
+                "code": body.get("code", upstream.status),
+            }
+        }
+        return UpstreamError(str(body["message"]), status=upstream.status, upstream_body=wrapped)
+    return UpstreamError(f"engine answered HTTP {upstream.status}", status=upstream.status)
+
+
+def usage_event(event: bytes, ctx: RequestContext, strip_usage: bool, tokens_before: int = 0) -> bytes:
+    """Record usage from a usage-carrying event; drop the final usage-only event unless the client asked. A
+    continuation's usage (`tokens_before` delivered by earlier engines) is rewritten as the whole answer's."""
+    try:
+        payload = json.loads(event[event.index(b"{") :])
+    except ValueError:
+        return event
+    if isinstance(payload, dict) and isinstance(payload.get("response"), dict):  # the Responses API's events
+        ctx.set_usage(payload["response"].get("usage"))
+        return event
+    if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
+        return event
+    if tokens_before:
+        payload["usage"] = whole_usage(payload["usage"], tokens_before)
+        event = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    ctx.set_usage(payload["usage"])
+    if strip_usage and not payload.get("choices"):
+        return b""
+    return event
+
+
+def answer_id(raw: bytes) -> str | None:
+    """The `id` of a stored response: a whole answer's own, or the `response.id` of a stream's event."""
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(payload, dict) and isinstance(payload.get("response"), dict):
+        payload = payload["response"]
+    found = payload.get("id") if isinstance(payload, dict) else None
+    return found if isinstance(found, str) and len(found) <= 256 else None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def usage_of(raw: bytes) -> object:
+    """The `usage` object of a completion response, parsing only that object rather than the whole body: its end
+    is the brace that closes it (usage holds numbers and nested objects of numbers; anything else is read by the
+    standard library's decoder from the object's start)."""
+    idx = raw.rfind(b'"usage"')
+    if idx < 0:
+        return None
+    start = raw.find(b"{", idx)
+    if start < 0:
+        return None
+    end = raw.find(b"}", start)
+    nested = raw.find(b"{", start + 1, end)
+    while nested >= 0 and end >= 0:  # a nested object closes first: the usage object ends at a later brace
+        nested = raw.find(b"{", nested + 1, end)
+        end = raw.find(b"}", end + 1)
+    try:
+        return orjson.loads(raw[start : end + 1])
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        usage, _ = _DECODER.raw_decode(raw[start:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return usage
