@@ -221,7 +221,7 @@ _MIN_CANDIDATES = 9  # the sample (8) and one holder
 
 
 class RoutingConfig(StrictModel):
-    policy: str = Field("least-load", description="routing policy: cache-aware, least-load, round-robin")
+    policy: str = Field("cache-aware", description="routing policy: cache-aware (the default), least-load, round-robin")
     max_candidates: int = Field(
         16,
         ge=_MIN_CANDIDATES,

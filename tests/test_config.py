@@ -9,7 +9,7 @@ from gateway.config import ConfigError, env_overrides, load_config
 
 def test_defaults_need_no_file() -> None:
     cfg = load_config(environ={})
-    assert cfg.server.port == 8000 and cfg.routing.policy == "least-load" and cfg.engines == []
+    assert cfg.server.port == 8000 and cfg.routing.policy == "cache-aware" and cfg.engines == []
 
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
