@@ -212,47 +212,42 @@ async def faults(
                     pass  # the engine was being restarted
 
 
-async def gauges(url: str) -> dict[str, float]:
+async def samples(url: str) -> list[tuple[str, float]]:
+    """The gateway's /metrics as (series with its labels, value) pairs."""
     async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in ("kvgate_replica_in_flight", "kvgate_queue_depth", "kvgate_tenant_concurrency"):
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    pairs = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return [(series, float(value)) for series, value in pairs]
+
+
+def total(series: list[tuple[str, float]], name: str) -> float:
+    """The sum of a metric over its label sets."""
+    return sum(v for s, v in series if s == name or s.startswith(name + "{"))
+
+
+async def gauges(url: str) -> dict[str, float]:
+    series = await samples(url)
+    names = ("kvgate_replica_in_flight", "kvgate_queue_depth", "kvgate_tenant_concurrency")
+    return {name: total(series, name) for name in names}
 
 
 async def migration_counts(url: str) -> dict[str, float]:
     """kvgate_stream_migrations_total by outcome (streams whose engine failed mid-answer, resumed or not)."""
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvgate_stream_migrations_total{"):
-            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-            out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    for s, v in await samples(url):
+        if s.startswith("kvgate_stream_migrations_total{"):
+            outcome = s.split('outcome="', 1)[1].split('"', 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + v
     return out
-
-
-async def index_fill(url: str) -> tuple[float, float]:
-    """The prefix index's blocks and capacity, summed over the replicas (kvgate_prefix_index_*)."""
-    async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    held = capacity = 0.0
-    for line in text.splitlines():
-        if line.startswith("kvgate_prefix_index_blocks{"):
-            held += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("kvgate_prefix_index_capacity_blocks{"):
-            capacity += float(line.rsplit(" ", 1)[1])
-    return held, capacity
 
 
 async def warm_up(url: str, started: float, duration: float) -> dict[str, Any]:
     """Traffic without faults until the gateway's largest bounded table, the prefix index, is full on every
     replica (its memory grows until then by design), and at least 10% of the run; at most 30% of it."""
     while True:
-        held, capacity = await index_fill(url)
+        series = await samples(url)
+        held = total(series, "kvgate_prefix_index_blocks")
+        capacity = total(series, "kvgate_prefix_index_capacity_blocks")
         elapsed = time.monotonic() - started
         full = capacity > 0 and held >= capacity
         if (full and elapsed >= 0.1 * duration) or elapsed >= 0.3 * duration:
@@ -382,8 +377,8 @@ def main() -> int:
     p.add_argument(
         "--trace-memory",
         action="store_true",
-        help="run the gateway under tracemalloc and report the "
-        "allocation sites that grew after the warm-up (a diagnostic: tracing changes timing and RSS)",
+        help="run the gateway under tracemalloc and report the allocation sites that grew after the warm-up (a "
+        "diagnostic: tracing changes timing and RSS)",
     )
     p.add_argument("--json", default="docs/bench/soak.json", help="where to write the result ('' = nowhere)")
     args = p.parse_args()
