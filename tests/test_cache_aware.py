@@ -179,6 +179,8 @@ def test_params_change_the_tradeoff() -> None:
         {"session_max_ratio": 0.5},
         {"kv_pressure_cost": "high"},
         {"session_max_gap": True},
+        {"imbalance_gap": 1.5},
+        {"imbalance_cost": -1},
     ],
 )
 def test_bad_params_rejected(params: dict[str, Any]) -> None:
@@ -291,3 +293,28 @@ def test_a_learned_queue_price_spreads_a_hot_prefix_sooner_when_opted_in() -> No
 def test_a_learned_price_below_the_constant_does_not_make_load_free() -> None:
     replicas = [rep("a", 17, queue_price=0.0), rep("b", 0, queue_price=0.0)]
     assert decide(replicas, {"a": 64}, learn_queue_price=True).replica == "b"  # 17 x 64 > 1024: the floor holds
+
+
+def test_an_idle_replica_takes_the_request_with_the_least_cache_to_lose() -> None:
+    # a, b, c hold a 96-block shared prompt and 11, 11, 10 requests; d is idle. Without the imbalance term a new
+    # session (shares only the prompt) stays on a holder: 645 (5 uncached + 10 x 64) < 1541 tokens to copy
+    new_session = req(96)
+    busy = [rep("a", 11), rep("b", 11), rep("c", 10)]
+    held = {"a": 96, "b": 96, "c": 96}
+    assert decide([*busy, rep("d", 0)], held, request=new_session, imbalance_cost=0).replica == "c"
+    # with it (default 32), c's excess over d (10 - 0 - gap 4 = 6) adds 6 x 6 x 32 = 1152: 1797 > 1541, d gets the copy
+    d = decide([*busy, rep("d", 0)], held, request=new_session)
+    assert (d.replica, d.reason) == ("d", "spread-hot-prefix")
+    # a session whose own 128-block history is cached on c has more to lose (3589 tokens on d): it stays
+    deep = req(224)
+    d = decide([*busy, rep("d", 0)], {**held, "c": 224}, request=deep)
+    assert (d.replica, d.reason) == ("c", "cache-hit")
+
+
+def test_imbalance_within_the_gap_costs_nothing() -> None:
+    # 4 more requests than the least loaded replica is tolerated (the gap), whatever imbalance_cost is
+    d = decide([rep("a", 4), rep("b", 0)], {"a": 64}, imbalance_cost=10_000)
+    assert (d.replica, d.reason) == ("a", "cache-hit")
+    assert decide([rep("a", 5), rep("b", 0)], {"a": 64}, imbalance_cost=0).replica == "a"
+    d = decide([rep("a", 5), rep("b", 0)], {"a": 64}, imbalance_cost=10_000)
+    assert (d.replica, d.reason) == ("b", "spread-hot-prefix")
