@@ -183,7 +183,8 @@ class CacheAware:
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self.params = CacheAwareParams.parse(params or {})
 
-    def cost(self, view: RoutingView, r: ReplicaState, min_load: int = 0) -> float:
+    def cost(self, view: RoutingView, r: ReplicaState, min_load: int) -> float:
+        """Candidate r's cost in prompt-token equivalents; min_load is the least load among the candidates."""
         p = self.params
         req = view.request
         held = view.overlap.get(r.id, 0)
