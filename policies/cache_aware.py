@@ -191,17 +191,18 @@ class CacheAware:
         cached = min(held * req.block_size, req.prompt_tokens)
         loaded = min(view.offloaded.get(r.id, 0) * req.block_size, req.prompt_tokens - cached)
         pressure = max(0.0, r.kv_usage - p.kv_usage_threshold) / (1.0 - p.kv_usage_threshold)
+        load = r.load
         learned = r.queue_price if p.learn_queue_price else None
         queued = p.queued_request_cost
         if learned is not None:  # floored: a noisy fit near 0 must not make load free (prefix-only routing)
             queued = max(queued, p.prefill_token_cost * learned)
         cost = (
             p.prefill_token_cost * (req.prompt_tokens - cached - loaded * (1.0 - p.offload_token_cost))
-            + queued * r.load
+            + queued * load
             + p.waiting_request_cost * expected_waiting(r)
             + p.kv_pressure_cost * min(pressure, 1.0)
         )
-        excess = r.load - min_load - p.imbalance_gap
+        excess = load - min_load - p.imbalance_gap
         if excess > 0:  # SGLang's imbalance guard, made continuous: the request with the least cache to lose moves
             cost += p.imbalance_cost * excess * excess
         fp = view.footprint.get(r.id)
@@ -217,8 +218,7 @@ class CacheAware:
             )
         return cost
 
-    def _session_overloaded(self, bound: ReplicaState, candidates: list[ReplicaState]) -> bool:
-        min_load = min(r.load for r in candidates)
+    def _session_overloaded(self, bound: ReplicaState, min_load: int) -> bool:
         p = self.params
         return bound.load - min_load > p.session_max_gap and bound.load > p.session_max_ratio * min_load
 
@@ -233,7 +233,7 @@ class CacheAware:
 
         if view.session_replica is not None:
             bound = next((r for r in candidates if r.id == view.session_replica), None)
-            if bound is not None and not self._session_overloaded(bound, candidates):
+            if bound is not None and not self._session_overloaded(bound, min_load):
                 return Decision(bound.id, "session", scores)
 
         offloaded = view.offloaded
