@@ -46,7 +46,7 @@ for i in $(seq "$RUNS"); do
   [ "$i" -lt "$RUNS" ] && out=.kvgate/sweep-runs/$i
   mkdir -p "$out"
   # the policies' order rotates from run to run: the first of a run measured up to 28% below the same decisions run
-  # later (concurrency <= 4 on 2 replicas, where v5 and v3 cannot differ), so each takes each position in turn
+  # later (concurrency <= 4 on 2 replicas, where the imbalance term cannot act), so each takes each position in turn
   policies=(cache-aware round-robin $VARIANTS)
   n=${#policies[@]}
   for k in $(seq 0 $((n - 1))); do
