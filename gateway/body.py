@@ -1,8 +1,11 @@
 """Reading a request body, the one way every route does it: bounded in size (`server.max_body_bytes`, enforced by
 aiohttp's `client_max_size`, 413), in time (`server.body_timeout_s` from when the handler starts reading, 408) and
 in JSON nesting (`server.max_json_depth`, 400, checked before any parser sees the body: deep nesting makes parsers
-recurse). The nesting check costs two `bytes.count` calls when the body has fewer brackets than the limit (most
-bodies), else one regex pass over its strings and brackets.
+recurse). The nesting check is linear in the body's length whatever its bytes, and uses no regular expression (an
+earlier one backtracked exponentially on a string that never closes: 170 bytes held the event loop for seconds). It
+costs two `bytes.count` calls when the body has fewer brackets than the limit (most bodies); otherwise four C passes
+(`replace`, `translate`) keep only the quotes and brackets, with escapes resolved, and one Python step per byte kept
+decides: at most one per byte of the body (8 MiB of brackets, the default body limit, about 0.2 s on one core).
 
 `expect_handler` answers `Expect: 100-continue` for every route (aiohttp calls it before the handler): 413 at once
 when the declared Content-Length is over the limit, so the client need not send the body; otherwise
@@ -13,7 +16,6 @@ had not all arrived with the head.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -40,25 +42,46 @@ async def read_body(request: web.Request, limits: ServerConfig, *, json: bool = 
     return raw
 
 
-_JSON_STRUCTURE = re.compile(rb'"(?:[^"\\]+|\\.)*"|[\[\]{}]')
+# A JSON string's escapes, resolved before the quotes are read: an escaped backslash, then an escaped quote.
+_ESCAPED_BACKSLASH, _ESCAPED_QUOTE = b"\\\\", b'\\"'
+# Every byte but a quote or a bracket: dropped in one pass (`bytes.translate`).
+_NOT_STRUCTURE = bytes(range(256)).translate(None, b'"[]{}')
+_QUOTE, _OPENERS = 0x22, (0x5B, 0x7B)
+
+
+def structure_of(raw: bytes) -> bytes:
+    """The quotes and brackets of JSON text that decide its nesting, in order: escapes resolved (pairs of
+    backslashes, then escaped quotes, removed left to right as a parser reads them), everything else dropped, and
+    adjacent quote pairs removed (each toggles "inside a string" twice). Four passes in C, each linear."""
+    unescaped = raw.replace(_ESCAPED_BACKSLASH, b"").replace(_ESCAPED_QUOTE, b"")
+    return unescaped.translate(None, _NOT_STRUCTURE).replace(b'""', b"")
+
+
+def deeper_than(structure: bytes, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than `limit`: one step per byte of `structure_of`'s output.
+    A closing bracket at depth 0 is ignored (a parser stops there anyway), so any body gets a depth at least the
+    one a parser would reach before it fails."""
+    depth = 0
+    inside = False
+    for byte in structure:
+        if byte == _QUOTE:
+            inside = not inside
+        elif inside:
+            continue
+        elif byte in _OPENERS:
+            depth += 1
+            if depth > limit:
+                return True
+        elif depth:
+            depth -= 1
+    return False
 
 
 def nested_deeper(raw: bytes, limit: int) -> bool:
     """Whether JSON text (valid or not) opens more than `limit` arrays or objects inside each other."""
     if raw.count(b"[") + raw.count(b"{") <= limit:
         return False
-    depth = 0
-    for match in _JSON_STRUCTURE.finditer(raw):
-        first = raw[match.start()]
-        if first == 0x22:  # a string: brackets inside it do not count
-            continue
-        if first in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
+    return deeper_than(structure_of(raw), limit)
 
 
 class ExpectationFailed(GatewayError):

@@ -105,10 +105,18 @@ near_miss = st.fixed_dictionaries(
         "n": st.integers(-1, 3),
     },
 )
+# Many brackets, then a string that never closes (with escapes in it): what once sent the nesting check's regex
+# into exponential backtracking.
+unterminated = st.builds(
+    lambda brackets, letters: b"[]" * brackets + b'"' + letters,
+    st.integers(33, 200),
+    st.binary(max_size=60).map(lambda b: b.replace(b'"', b"a")) | st.sampled_from([b"a" * 40, b"\\a" * 20]),
+)
 body = (
     near_miss.map(lambda d: json.dumps(d).encode())
     | json_value.map(lambda v: json.dumps(v).encode())
     | st.binary(max_size=300)
+    | unterminated
 )
 method = st.sampled_from(["POST", "GET", "PUT", "DELETE", "OPTIONS", "PATCH"]) | token
 path = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/admin/reload"]) | (

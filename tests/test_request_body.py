@@ -3,7 +3,12 @@ kept (`parse_request`, `upstream_body`) and the usage object read without parsin
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import aiohttp
 import pytest
@@ -11,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.answers import usage_of
-from gateway.body import nested_deeper
+from gateway.body import deeper_than, nested_deeper, structure_of
 from gateway.config import ConfigError, load_config
 from gateway.errors import BadRequest
 from gateway.request_parse import parse_request, upstream_body
@@ -148,3 +153,80 @@ def test_cache_isolation_needs_a_secret() -> None:
         load_config(overrides={"admission": {"tenants": {"t": {"cache_isolation": True}}}}, environ={})
     cfg = {"tenants": {"t": {"cache_isolation": True}}, "cache_salt_secret": "s"}
     assert load_config(overrides={"admission": cfg}, environ={}).admission.cache_salt_secret == "s"
+
+
+# The nesting check on any bytes: what a parser that reads strings and escapes byte by byte finds, and a number of
+# steps linear in the body's length (counted, not timed).
+
+
+def _reference_deeper(raw: bytes, limit: int) -> bool:
+    """Byte by byte: a backslash followed by a backslash or a quote is one escape, wherever it stands (outside a
+    string, where a parser would stop, it reads the same); any other backslash escapes nothing that matters."""
+    depth, inside, at = 0, False, 0
+    while at < len(raw):
+        byte = raw[at]
+        at += 1
+        if byte == 0x5C and raw[at : at + 1] in (b"\\", b'"'):
+            at += 1
+        elif byte == 0x22:
+            inside = not inside
+        elif inside:
+            continue
+        elif byte in b"[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in b"]}" and depth:
+            depth -= 1
+    return False
+
+
+def _lines_run(function: Callable[..., object], *args: object) -> int:
+    """Python lines executed inside `function` (its own frame only): a count of operations."""
+    code, lines = function.__code__, [0]
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Any:
+        if frame.f_code is not code:
+            return None
+        if event == "line":
+            lines[0] += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        function(*args)
+    finally:
+        sys.settrace(None)
+    return lines[0]
+
+
+structural_bytes = st.binary(max_size=65_536) | st.lists(
+    st.sampled_from([b"[", b"]", b"{", b"}", b'"', b"\\", b"\\\\", b'\\"', b"a", b" ", b"\xff"]), max_size=16_384
+).map(b"".join)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(structural_bytes, st.integers(min_value=0, max_value=70))
+def test_nesting_check_on_any_bytes_agrees_and_is_linear(raw: bytes, limit: int) -> None:
+    assert nested_deeper(raw, limit) == _reference_deeper(raw, limit)
+    structure = structure_of(raw)
+    assert len(structure) <= len(raw)
+    assert _lines_run(deeper_than, structure, limit) <= 6 * len(structure) + 4
+
+
+@pytest.mark.parametrize("letters", [26, 40])
+async def test_an_unterminated_string_after_many_brackets_does_not_hold_the_gateway(
+    letters: int, http: aiohttp.ClientSession
+) -> None:
+    hostile = b"[]" * 70 + b'"' + bytes(range(ord("a"), ord("a") + 26)) * 2  # 167 bytes at 26 letters
+    hostile = hostile[: 141 + letters]
+    normal = json.dumps({"model": "sim", "prompt": "hello", "max_tokens": 2}).encode()
+    async with gateway_over_sims([SimConfig(model="sim", instant=True)]) as (gw, _):
+        url = gw.url + "/v1/chat/completions"
+        # Two connections: aiohttp's session opens one per concurrent request.
+        hostile_post = asyncio.ensure_future(http.post(url, data=hostile))
+        async with http.post(gw.url + "/v1/completions", data=normal) as resp:
+            assert resp.status == 200, await resp.text()
+        async with await hostile_post as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["type"] == "invalid_request_error"
