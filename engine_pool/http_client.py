@@ -13,7 +13,7 @@ deadline with the client's `DeadlineWatch`, one timer ticking every 50 ms while 
 request). Flow control: a response holds at most about `READ_HIGH_WATER` bytes its reader has not taken; past that
 the connection stops reading the socket until the reader catches up, so a slow client backs up into the engine's
 socket instead of the gateway's memory. Costs per request: one transport.write, one parser feed per received
-segment; no per-request allocations beyond the response object and its header dict.
+segment; no per-request allocations beyond the response object and its list of header pairs (bytes, not decoded).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class UpstreamConnectionError(ConnectionError):
 
 _NO_HEADERS: Mapping[str, str] = {}
 READ_HIGH_WATER = 256 * 1024  # bytes received and not yet taken by the reader before the socket stops being read
+MAX_HEADERS = 64  # response headers kept per response (the rest are parsed and dropped)
 
 
 class _Conn(asyncio.Protocol):
@@ -66,6 +67,11 @@ class _Conn(asyncio.Protocol):
             self._fail(UpstreamConnectionError(f"upstream closed the connection: {exc or 'EOF'}"))
 
     # --- httptools callbacks ------------------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        resp = self.response
+        if resp is not None and len(resp.headers) < MAX_HEADERS:
+            resp.headers.append((name, value))
+
     def on_headers_complete(self) -> None:
         resp = self.response
         if resp is not None:
@@ -117,7 +123,8 @@ class UpstreamResponse:
     def __init__(self, conn: _Conn, *, reused: bool = False) -> None:
         self._conn = conn
         self.reused = reused  # sent on a kept-alive connection (a failure before any byte may be a stale socket)
-        self.status = 0  # response headers are not kept: the proxy sets its own (no on_header callback at all)
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []  # as received, the first MAX_HEADERS of them
         self.keep_alive = False
         self.complete = False
         self.error: Exception | None = None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
+
+import orjson
 
 from gateway.context import RequestContext
 
@@ -57,6 +58,6 @@ def log_access(ctx: RequestContext, fmt: str) -> None:
     if fmt == "off" or not log.isEnabledFor(logging.INFO):
         return
     if fmt == "json":
-        log.info(json.dumps(access_record(ctx), separators=(",", ":")))
+        log.info(orjson.dumps(access_record(ctx)).decode())
     else:
         log.info(plain_line(ctx))

@@ -1,13 +1,12 @@
 """What the gateway reads in an engine's answers: errors, usage, the ids of stored responses.
 
 Costs: `usage_of` parses only the usage object of a whole answer (a reverse search for `"usage"` and the braces
-that close it; the standard decoder from there only when that slice is not JSON); `usage_event` parses one SSE
-event, only those that carry usage; `answer_id` one JSON object.
+that close it; the whole answer only when that slice is not JSON: a string in it held a brace); `usage_event` parses
+one SSE event, only those that carry usage; `answer_id` one JSON object. One codec: orjson.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import orjson
@@ -23,8 +22,8 @@ async def upstream_error(upstream: UpstreamResponse) -> UpstreamError:
     upstream.set_timeout(5.0)
     try:
         raw = await upstream.read()
-        body: Any = json.loads(raw)
-    except (ValueError, TimeoutError, ConnectionError):
+        body: Any = orjson.loads(raw)
+    except (orjson.JSONDecodeError, TimeoutError, ConnectionError):
         body = None
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         msg = str(body["error"].get("message", "upstream error"))
@@ -46,8 +45,8 @@ def usage_event(event: bytes, ctx: RequestContext, strip_usage: bool, tokens_bef
     """Record usage from a usage-carrying event; drop the final usage-only event unless the client asked. A
     continuation's usage (`tokens_before` delivered by earlier engines) is rewritten as the whole answer's."""
     try:
-        payload = json.loads(event[event.index(b"{") :])
-    except ValueError:
+        payload = orjson.loads(event[event.index(b"{") :])
+    except ValueError:  # no object, or not JSON (orjson's error is a ValueError)
         return event
     if isinstance(payload, dict) and isinstance(payload.get("response"), dict):  # the Responses API's events
         ctx.set_usage(payload["response"].get("usage"))
@@ -56,7 +55,7 @@ def usage_event(event: bytes, ctx: RequestContext, strip_usage: bool, tokens_bef
         return event
     if tokens_before:
         payload["usage"] = whole_usage(payload["usage"], tokens_before)
-        event = b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+        event = b"data: " + orjson.dumps(payload) + b"\n\n"
     ctx.set_usage(payload["usage"])
     if strip_usage and not payload.get("choices"):
         return b""
@@ -73,9 +72,6 @@ def answer_id(raw: bytes) -> str | None:
         payload = payload["response"]
     found = payload.get("id") if isinstance(payload, dict) else None
     return found if isinstance(found, str) and len(found) <= 256 else None
-
-
-_DECODER = json.JSONDecoder()
 
 
 def usage_of(raw: bytes) -> object:
@@ -98,7 +94,7 @@ def usage_of(raw: bytes) -> object:
     except orjson.JSONDecodeError:
         pass
     try:
-        usage, _ = _DECODER.raw_decode(raw[start:].decode("utf-8", "replace"))
-    except ValueError:
+        whole = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         return None
-    return usage
+    return whole.get("usage") if isinstance(whole, dict) else None

@@ -26,10 +26,12 @@ from gateway.config import GatewayConfig, ModelsConfig
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, render_error
+from gateway.exchange import Exchange
 from gateway.fleet import RoutingShare
 from gateway.metrics import GatewayMetrics
+from gateway.migration import Relayed, migratable
 from gateway.proxy import UpstreamProxy
-from gateway.request_parse import ParsedRequest, parse_multipart, parse_request
+from gateway.request_parse import ParsedRequest, engine_body, parse_multipart, parse_request
 from gateway.responder import Responder
 from gateway.router import Router
 from gateway.tracing import Tracer, valid_traceparent
@@ -152,9 +154,8 @@ class CompletionService:
                     async with admission.slot(identity, model, info.prompt_tokens or len(raw) // 4, ctx):
                         ctx.admitted_at = time.monotonic()
                         ctx.status = await self.proxy.forward(
-                            out, request.raw_path, parsed, info, ctx, raw, salted, method=endpoint.method,
-                            pinned=holder,
-                        )  # fmt: skip
+                            self._exchange(out, request, parsed, info, ctx, raw, salted, holder)
+                        )
                     break
                 except Overloaded as err:
                     if i + 1 == len(chain) or out.started or err.code not in _NO_CAPACITY:
@@ -176,6 +177,25 @@ class CompletionService:
         if out.response is None:  # the client left before anything could be sent: nothing will be
             return web.Response(status=499)
         return out.response
+
+    def _exchange(
+        self,
+        out: Responder,
+        request: web.Request,
+        parsed: ParsedRequest,
+        info: RequestInfo,
+        ctx: RequestContext,
+        raw: bytes,
+        salted: bool,
+        holder: Replica | None,
+    ) -> Exchange:
+        retry = self.config.retry
+        relayed = None
+        if retry.migrate_streams and parsed.stream and migratable(parsed):
+            relayed = Relayed(retry.migration_buffer_bytes)
+        data = engine_body(parsed, raw, salted=salted, usage_stats=relayed is not None)
+        deadline = time.monotonic() + self.config.timeouts.total_s
+        return Exchange(out, request.method, request.raw_path, parsed, info, ctx, data, deadline, holder, relayed)
 
     async def _read(self, request: web.Request, endpoint: Endpoint) -> tuple[bytes, ParsedRequest, Replica | None]:
         """The body as sent, what kvgate reads of it, and the replica the request must go to (a stored response's
@@ -224,7 +244,7 @@ class CompletionService:
             self.tracer.finish(ctx)
 
     def client_left(self, ctx: RequestContext) -> None:
-        if ctx.delivered:  # the client had every event and left before the chunked terminator: a success
+        if ctx.answered:  # the client had every event and left before the chunked terminator: a success
             ctx.status = 200
         else:
             ctx.status, ctx.client_disconnected = 499, True

@@ -42,7 +42,7 @@ class RequestContext:
     migrations: int = 0  # times the stream continued on another replica after its engine failed
     client_disconnected: bool = False
     answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
-    delivered: bool = False  # the engine's whole response was relayed (the client may still leave before EOF)
+    answered: bool = False  # the engine's whole answer reached the client (who may still leave before its end)
     split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
     prefill_done_at: float | None = None  # time.monotonic() when a split request's prefill step answered
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response

@@ -19,22 +19,22 @@ without prefill replicas (one `any` over its replicas).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 
-from engine_pool.http_client import UpstreamResponse
 from engine_pool.replica import Replica
-from gateway.answers import upstream_error
-from gateway.config import DisaggregationConfig, RetryConfig
-from gateway.context import RequestContext
-from gateway.errors import GatewayError, Retryable, UpstreamTimeout, UpstreamUnavailable
+from gateway.config import DisaggregationConfig
+from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.request_parse import ParsedRequest
+from gateway.request_parse import ParsedRequest, encode, engine_fields
 from gateway.router import Router
-from policies.base import RequestInfo
+
+# the proxy's attempts at a prefill step: (the replica that ran it, its transfer params), or None when none could
+Prefill = Callable[[Exchange], Awaitable[tuple[Replica, dict[str, Any]] | None]]
 
 # vLLM's request for a prefill whose decode runs elsewhere (vllm/distributed/kv_transfer NixlConnector)
 _REMOTE_DECODE = {
@@ -47,26 +47,8 @@ _REMOTE_DECODE = {
 }
 
 
-class Sender(Protocol):
-    """What the prefill step uses of the proxy (`gateway.proxy.UpstreamProxy`)."""
-
-    async def send(
-        self,
-        replica: Replica,
-        method: str,
-        path: str,
-        data: bytes,
-        ctx: RequestContext,
-        deadline: float,
-        stream: bool,
-        content_type: str = ...,
-    ) -> UpstreamResponse: ...
-
-    def count_failure(self, replica: Replica) -> None: ...
-
-
-def prefill_body(data: bytes) -> bytes:
-    body: dict[str, Any] = json.loads(data)
+def prefill_body(parsed: ParsedRequest) -> bytes:
+    body = engine_fields(parsed)
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
@@ -74,38 +56,45 @@ def prefill_body(data: bytes) -> bytes:
     for key in ("stream_options", "min_tokens", "min_completion_tokens"):
         body.pop(key, None)
     body["kv_transfer_params"] = dict(_REMOTE_DECODE)
-    return json.dumps(body, separators=(",", ":")).encode()
+    return encode(body, parsed)
 
 
-def decode_body(data: bytes, kv_transfer_params: dict[str, Any]) -> bytes:
+def decode_body(ex: Exchange, kv_transfer_params: dict[str, Any]) -> bytes:
     if not kv_transfer_params:
-        return data
-    body: dict[str, Any] = json.loads(data)
+        return ex.data
+    body = engine_fields(ex.parsed, usage_stats=ex.relayed is not None)
     body["kv_transfer_params"] = kv_transfer_params
-    return json.dumps(body, separators=(",", ":")).encode()
+    return encode(body, ex.parsed)
+
+
+def transfer_params(raw: bytes) -> dict[str, Any]:
+    """The `kv_transfer_params` of a prefill step's answer ({} when it has none)."""
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return params if isinstance(params, dict) else {}
 
 
 class PrefillStep:
-    def __init__(
-        self, sender: Sender, router: Router, metrics: GatewayMetrics, config: DisaggregationConfig, retry: RetryConfig
-    ) -> None:
-        self.sender = sender
+    def __init__(self, prefill: Prefill, router: Router, metrics: GatewayMetrics, config: DisaggregationConfig) -> None:
+        self.prefill = prefill
         self.router = router
         self.metrics = metrics
         self.config = config
-        self.retry = retry
 
-    async def run(
-        self, path: str, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, data: bytes, deadline: float
-    ) -> bytes:
-        """The body the decode replica gets: `data`, or after a prefill step `data` with its transfer params."""
-        if parsed.endpoint not in ("chat", "completions") or not self.router.replicas.disaggregated(parsed.model):
-            return data
-        decision = self.router.split(info, info.prompt_tokens or len(data) // 4, self.config.min_prefill_tokens)
+    async def run(self, ex: Exchange) -> None:
+        """Give a split model's request its prefill step: `ex.data` then carries the prefill's transfer params."""
+        parsed, ctx = ex.parsed, ex.ctx
+        if parsed.kind not in ("chat", "completions") or not self.router.replicas.disaggregated(parsed.model):
+            return
+        prompt_tokens = ex.info.prompt_tokens or len(ex.data) // 4
+        decision = self.router.split(ex.info, prompt_tokens, self.config.min_prefill_tokens)
         mode = decision.reason
         if decision.split:
             started = time.monotonic()
-            found = await self._prefill(path, info, ctx, prefill_body(data), deadline)
+            found = await self.prefill(self._step(ex, min(ex.deadline, started + self.config.prefill_timeout_s)))
             if found is not None:
                 replica, params = found
                 ctx.prefill_done_at = time.monotonic()
@@ -113,61 +102,15 @@ class PrefillStep:
                 self.metrics.disagg.labels(parsed.model, "split").inc()
                 ctx.extra_headers["x-kvgate-disagg"] = f"split; prefill={replica.id}"
                 ctx.split = True
-                return decode_body(data, params)
+                ex.data = decode_body(ex, params)
+                return
             mode = "prefill-failed"
         self.metrics.disagg.labels(parsed.model, f"aggregated:{mode}").inc()
         ctx.extra_headers["x-kvgate-disagg"] = f"aggregated; reason={mode}"
-        return data
 
-    async def _prefill(
-        self, path: str, info: RequestInfo, ctx: RequestContext, body: bytes, deadline: float
-    ) -> tuple[Replica, dict[str, Any]] | None:
-        """Run the prefill step on a prefill replica; (the replica, its answer's kv_transfer_params), or None when
-        every prefill replica tried failed (or none could take it)."""
-        tried: list[str] = []
-        for _ in range(self.retry.max_attempts):
-            try:
-                replica, _decision = await self.router.choose(info, tried, prefill=True)
-            except GatewayError:
-                return None
-            tried.append(replica.id)
-            try:
-                answer = await self._attempt(replica, path, body, ctx, deadline)
-            except Retryable as exc:
-                self.metrics.upstream_errors.labels(replica.id, f"prefill_{exc.kind}").inc()
-                self.sender.count_failure(replica)
-                continue
-            params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-            return replica, params if isinstance(params, dict) else {}
-        return None
-
-    async def _attempt(self, replica: Replica, path: str, body: bytes, ctx: RequestContext, deadline: float) -> Any:
-        step_deadline = min(deadline, time.monotonic() + self.config.prefill_timeout_s)
-        started = replica.begin()
-        try:
-            try:
-                upstream = await self.sender.send(replica, "POST", path, body, ctx, step_deadline, False)
-            except UpstreamTimeout as exc:
-                raise Retryable("timeout", exc) from None
-            try:
-                if upstream.status >= 500:
-                    raise Retryable(f"http_{upstream.status}", await upstream_error(upstream))
-                if upstream.status >= 400:
-                    replica.record_success()  # the engine works; the request was bad: the client's answer
-                    raise await upstream_error(upstream)
-                try:
-                    raw = await upstream.read()
-                except (ConnectionError, TimeoutError) as exc:
-                    raise Retryable("reset", UpstreamUnavailable(f"prefill on {replica.id} failed: {exc}")) from None
-            except BaseException:
-                upstream.close()
-                raise
-            finally:
-                upstream.release()
-        finally:
-            replica.end(started)
-        replica.record_success()
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
+    @staticmethod
+    def _step(ex: Exchange, deadline: float) -> Exchange:
+        """The prefill step's own exchange: its body, whole (not streamed), its own replicas tried."""
+        parsed = dataclasses.replace(ex.parsed, stream=False)
+        data = prefill_body(ex.parsed)
+        return dataclasses.replace(ex, parsed=parsed, data=data, deadline=deadline, tried=[], refused=[], relayed=None)

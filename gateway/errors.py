@@ -9,9 +9,9 @@ catch either.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
+import orjson
 from aiohttp import web
 
 
@@ -159,13 +159,29 @@ class Retryable(Exception):
         self.error = error
 
 
+class Exhausted(Exception):
+    """Every attempt on every replica allowed failed, or no replica was left to try: `error` is the answer."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.code)
+        self.error = error
+
+
+class Migration(Exception):
+    """A stream's engine failed after the client got its first events, and the answer can continue elsewhere."""
+
+    def __init__(self, failure: GatewayError) -> None:
+        super().__init__(failure.code)
+        self.failure = failure
+
+
 def render_error(err: GatewayError, *, request_id: str | None = None) -> tuple[int, dict[str, str], bytes]:
     """The one rendering of an error: status, headers (the error's own, Content-Type, x-request-id) and body."""
     headers = dict(err.headers)
     headers["Content-Type"] = "application/json"
     if request_id:
         headers["x-request-id"] = request_id
-    return err.status, headers, json.dumps(err.body()).encode()
+    return err.status, headers, orjson.dumps(err.body())
 
 
 def error_response(err: GatewayError, *, request_id: str | None = None) -> web.Response:

@@ -1,51 +1,59 @@
 """Relay one request to a replica, retrying on another replica while nothing has reached the client yet.
 
-Algorithm per request:
-1. Ask the router for a replica (excluding those already tried); 503 when there is none.
-2. POST the body; wait for the response headers within `first_byte_s` (connect within `connect_s`).
+Everything the request carries is one `Exchange` (gateway.exchange); every try is one `_attempt`: route -> send
+-> relay -> classify the failure. The first try, the retries, the continuation of a stream whose engine failed
+(gateway.migration) and the prefill step of a split model (gateway.disagg) all go through it; what differs is only
+the loop around it and what is done with the engine's answer (the relay).
+1. Route (excluding the replicas already tried); 503 when there is none.
+2. Send the body; wait for the response headers within `first_byte_s` for a stream, the total deadline otherwise
+   (connect within `connect_s`).
 3. Connection refused / reset, timeout, or a 5xx before any byte went to the client: count the failure on the
-   replica (its breaker may open), and retry on another replica, at most `max_attempts` attempts in all.
-   A 4xx is the client's error: relayed as is, no retry.
-4. Streaming: SSE events are relayed one by one as they arrive (no buffering beyond one partial event); the client's
-   response is only started when the first event arrives, so an engine that dies before its first event is still
-   retried. The gateway always asks the engine for the usage chunk and drops it again when the client did not ask.
-5. The client leaving cancels the handler task (aiohttp does), which aborts the upstream connection, and vLLM
-   aborts a request whose connection closed: the engine stops generating at once.
-Everything reaches the client through the request's `Responder` (gateway.responder).
-Cost per streamed event: one bytes.find for the event boundary plus a substring check for usage.
+   replica (its breaker may open; a 5xx only once another replica answered the same request: two replicas refusing
+   it means the request is at fault) and try another replica, at most `max_attempts` attempts in all. A 4xx is the
+   client's error: relayed as is, no retry.
+4. Streaming (gateway.relay): SSE events are relayed as they arrive; the client's response starts with the first
+   event, so an engine that dies before it is still retried. The gateway always asks the engine for the usage chunk
+   and drops it again when the client did not ask; on a stream that may migrate it also asks for the running usage
+   (the engine's own token count at the seam) and moves it out of the events.
+5. The client leaving cancels the handler task, which aborts the upstream connection; vLLM then aborts the request.
+Cost per streamed event: see gateway.relay; per attempt: one routing decision and one engine round trip.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import orjson
 
 from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
-from gateway.answers import answer_id, upstream_error, usage_event, usage_of
+from gateway.answers import answer_id, upstream_error, usage_of
 from gateway.config import DisaggregationConfig, RetryConfig, TimeoutConfig
-from gateway.context import RequestContext
-from gateway.disagg import PrefillStep
-from gateway.errors import GatewayError, Retryable, UpstreamTimeout, UpstreamUnavailable
+from gateway.disagg import PrefillStep, transfer_params
+from gateway.errors import Exhausted, GatewayError, Migration, Retryable, UpstreamTimeout, UpstreamUnavailable
+from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.migration import Delivered, continuation, migratable
-from gateway.request_parse import ParsedRequest, upstream_body
-from gateway.responder import Responder
+from gateway.migration import continuation
+from gateway.relay import ClientEvents, SseSplitter
 from gateway.router import Router
-from policies.base import Decision, RequestInfo
+from policies.base import Decision
 
-_DONE = b"data: [DONE]"
-
-
-class Migration(Exception):
-    """A stream's engine failed after the client got its first events, and the answer can continue elsewhere."""
-
-    def __init__(self, failure: GatewayError) -> None:
-        self.failure = failure
+T = TypeVar("T")
+# engine response headers the client does not get: hop by hop (RFC 9110 7.6.1), framing, and what the gateway's own
+# server writes (lower case, as compared)
+_NOT_RELAYED = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+        b"proxy-authenticate", b"proxy-authorization", b"content-length", b"content-type",
+        b"date", b"server", b"x-request-id",
+    }
+)  # fmt: skip
+Relay = Callable[[Exchange, UpstreamResponse, Replica, Decision], Awaitable[T]]
 
 
 @dataclass(slots=True)
@@ -70,100 +78,129 @@ class UpstreamProxy:
         self.replicas = replicas
         self.metrics = metrics
         self.settings = settings
-        self.prefill = PrefillStep(self, router, metrics, settings.disagg, settings.retry)
+        self.prefill = PrefillStep(self._prefill, router, metrics, settings.disagg)
+
+    async def forward(self, ex: Exchange) -> int:
+        """Answer `ex` from a replica (its pinned one: that one only); returns the HTTP status recorded."""
+        if ex.pinned is None:  # a split model's request first takes its prefill step (gateway.disagg)
+            await self.prefill.run(ex)
+        attempts = 1 if ex.pinned is not None else self.settings.retry.max_attempts
+        try:
+            return await self.retrying(ex, self._relay, attempts)
+        except Exhausted as exhausted:
+            raise exhausted.error from None
+        except Migration as cut:  # the engine failed mid-stream: the answer continues elsewhere
+            return await self._migrate(ex, cut.failure)
+
+    async def retrying(self, ex: Exchange, relay: Relay[T], attempts: int, *, prefill: bool = False) -> T:
+        """Up to `attempts` attempts on distinct replicas; `Exhausted` when none answered."""
+        last: GatewayError | None = None
+        for attempt in range(attempts):
+            try:
+                replica, decision = await self._route(ex, prefill=prefill, retry=attempt > 0)
+            except GatewayError as none_left:
+                raise Exhausted(last or none_left) from None
+            try:
+                result = await self._attempt(ex, replica, decision, relay)
+            except Retryable as exc:
+                last = exc.error
+                if self._failed(ex, replica, exc, prefill=prefill):
+                    raise last from None
+                continue
+            self._count_refused(ex)
+            return result
+        self._count_refused(ex)
+        assert last is not None
+        raise Exhausted(last)
 
     async def _route(
-        self, parsed: ParsedRequest, info: RequestInfo, ctx: RequestContext, tried: Collection[str], attempt: int
+        self, ex: Exchange, *, prefill: bool = False, retry: bool = False, migrated: bool = False
     ) -> tuple[Replica, Decision]:
-        ctx.route_started = time.monotonic()
-        replica, decision = await self.router.choose(info, tried)
-        ctx.routed_at = time.monotonic()
-        if attempt:
-            self.metrics.model(parsed.model).retries.value += 1
-        ctx.attempts = attempt + 1
-        ctx.replica, ctx.route_reason = replica.id, decision.reason
+        ctx = ex.ctx
+        if ex.pinned is not None:
+            replica, decision = ex.pinned, Decision(ex.pinned.id, "holds-response")
+        else:
+            started = time.monotonic()
+            replica, decision = await self.router.choose(ex.info, ex.tried, prefill=prefill)
+            if not prefill:
+                ctx.route_started, ctx.routed_at = started, time.monotonic()
+        ex.tried.append(replica.id)
+        if prefill:
+            return replica, decision
+        if retry:
+            self.metrics.model(ex.parsed.model).retries.value += 1
+        if not migrated:
+            ctx.attempts += 1
+        ctx.replica, ctx.route_reason = replica.id, "migrated" if migrated else decision.reason
         return replica, decision
 
-    async def forward(
-        self,
-        out: Responder,
-        path: str,
-        parsed: ParsedRequest,
-        info: RequestInfo,
-        ctx: RequestContext,
-        raw_body: bytes,
-        salted: bool = False,
-        *,
-        method: str = "POST",
-        pinned: Replica | None = None,
-    ) -> int:
-        """Relay the request to `path` on a replica (`pinned`: that one, no retry elsewhere) and write the engine's
-        answer to `out`; returns the HTTP status recorded."""
-        data = upstream_body(parsed, raw_body, salted)
-        deadline = time.monotonic() + self.settings.timeouts.total_s
-        if pinned is None:  # a split model's request first takes its prefill step (gateway.disagg)
-            data = await self.prefill.run(path, parsed, info, ctx, data, deadline)
-        retry = self.settings.retry
-        delivered = None
-        if retry.migrate_streams and parsed.stream and migratable(parsed.endpoint, parsed.body):
-            delivered = Delivered(retry.migration_buffer_bytes)
-        tried: list[str] = []
-        refused: list[Replica] = []  # replicas that answered this request with a 5xx (see below)
-        last_error: GatewayError | None = None
-        for attempt in range(1 if pinned is not None else self.settings.retry.max_attempts):
+    async def _attempt(self, ex: Exchange, replica: Replica, decision: Decision, relay: Relay[T]) -> T:
+        """Send `ex` to `replica` and hand its answer to `relay`; a 5xx or a failure before any byte reached the
+        client is `Retryable`, a 4xx the client's error (raised as it is)."""
+        started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
+        try:
+            upstream = await self.send(replica, ex)
             try:
-                if pinned is not None:
-                    replica, decision = pinned, Decision(pinned.id, "holds-response")
-                    ctx.attempts, ctx.replica, ctx.route_reason = 1, pinned.id, decision.reason
-                else:
-                    replica, decision = await self._route(parsed, info, ctx, tried, attempt)
-            except GatewayError:
-                if last_error is not None:
-                    raise last_error from None
+                if upstream.status >= 500:
+                    raise Retryable(f"http_{upstream.status}", await upstream_error(upstream)) from None
+                if upstream.status >= 400:
+                    replica.record_success()  # the engine works; the request was bad
+                    err = await upstream_error(upstream)
+                    err.headers.update(self._headers(ex, replica, decision, upstream))
+                    raise err
+                return await relay(ex, upstream, replica, decision)
+            except BaseException:
+                upstream.close()  # never reuse a connection mid-response: closing it aborts the engine request
                 raise
-            tried.append(replica.id)
-            try:
-                status = await self._attempt(
-                    out, method, path, parsed, replica, decision, ctx, data, deadline, delivered
-                )
-            except Migration as cut:  # the engine failed mid-stream: the answer continues elsewhere
-                assert delivered is not None
-                status = await self._migrate(
-                    out, method, path, parsed, info, ctx, data, deadline, delivered, tried, cut.failure
-                )
-            except Retryable as exc:
-                self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
-                last_error = exc.error
-                if not exc.kind.startswith("http_"):
-                    self.count_failure(replica)  # connect, reset, timeout: the replica's fault
-                elif refused:  # a second replica refused the same request: the request is at fault, not them
-                    raise exc.error from None
-                else:
-                    refused.append(replica)  # counted against it only if another replica answers the request
-                continue
-            for bad in refused:
-                self.count_failure(bad)
-            return status
-        for bad in refused:
+            finally:
+                upstream.release()
+        finally:
+            replica.end(started)
+
+    def _failed(self, ex: Exchange, replica: Replica, exc: Retryable, *, prefill: bool = False) -> bool:
+        """Count a failed attempt; True when the request itself is at fault (a second replica refused it)."""
+        self.metrics.upstream_errors.labels(replica.id, f"prefill_{exc.kind}" if prefill else exc.kind).inc()
+        if not exc.kind.startswith("http_"):
+            self.count_failure(replica)  # connect, reset, timeout: the replica's fault
+            return False
+        if ex.refused:
+            ex.refused.clear()
+            return True
+        ex.refused.append(replica)  # counted against it only if another replica answers the request
+        return False
+
+    def _count_refused(self, ex: Exchange) -> None:
+        for bad in ex.refused:
             self.count_failure(bad)
-        assert last_error is not None
-        raise last_error
+        ex.refused.clear()
 
     def count_failure(self, replica: Replica) -> None:
         retry = self.settings.retry
         if replica.record_failure(threshold=retry.breaker_failures, cooldown_s=retry.breaker_cooldown_s):
             self.replicas.breaker_changed()
 
-    def _headers(self, ctx: RequestContext, replica: Replica, decision: Decision) -> dict[str, str]:
-        headers = {"x-request-id": ctx.request_id, **ctx.extra_headers}
+    def _headers(
+        self, ex: Exchange, replica: Replica, decision: Decision, upstream: UpstreamResponse
+    ) -> dict[str, str]:
+        """The client's response headers: the engine's own (rate limits, timings, tracing, custom ones), less the
+        hop-by-hop ones and those the gateway writes itself, which replace the engine's: framing and type,
+        `x-request-id`, the route headers and what admission adds (`x-ratelimit-*`)."""
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in upstream.headers
+            if name.lower() not in _NOT_RELAYED and not name.lower().startswith(b"x-kvgate-")
+        }
+        headers["x-request-id"] = ex.ctx.request_id
+        headers.update(ex.ctx.extra_headers)
         if self.settings.route_headers:
             headers["x-kvgate-replica"] = replica.id
             headers["x-kvgate-route-reason"] = decision.reason
         return headers
 
     @staticmethod
-    def _ask_headers(ctx: RequestContext, content_type: str) -> dict[str, str]:
-        headers = {"Content-Type": content_type, "x-request-id": ctx.request_id}
+    def _ask_headers(ex: Exchange) -> dict[str, str]:
+        ctx = ex.ctx
+        headers = {"Content-Type": ex.parsed.content_type, "x-request-id": ctx.request_id}
         if ctx.trace is not None:  # the engine's spans join the request's trace under kvgate.upstream
             headers["traceparent"] = ctx.trace.upstream_traceparent()
             ctx.sent_at = time.monotonic()
@@ -171,33 +208,23 @@ class UpstreamProxy:
             headers["traceparent"] = ctx.client_traceparent
         return headers
 
-    async def send(
-        self,
-        replica: Replica,
-        method: str,
-        path: str,
-        data: bytes,
-        ctx: RequestContext,
-        deadline: float,
-        stream: bool,
-        content_type: str = "application/json",
-    ) -> UpstreamResponse:
-        """POST and wait for the response headers; a kept-alive connection that turns out stale is replaced once.
+    async def send(self, replica: Replica, ex: Exchange) -> UpstreamResponse:
+        """Send and wait for the response headers; a kept-alive connection that turns out stale is replaced once.
         A stream's headers come with its first event: waited for `first_byte_s`, then retried elsewhere. A whole
         answer's headers come only when the generation is done: waited for until the total deadline, and a timeout
         then is not retried (the engine took the request; running it again elsewhere would only repeat the work)."""
         timeouts = self.settings.timeouts
         pool = self.client.pool(replica.host, replica.port, replica.use_tls)
-        headers = self._ask_headers(ctx, content_type)
-        url = replica.base_path + path
+        headers = self._ask_headers(ex)
+        url = replica.base_path + ex.path
         for fresh_retry in (False, True):
             upstream: UpstreamResponse | None = None
-            left = deadline - time.monotonic()
-            budget = min(timeouts.first_byte_s, left) if stream else left
+            left = ex.deadline - time.monotonic()
+            budget = min(timeouts.first_byte_s, left) if ex.stream else left
             try:
                 started = time.monotonic()  # on an idle kept-alive connection (the common case) nothing waits
                 upstream = await pool.request(
-                    method, url, data, headers, connect_timeout_s=min(timeouts.connect_s, budget)
+                    ex.method, url, ex.data, headers, connect_timeout_s=min(timeouts.connect_s, budget)
                 )
                 # one timer on the response (the client's DeadlineWatch), not a task timeout around the wait
                 upstream.set_timeout(budget - (time.monotonic() - started))
@@ -206,7 +233,7 @@ class UpstreamProxy:
             except TimeoutError:
                 if upstream is not None:
                     upstream.close()
-                if not stream:
+                if not ex.stream:
                     raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
                 raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
             except UpstreamConnectionError as exc:
@@ -221,52 +248,28 @@ class UpstreamProxy:
                 raise
         raise AssertionError("unreachable")
 
-    async def _attempt(
-        self,
-        out: Responder,
-        method: str,
-        path: str,
-        parsed: ParsedRequest,
-        replica: Replica,
-        decision: Decision,
-        ctx: RequestContext,
-        data: bytes,
-        deadline: float,
-        delivered: Delivered | None = None,
-    ) -> int:
-        started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
+    async def _relay(self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision) -> int:
+        if ex.stream:
+            return await self._relay_stream(ex, upstream, replica, decision)
+        raw = await self.read_answer(upstream, replica, ex.deadline)
+        ctx = ex.ctx
+        ctx.ttft_s = time.monotonic() - ctx.started
         try:
-            upstream = await self.send(replica, method, path, data, ctx, deadline, parsed.stream, parsed.content_type)
-            try:
-                if upstream.status >= 500:
-                    raise Retryable(f"http_{upstream.status}", await upstream_error(upstream)) from None
-                if upstream.status >= 400:
-                    replica.record_success()  # the engine works; the request was bad
-                    err = await upstream_error(upstream)
-                    err.headers.update(self._headers(ctx, replica, decision))
-                    raise err
-                if parsed.stream:
-                    return await self._relay_stream(out, parsed, upstream, replica, decision, ctx, deadline, delivered)
-                await self._relay_whole(out, upstream, replica, decision, ctx, deadline, parsed.records_id)
-                return upstream.status
-            except BaseException:
-                upstream.close()  # never reuse a connection mid-response: closing it aborts the engine request
-                raise
-            finally:
-                upstream.release()
+            await ex.out.send(
+                upstream.status,
+                {**self._headers(ex, replica, decision, upstream), "Content-Type": "application/json"},
+                raw,
+            )
         finally:
-            replica.end(started)
+            ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
+            if ex.parsed.records_id:
+                ctx.answer_id = answer_id(raw)
+        ctx.answered = True
+        return upstream.status
 
-    async def _relay_whole(
-        self,
-        out: Responder,
-        upstream: UpstreamResponse,
-        replica: Replica,
-        decision: Decision,
-        ctx: RequestContext,
-        deadline: float,
-        records_id: bool = False,
-    ) -> None:
+    @staticmethod
+    async def read_answer(upstream: UpstreamResponse, replica: Replica, deadline: float) -> bytes:
+        """A whole answer's body, within the deadline; a connection lost on the way is `Retryable`."""
         if not upstream.complete:  # usually the whole body came with the headers
             upstream.set_timeout(deadline - time.monotonic())
         try:
@@ -276,160 +279,102 @@ class UpstreamProxy:
         except ConnectionError as exc:
             raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
         replica.record_success()
-        ctx.ttft_s = time.monotonic() - ctx.started
-        headers = self._headers(ctx, replica, decision)
-        headers["Content-Type"] = "application/json"
-        try:
-            await out.send(upstream.status, headers, raw)
-        finally:
-            ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
-            if records_id:
-                ctx.answer_id = answer_id(raw)
-        ctx.delivered = True
+        return raw
 
     async def _relay_stream(
-        self,
-        out: Responder,
-        parsed: ParsedRequest,
-        upstream: UpstreamResponse,
-        replica: Replica,
-        decision: Decision,
-        ctx: RequestContext,
-        deadline: float,
-        delivered: Delivered | None = None,
+        self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
     ) -> int:
-        """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or
-        stalled after it started (the client then gets an OpenAI-shaped error event before the end, never a
-        clean end that looks complete), unless it can continue on another replica: then `Migration` is raised
-        (`delivered` keeps what the client got). A continuation's events go into the client's started stream,
-        without its first (role) event, its usage told as the whole answer's."""
+        """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or stalled
+        after it started (the client then gets an OpenAI-shaped error event before the end, never a clean end that
+        looks complete), unless it can continue on another replica: then `Migration` is raised."""
         timeouts = self.settings.timeouts
-        started = done = False
-        skip_role = out.started  # a continuation (gateway.migration): the client has the role event already
-        before = delivered.tokens_before if delivered is not None else 0
-        strip_usage = not parsed.include_usage
-        buf = b""
-        last_write = 0.0
-        itl = self.metrics.model(parsed.model).itl
+        splitter, client = SseSplitter(), ClientEvents(ex, self.metrics.model(ex.parsed.model).itl)
+        started = False
         loop = asyncio.get_running_loop()
-        end_at = loop.time() + (deadline - time.monotonic())
+        end_at = loop.time() + (ex.deadline - time.monotonic())
         upstream.clear_timeout()  # the stream's own windows below also bound the writes to the client
         failure: GatewayError | None = None
         try:
-            async with asyncio.timeout(min(timeouts.first_byte_s, deadline - time.monotonic())) as window:
+            async with asyncio.timeout(min(timeouts.first_byte_s, ex.deadline - time.monotonic())) as window:
                 async for chunk in upstream.iter_chunks():
                     if started:  # past the first event: at most stream_idle_s between chunks, within the total
                         window.reschedule(min(end_at, loop.time() + timeouts.stream_idle_s))
-                    buf += chunk
-                    events = []
-                    while (end := buf.find(b"\n\n")) >= 0:
-                        event, buf = buf[: end + 2], buf[end + 2 :]
-                        if b'"usage"' in event and not event.startswith(_DONE):
-                            event = usage_event(event, ctx, strip_usage, before)
-                        if parsed.records_id and ctx.answer_id is None and b'"response"' in event:
-                            ctx.answer_id = answer_id(event[event.find(b"{") :])
-                        if event:
-                            events.append(event)
-                    if skip_role and events:
-                        events, skip_role = [e for e in events if b'"role"' not in e], False
+                    events = client.take(splitter.feed(chunk))
                     if not events:
                         continue
-                    now = time.monotonic()
                     if not started:
-                        if not out.started:
-                            headers = self._headers(ctx, replica, decision)
-                            headers["Content-Type"] = "text/event-stream"
-                            headers["Cache-Control"] = "no-cache"
-                            await out.start_stream(upstream.status, headers)
-                            ctx.ttft_s = now - ctx.started
-                        started = True
+                        await client.start(upstream.status, self._headers(ex, replica, decision, upstream))
                         window.reschedule(min(end_at, loop.time() + timeouts.stream_idle_s))
                         replica.record_success()
-                    else:
-                        itl.observe(now - last_write)
-                    last_write = now
-                    data = b"".join(events)
-                    if delivered is not None:
-                        delivered.add(events, len(data))
-                    await out.write(data)
-                    if events[-1].startswith(_DONE):
-                        done = ctx.delivered = True  # the client has everything; it may close before the terminator
+                    await client.write(events, first=not started)
+                    started = True
         except TimeoutError:
             if not started:
                 raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
-            idle = loop.time() < end_at
-            ctx.error = "stream_idle_timeout" if idle else "total_timeout"
-            failure = UpstreamTimeout(
-                f"replica {replica.id} sent nothing for {timeouts.stream_idle_s:g} s"
-                if idle
-                else "the stream did not finish within timeouts.total_s",
-                code=ctx.error,
-            )
-            if idle:
-                self.count_failure(replica)
+            failure = self._stalled(ex, replica, idle=loop.time() < end_at)
         except UpstreamConnectionError as exc:  # the engine failed mid-stream
             if not started:
                 raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
-            ctx.error = "upstream_reset"
+            ex.ctx.error = "upstream_reset"
             failure = UpstreamUnavailable(f"replica {replica.id} failed mid-stream: {exc}", code="upstream_reset")
             self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
             self.count_failure(replica)
         if not started:
             raise Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
-        if failure is None and parsed.endpoint in ("json", "multipart"):  # others' streams end with the body
-            ctx.delivered = True
-        elif failure is None and not done:  # chat and completions end with [DONE]: cut short without it
-            ctx.error = "upstream_truncated"
+        if failure is None and ex.parsed.kind in ("json", "multipart"):  # others' streams end with the body
+            ex.ctx.answered = True
+        elif failure is None and not client.done:  # chat and completions end with [DONE]: cut short without it
+            ex.ctx.error = "upstream_truncated"
             failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
-        if failure is not None and not done and delivered is not None and self._may_migrate(delivered, deadline):
+        if failure is not None and not client.done and self._may_migrate(ex):
             raise Migration(failure)
-        return await self._end_stream(out, failure)
+        return await self._end_stream(ex, failure)
+
+    def _stalled(self, ex: Exchange, replica: Replica, *, idle: bool) -> GatewayError:
+        timeouts = self.settings.timeouts
+        ex.ctx.error = "stream_idle_timeout" if idle else "total_timeout"
+        if idle:
+            self.count_failure(replica)
+            return UpstreamTimeout(
+                f"replica {replica.id} sent nothing for {timeouts.stream_idle_s:g} s", code=ex.ctx.error
+            )
+        return UpstreamTimeout("the stream did not finish within timeouts.total_s", code=ex.ctx.error)
 
     @staticmethod
-    async def _end_stream(out: Responder, failure: GatewayError | None) -> int:
+    async def _end_stream(ex: Exchange, failure: GatewayError | None) -> int:
         if failure is not None:
-            await out.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
-        await out.end()
+            await ex.out.write(b"data: " + orjson.dumps(failure.body()) + b"\n\n")
+        await ex.out.end()
         return 200 if failure is None else failure.status
 
-    def _may_migrate(self, delivered: Delivered, deadline: float) -> bool:
-        retry = self.settings.retry
-        return delivered.within_bound and delivered.migrations < retry.max_migrations and time.monotonic() < deadline
+    def _may_migrate(self, ex: Exchange) -> bool:
+        relayed, retry = ex.relayed, self.settings.retry
+        return (
+            relayed is not None
+            and relayed.within_bound
+            and relayed.migrations < retry.max_migrations
+            and time.monotonic() < ex.deadline
+        )
 
-    async def _migrate(
-        self,
-        out: Responder,
-        method: str,
-        path: str,
-        parsed: ParsedRequest,
-        info: RequestInfo,
-        ctx: RequestContext,
-        data: bytes,
-        deadline: float,
-        delivered: Delivered,
-        failed: list[str],
-        failure: GatewayError,
-    ) -> int:
+    async def _migrate(self, ex: Exchange, failure: GatewayError) -> int:
         """Continue a stream whose engine failed on other replicas (`gateway.migration`), at most
         `retry.max_migrations` times; the client's stream ends with the last failure's error event otherwise."""
-        model = self.metrics.model(parsed.model)
-        while self._may_migrate(delivered, deadline):
-            delivered.migrations += 1
-            cont = continuation(parsed.endpoint, data, delivered)
-            if cont is None:
+        relayed = ex.relayed
+        assert relayed is not None
+        model = self.metrics.model(ex.parsed.model)
+        while self._may_migrate(ex):
+            relayed.migrations += 1
+            data = continuation(ex.parsed, relayed)
+            if data is None:
                 break
-            data, tokens = cont
-            delivered.tokens_before += tokens
+            ex.data = data
             try:
-                replica, decision = await self.router.choose(info, failed)
+                replica, decision = await self._route(ex, migrated=True)
             except GatewayError:
                 break
-            failed.append(replica.id)
-            ctx.replica, ctx.route_reason, ctx.migrations = replica.id, "migrated", delivered.migrations
+            ex.ctx.migrations = relayed.migrations
             try:
-                status = await self._attempt(
-                    out, method, path, parsed, replica, decision, ctx, data, deadline, delivered
-                )
+                status = await self._attempt(ex, replica, decision, self._relay)
             except Retryable as exc:  # the continuation failed before its first event
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
                 self.count_failure(replica)
@@ -442,8 +387,20 @@ class UpstreamProxy:
                 failure = refused
                 break
             model.migrated.value += 1
-            ctx.error = None
+            ex.ctx.error = None
             return status
         model.migration_failed.value += 1
-        ctx.error = failure.code
-        return await self._end_stream(out, failure)
+        ex.ctx.error = failure.code
+        return await self._end_stream(ex, failure)
+
+    async def _prefill(self, step: Exchange) -> tuple[Replica, dict[str, Any]] | None:
+        """A prefill step (gateway.disagg) through the same attempts, on prefill replicas; None when none ran it."""
+        try:
+            return await self.retrying(step, self._prefill_answer, self.settings.retry.max_attempts, prefill=True)
+        except Exhausted:
+            return None
+
+    async def _prefill_answer(
+        self, step: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
+    ) -> tuple[Replica, dict[str, Any]]:
+        return replica, transfer_params(await self.read_answer(upstream, replica, step.deadline))

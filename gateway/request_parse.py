@@ -1,12 +1,15 @@
 """Validation of OpenAI request bodies: just enough to route and to reject bad input with a clear 400.
 
 Everything the gateway does not need is passed through to the engine untouched (the original bytes are forwarded
-unless the gateway itself has to change a field).
+unless the gateway itself has to change a field). The body is decoded once (`decode`: orjson, the standard library
+only for what orjson refuses or would read inexactly), and a body the gateway changes is written from that one
+decoding (`engine_fields`, `encode`), never read again.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,13 +22,14 @@ BodyKind = Literal["chat", "completions", "json", "multipart", "held"]  # see ga
 
 @dataclass(slots=True)
 class ParsedRequest:
-    endpoint: BodyKind
+    kind: BodyKind
     body: dict[str, Any]
     model: str
     stream: bool
     include_usage: bool  # client asked for stream_options.include_usage (always True for "json": nothing stripped)
     max_tokens: int | None
-    stdlib_json: bool = False  # parsed by the standard library (orjson refused it: perhaps not UTF-8)
+    stdlib_json: bool = False  # decoded by the standard library (orjson refused it, or would round a big integer)
+    continuous_usage: bool = False  # client asked for stream_options.continuous_usage_stats
     content_type: str = "application/json"  # sent to the engine with the body
     records_id: bool = False  # remember which replica answered the answer's `id` (gateway.endpoints)
 
@@ -118,21 +122,36 @@ def parse_multipart(raw: bytes, content_type: str) -> ParsedRequest:
     return ParsedRequest("multipart", {"model": model}, model, stream, True, None, content_type=content_type)
 
 
-def parse_request(endpoint: BodyKind, raw: bytes, *, model_optional: bool = False) -> ParsedRequest:
-    """The body parsed by orjson (about 10x the standard library's speed); what orjson refuses (UTF-16 bodies, a
-    byte order mark, NaN, lone surrogates) is read by the standard library, so nothing that parsed before is
-    refused now. The parsed body is for validation and routing: the engine gets the client's bytes
-    (`upstream_body`), so orjson reading an integer beyond 64 bits as a float changes nothing sent."""
-    stdlib = False
-    _refuse_duplicate_keys(raw)
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        stdlib = True
+# twenty digits in a row: perhaps an integer beyond 64 bits, which orjson reads as a float (linear: a fixed count)
+_LONG_DIGITS = re.compile(rb"\d{20}")
+
+
+def decode(raw: bytes) -> tuple[Any, bool]:
+    """(the JSON value, whether the standard library read it): orjson (about 10x the standard library's speed),
+    unless it refuses the text (UTF-16, a byte order mark, NaN, lone surrogates) or the text holds a number it would
+    round; then the standard library, which reads those exactly. BadRequest when neither can."""
+    if _LONG_DIGITS.search(raw) is None:
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+            return orjson.loads(raw), False
+        except orjson.JSONDecodeError:
+            pass
+    try:
+        return json.loads(raw), True
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def encode(body: dict[str, Any], parsed: ParsedRequest) -> bytes:
+    """A body the gateway changed, written by the codec that read the client's (so every value is kept exactly)."""
+    if parsed.stdlib_json:
+        return json.dumps(body, separators=(",", ":")).encode()
+    return orjson.dumps(body)
+
+
+def parse_request(kind: BodyKind, raw: bytes, *, model_optional: bool = False) -> ParsedRequest:
+    """The body decoded once (`decode`) and checked as far as routing, quotas and isolation need."""
+    _refuse_duplicate_keys(raw)
+    body, stdlib = decode(raw)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     model = body.get("model")
@@ -140,12 +159,12 @@ def parse_request(endpoint: BodyKind, raw: bytes, *, model_optional: bool = Fals
         model = ""  # the pool's only model (the caller resolves it); the engine uses its own
     elif not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    if endpoint == "json":  # any other vLLM endpoint: the engine validates the rest
+    if kind == "json":  # any other vLLM endpoint: the engine validates the rest
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
             raise BadRequest("'stream' must be a boolean", param="stream")
-        return ParsedRequest(endpoint, body, model, bool(stream), True, None, stdlib)
-    if endpoint == "chat":
+        return ParsedRequest(kind, body, model, bool(stream), True, None, stdlib)
+    if kind == "chat":
         _check_messages(body.get("messages"))
     else:
         if "prompt" not in body:
@@ -163,9 +182,9 @@ def parse_request(endpoint: BodyKind, raw: bytes, *, model_optional: bool = Fals
     max_tokens = _check_int(body, "max_tokens", 0)
     max_completion = _check_int(body, "max_completion_tokens", 0)
     _check_int(body, "n", 1)
-    return ParsedRequest(
-        endpoint, body, model, stream, include_usage, max_tokens if max_tokens is not None else max_completion, stdlib
-    )
+    limit = max_tokens if max_tokens is not None else max_completion
+    continuous = bool(options and options.get("continuous_usage_stats"))
+    return ParsedRequest(kind, body, model, stream, include_usage, limit, stdlib, continuous_usage=continuous)
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -206,26 +225,33 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 _USAGE_OPTION = b'"stream_options":{"include_usage":true},'
+_USAGE_STATS_OPTION = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true},'
 
 
-def upstream_body(parsed: ParsedRequest, raw: bytes, salted: bool) -> bytes:
-    """The body sent to the engine: the client's bytes untouched, unless the gateway must ask for the usage chunk
-    of a stream (`stream_options.include_usage`), set the tenant's `cache_salt` (`salted`) or name the model it
-    routes to (an alias or a fallback: `parsed.model` is not the body's). A stream option alone is spliced in after
-    the opening brace when the client sent no `stream_options` (UTF-8 bodies); otherwise the body is re-read and
-    re-written by the standard library, which keeps every value exactly as sent."""
+def engine_fields(parsed: ParsedRequest, *, usage_stats: bool = False) -> dict[str, Any]:
+    """The body as the engine gets it, as a new dict: the client's fields (with the tenant's `cache_salt` where
+    the gateway set it), the model the gateway routes to, and a stream's usage options (`usage_stats`: the running
+    usage too, which a stream that may migrate needs)."""
+    body = {**parsed.body, "model": parsed.model} if "model" in parsed.body else dict(parsed.body)
+    if parsed.stream and (not parsed.include_usage or usage_stats):
+        options = {**(body.get("stream_options") or {}), "include_usage": True}
+        if usage_stats:
+            options["continuous_usage_stats"] = True
+        body["stream_options"] = options
+    return body
+
+
+def engine_body(parsed: ParsedRequest, raw: bytes, *, salted: bool, usage_stats: bool = False) -> bytes:
+    """The body sent to the engine: the client's bytes untouched, unless the gateway must ask for a stream's usage
+    (`stream_options`), set the tenant's `cache_salt` (`salted`) or name the model it routes to (an alias or a
+    fallback: `parsed.model` is not the body's). Stream options alone are spliced in after the opening brace when
+    the client sent none (UTF-8 bodies); otherwise the body is written from its one decoding (`engine_fields`)."""
     wants_usage = parsed.stream and not parsed.include_usage  # include_usage is True for "json" bodies
+    wants_stats = usage_stats and parsed.stream and not parsed.continuous_usage
     renamed = parsed.body.get("model", parsed.model) != parsed.model
-    if not (wants_usage or salted or renamed):
+    if not (wants_usage or wants_stats or salted or renamed):
         return raw
     if not (salted or renamed) and not parsed.stdlib_json and "stream_options" not in parsed.body:
         start = raw.index(b"{") + 1
-        return raw[:start] + _USAGE_OPTION + raw[start:]
-    body = json.loads(raw)
-    if salted:
-        body["cache_salt"] = parsed.body["cache_salt"]
-    if renamed:
-        body["model"] = parsed.model
-    if wants_usage:
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    return json.dumps(body, separators=(",", ":")).encode()
+        return raw[:start] + (_USAGE_STATS_OPTION if usage_stats else _USAGE_OPTION) + raw[start:]
+    return encode(engine_fields(parsed, usage_stats=usage_stats), parsed)

@@ -69,6 +69,12 @@ class SimConfig(BaseModel):
     decode_ms: float = Field(default=5.0, ge=0.0)
     decode_ms_per_seq: float = Field(default=0.1, ge=0.0)
     instant: bool = False  # every cost zero and no sleeps at all (gateway overhead measurements)
+    # how a stream is cut into events: tokens per event (vLLM's --stream-interval), and the assistant role sent
+    # with the first token instead of in an opening event of its own (other OpenAI-compatible servers)
+    stream_interval: int = Field(default=1, ge=1)
+    role_in_first_token: bool = False
+    # headers of the engine's own on every answer (an OpenAI-compatible server's rate limits, timings, ...)
+    response_headers: dict[str, str] = Field(default_factory=dict)
     seed: int = 0
     # KV events: None = off, 0 = any free port
     kv_events_port: int | None = Field(default=None, ge=0, le=65535)

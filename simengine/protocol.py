@@ -258,20 +258,22 @@ class ResponseWriter:
             chunk["usage"] = use
         return f"data: {dumps(chunk)}\n\n"
 
-    def first_event(self, prompt_tokens: int) -> str:
-        """Chat streams open with an empty assistant delta; completions streams have no opening event."""
-        if self.req.kind != "chat":
+    def first_event(self, prompt_tokens: int, role_in_first_token: bool = False) -> str:
+        """Chat streams open with an empty assistant delta (or the role comes with the first token); completions
+        streams have no opening event."""
+        if self.req.kind != "chat" or role_in_first_token:
             return ""
         use = usage(prompt_tokens, 0, 0) if self.req.continuous_usage else None
         delta = {"role": "assistant", "content": ""}
         return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], use)
 
-    def token_event(self, text: str, last: bool, use: dict[str, Any] | None) -> str:
-        if not last and not self.req.continuous_usage:
+    def token_event(self, text: str, last: bool, use: dict[str, Any] | None, with_role: bool = False) -> str:
+        if not last and not self.req.continuous_usage and not with_role:
             return self._tok_pre + json.dumps(text) + self._tok_post
         finish = "length" if last else None
         if self.req.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            delta = {"role": "assistant", "content": text} if with_role else {"content": text}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if last:

@@ -83,6 +83,8 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
     rid = request.headers.get("X-Request-Id")
     if rid is not None:
         response.headers["X-Request-Id"] = rid
+    for name, value in request.app[ENGINE_KEY].config.response_headers.items():
+        response.headers.setdefault(name, value)
     traceparent = request.headers.get("traceparent")
     if traceparent is not None:  # what vLLM would parent its request spans on (--otlp-traces-endpoint)
         request.app[ENGINE_KEY].traceparents.append(traceparent)
@@ -129,17 +131,27 @@ async def _stream(
     prompt_len = len(req.tokens)
     sent = 0
     stalled = False
+    interval, role_first = engine.config.stream_interval, engine.config.role_in_first_token
+    pending: list[str] = []  # tokens held for the next event (stream_interval > 1)
+    role_due = role_first  # the role still to be sent with a token
 
     async def emit(words: Sequence[str], cached: int) -> None:
-        nonlocal sent, stalled
+        nonlocal sent, stalled, role_due
         out: list[str] = []
         if not resp.prepared:  # first byte only once the request runs: faults and queueing precede it
             await resp.prepare(request)
-            out.append(writer.first_event(prompt_len))
+            out.append(writer.first_event(prompt_len, role_first))
         for word in words:
             sent += 1
-            use = usage(prompt_len, sent, cached) if req.continuous_usage else None
-            out.append(writer.token_event(word, sent == req.max_tokens, use))
+            pending.append(word)
+            last = sent == req.max_tokens
+            if len(pending) >= interval or last:
+                use = usage(prompt_len, sent, cached) if req.continuous_usage else None
+                out.append(writer.token_event("".join(pending), last, use, with_role=role_due))
+                pending.clear()
+                role_due = False
+        if not out:
+            return
         await resp.write("".join(out).encode())
         faults = engine.faults
         if faults.cut_after_tokens is not None and sent >= faults.cut_after_tokens and request.transport:

@@ -60,6 +60,29 @@ async def test_request_id_and_route_headers(http: aiohttp.ClientSession) -> None
             assert len(resp.headers["x-request-id"]) >= 16 and resp.headers["x-kvgate-replica"] != first
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_engines_own_headers_reach_the_client(stream: bool, http: aiohttp.ClientSession) -> None:
+    """A transparent gateway relays the headers it does not own; hop-by-hop ones and its own replace the engine's."""
+    own = {
+        "x-ratelimit-remaining-requests": "41",
+        "openai-processing-ms": "12",
+        "x-engine-trace": "t-1",
+        "x-kvgate-replica": "forged",
+        "Server": "engine",
+        "Keep-Alive": "timeout=99",
+    }
+    sim = SIM.model_copy(update={"response_headers": own})
+    async with gateway_over_sims([sim]) as (gw, _):
+        body = {"model": "sim", "prompt": "x", "max_tokens": 2, "stream": stream}
+        async with http.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "mine"}) as resp:
+            assert resp.status == 200
+            await resp.read()
+            assert resp.headers["x-ratelimit-remaining-requests"] == "41"
+            assert resp.headers["openai-processing-ms"] == "12" and resp.headers["x-engine-trace"] == "t-1"
+            assert resp.headers["x-kvgate-replica"] != "forged" and resp.headers["x-request-id"] == "mine"
+            assert resp.headers.get("Server") != "engine" and "timeout=99" not in resp.headers.get("Keep-Alive", "")
+
+
 async def test_client_disconnect_cancels_the_engine_request(http: aiohttp.ClientSession) -> None:
     slow = SIM.model_copy(update={"decode_ms": 20})
     async with gateway_over_sims([slow]) as (gw, sims):

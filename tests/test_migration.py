@@ -98,3 +98,27 @@ async def test_with_migration_off_a_cut_stream_ends_with_an_error_event(http: ai
             with pytest.raises(openai.APIError, match="failed mid-stream"):
                 await stream_text(client, "completions", after=5, on_chunk=cut)
         assert await migrations(http, gw.url) == {"resumed": 0.0, "failed": 0.0}
+
+
+@pytest.mark.parametrize(("role_in_first_token", "stream_interval"), [(True, 1), (False, 3), (True, 4)])
+async def test_the_seam_loses_no_token_whatever_the_engine_puts_in_an_event(
+    role_in_first_token: bool, stream_interval: int, http: aiohttp.ClientSession
+) -> None:
+    """Engines that send the assistant role with the first token, or several tokens per event (vLLM's stream
+    interval above 1): the continued stream is still the undisturbed answer, its usage the whole answer's."""
+    sim = SIM.model_copy(update={"role_in_first_token": role_in_first_token, "stream_interval": stream_interval})
+    async with gateway_over_sims([sim, sim]) as (gw, sims):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            reference, _, _ = await stream_text(client, "chat")
+            assert len(reference.split()) == TOKENS
+
+            async def cut(replica: str) -> None:
+                port = next(r.port for r in gw.app[REPLICAS] if r.id == replica)
+                sim_server = next(s for s in sims if s.port == port)
+                async with http.post(f"{sim_server.url}/sim/faults", json={"cut_after_tokens": 1}) as resp:
+                    assert resp.status == 200
+
+            text, usage, _ = await stream_text(client, "chat", after=3, on_chunk=cut)
+        assert text == reference
+        assert usage.completion_tokens == TOKENS
+        assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}

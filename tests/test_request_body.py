@@ -1,5 +1,5 @@
 """Reading and writing request and response bodies on the hot path: orjson with the standard library's behaviour
-kept (`parse_request`, `upstream_body`) and the usage object read without parsing the whole answer (`usage_of`)."""
+kept (`parse_request`, `engine_body`) and the usage object read without parsing the whole answer (`usage_of`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from gateway.answers import usage_of
 from gateway.body import deeper_than, nested_deeper, structure_of
 from gateway.config import ConfigError, load_config
 from gateway.errors import BadRequest
-from gateway.request_parse import parse_request, upstream_body
+from gateway.request_parse import engine_body, parse_request
 from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
@@ -48,12 +48,12 @@ def test_invalid_json_is_still_a_400() -> None:
 
 def test_the_engine_gets_the_clients_bytes_unless_the_gateway_changes_a_field() -> None:
     raw = b'{"model":"m","prompt":"x","seed":%d}' % BIG
-    assert upstream_body(parse_request("completions", raw), raw, salted=False) is raw
+    assert engine_body(parse_request("completions", raw), raw, salted=False) is raw
 
 
 def test_a_streams_usage_option_is_spliced_in() -> None:
     raw = b' {"model":"m","prompt":"x","stream":true,"seed":%d}' % BIG
-    sent = json.loads(upstream_body(parse_request("completions", raw), raw, salted=False))
+    sent = json.loads(engine_body(parse_request("completions", raw), raw, salted=False))
     assert sent["stream_options"] == {"include_usage": True} and sent["seed"] == BIG
 
 
@@ -61,7 +61,7 @@ def test_a_rewrite_keeps_every_value_exactly() -> None:
     raw = b'{"model":"m","prompt":"x","stream":true,"stream_options":{"x":1},"seed":%d}' % BIG
     parsed = parse_request("completions", raw)
     parsed.body["cache_salt"] = "kvgate:abc"
-    sent = json.loads(upstream_body(parsed, raw, salted=True))
+    sent = json.loads(engine_body(parsed, raw, salted=True))
     assert sent["seed"] == BIG and sent["cache_salt"] == "kvgate:abc"
     assert sent["stream_options"] == {"x": 1, "include_usage": True}
 

@@ -1,0 +1,110 @@
+"""A stream's two halves: reading the engine's SSE events (`SseSplitter`) and writing the client's (`ClientEvents`).
+
+The proxy (`gateway.proxy`) reads chunks from the engine, splits them into whole events, lets `ClientEvents` turn
+them into what the client gets, and writes those. `ClientEvents` records what the request learns on the way (usage,
+a stored response's id, the end of the answer) and, for a stream that may continue elsewhere, what was relayed
+(`gateway.migration.Relayed`). A continuation's events go into the client's started stream without the assistant
+role the client already has, its usage told as the whole answer's.
+
+Cost per event: one `bytes.find` for its end; one substring check for usage (and, on a stream that may migrate,
+one `rfind` that moves the engine's continuous usage out of the event); events that carry a final usage object are
+parsed. No event is copied beyond the one join per write.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+from gateway.answers import answer_id, usage_event
+from gateway.exchange import Exchange
+from gateway.migration import split_usage, without_role
+
+DONE = b"data: [DONE]"
+
+
+class Observer(Protocol):
+    def observe(self, value: float) -> None: ...
+
+
+class SseSplitter:
+    """Whole SSE events (each ending with a blank line) out of the chunks an engine sends; a partial event waits for
+    the next chunk. O(chunk) per chunk."""
+
+    __slots__ = ("_rest",)
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._rest + chunk if self._rest else chunk
+        events: list[bytes] = []
+        start = 0
+        while (end := buf.find(b"\n\n", start)) >= 0:
+            events.append(buf[start : end + 2])
+            start = end + 2
+        self._rest = buf[start:]
+        return events
+
+
+class ClientEvents:
+    """The client's side of one attempt's stream."""
+
+    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "done")
+
+    def __init__(self, ex: Exchange, itl: Observer) -> None:
+        self._ex = ex
+        self._itl = itl
+        self._continuing = ex.out.started  # a continuation: the client has the stream's opening already
+        self._last_write = 0.0
+        self.done = False  # the answer's end reached the client ([DONE]); it may leave before the terminator
+
+    def take(self, events: list[bytes]) -> list[bytes]:
+        """What the client gets of the engine's `events` (possibly nothing)."""
+        ex = self._ex
+        relayed = ex.relayed
+        out: list[bytes] = []
+        before = relayed.tokens_before if relayed is not None else 0
+        for event in events:
+            if b'"usage"' in event and not event.startswith(DONE):
+                cut = split_usage(event) if relayed is not None else None
+                if cut is not None and relayed is not None:  # the engine's running count, asked for by the gateway
+                    relayed.usage = cut[1]
+                    if not ex.parsed.continuous_usage:  # ... and not by the client
+                        event = cut[0]
+                    elif before:
+                        event = usage_event(event, ex.ctx, False, before)
+                else:
+                    event = usage_event(event, ex.ctx, not ex.parsed.include_usage, before)
+            if self._continuing and b'"role"' in event:
+                event = without_role(event)
+            if ex.parsed.records_id and ex.ctx.answer_id is None and b'"response"' in event:
+                ex.ctx.answer_id = answer_id(event[event.find(b"{") :])
+            if event:
+                out.append(event)
+        if out:
+            self._continuing = False
+        return out
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        """The client's response begins (unless a continuation joins a stream already begun)."""
+        ex = self._ex
+        self._last_write = time.monotonic()
+        if not ex.out.started:
+            await ex.out.start_stream(
+                status, {**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            ex.ctx.ttft_s = self._last_write - ex.ctx.started
+
+    async def write(self, events: list[bytes], first: bool) -> None:
+        now = time.monotonic()
+        if not first:
+            self._itl.observe(now - self._last_write)
+        self._last_write = now
+        data = b"".join(events)
+        if self._ex.relayed is not None:
+            self._ex.relayed.add(events, len(data))
+        await self._ex.out.write(data)
+        if events[-1].startswith(DONE):
+            self.done = self._ex.ctx.answered = True
