@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from engine_pool.latency import LatencyLearner
 from policies.base import ReplicaState, Role
+from policies.latency import Held, ReplicaLatency
 from policies.queue_price import EngineCounters, QueuePrice
 
 
@@ -85,6 +87,8 @@ class Replica:
         self.failed = 0
         self.metrics = EngineMetrics()
         self.queue_price = QueuePrice()  # learned from the scrapes: what one more request here costs
+        self.latency = LatencyLearner()  # learned from the gateway's answers: policies.latency's terms
+        self.held: dict[int, Held] = {}  # admitted requests placed here: the KV each holds, its predicted end
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -136,6 +140,13 @@ class Replica:
         if self.in_flight <= 0:
             self.in_flight = 0
             self._idle.set()
+
+    def latency_view(self) -> ReplicaLatency:
+        """What the latency model knows of this replica now (`policies.latency.predict`)."""
+        m, price = self.metrics, self.queue_price
+        kv = m.num_blocks * m.block_size if m.num_blocks and m.block_size else None
+        overhead, prefill, step, per_seq = self.latency.terms(price.prefill_s_per_token, price.slope())
+        return ReplicaLatency(self.id, kv, tuple(self.held.values()), overhead, prefill, step, per_seq)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when no request is in flight (drain finished) within timeout_s."""

@@ -20,7 +20,7 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
 from gateway.adapters import AdapterLoader
-from gateway.admission.controller import AdmissionController
+from gateway.admission.controller import AdmissionController, Demand
 from gateway.body import read_body
 from gateway.config import GatewayConfig, ModelsConfig
 from gateway.context import RequestContext
@@ -42,7 +42,9 @@ log = logging.getLogger("kvgate.gateway")
 
 # a model's 503s that send its requests on to a fallback (models.fallbacks); others (quota store down, the tenant's
 # own queue bound) would refuse the fallback too
-_NO_CAPACITY = frozenset({"no_ready_replica", "queue_full", "queue_timeout", "engines_not_discovered"})
+_NO_CAPACITY = frozenset(
+    {"no_ready_replica", "queue_full", "queue_timeout", "engines_not_discovered", "latency_target"}
+)
 HELD_MAX = 100_000  # stored responses remembered (id -> replica), least recently used dropped first
 
 
@@ -150,8 +152,9 @@ class CompletionService:
                     tenant=identity.tenant,
                     session_key=headers.get(self._session_header),
                 )
+                demand = Demand(info, parsed.max_tokens, admission.latency.targets(identity, model, headers))
                 try:
-                    async with admission.slot(identity, model, info.prompt_tokens or len(raw) // 4, ctx):
+                    async with admission.slot(identity, model, info.prompt_tokens or len(raw) // 4, ctx, demand):
                         ctx.admitted_at = time.monotonic()
                         ctx.status = await self.proxy.forward(
                             self._exchange(out, request, parsed, info, ctx, raw, salted, holder)

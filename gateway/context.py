@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from policies.latency import Held, Prediction
+
 
 @dataclass(slots=True)
 class TraceIds:
@@ -45,6 +47,10 @@ class RequestContext:
     answered: bool = False  # the engine's whole answer reached the client (who may still leave before its end)
     split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
     prefill_done_at: float | None = None  # time.monotonic() when a split request's prefill step answered
+    # admission by predicted latency (gateway.admission.targets): the KV the request holds and where, its prediction
+    hold: Held | None = None
+    held_on: str | None = None
+    prediction: Prediction | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
     # tracing (gateway.tracing): the ids of a sampled request, and when its stages ended (time.monotonic())
     trace: TraceIds | None = None

@@ -32,6 +32,7 @@ import orjson
 from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
+from gateway.admission.targets import place
 from gateway.answers import answer_id, upstream_error, usage_of
 from gateway.config import DisaggregationConfig, RetryConfig, TimeoutConfig
 from gateway.disagg import PrefillStep, transfer_params
@@ -127,6 +128,7 @@ class UpstreamProxy:
         ex.tried.append(replica.id)
         if prefill:
             return replica, decision
+        place(ctx, replica, self.replicas)
         if retry:
             self.metrics.model(ex.parsed.model).retries.value += 1
         if not migrated:

@@ -144,6 +144,12 @@ class Router:
             chosen.setdefault(r.id, r)
         return list(chosen.values())
 
+    def cached_tokens(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, int]:
+        """Per replica, the prompt tokens the prefix index predicts it holds (absent: none or not known)."""
+        if self.cache is None or not info.block_hashes or not replica_ids:
+            return EMPTY_MAPPING
+        return {rid: n * info.block_size for rid, n in self.cache.overlap(info, replica_ids).items()}
+
     def split(self, info: RequestInfo, prompt_tokens: int, min_prefill_tokens: int) -> Split:
         """Whether the request's prefill runs on a prefill replica (`policies.disagg`)."""
         decode = self.view(info)

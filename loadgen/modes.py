@@ -42,6 +42,7 @@ from loadgen.stats import (
     find_knee,
     percentile,
     recommend_gate,
+    slo_verdict,
     summarize,
     verdict,
 )
@@ -224,7 +225,7 @@ def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None
         for p in doc["points"]
     ]  # fmt: skip
     rule = KneeRule(ttft_factor=args.knee_ttft_factor, min_gain=args.knee_min_gain, min_success=args.min_success)
-    knee = find_knee(pts, rule)
+    knee = find_knee(pts, rule, open_loop=by_rate)
     for p, sp in zip(doc["points"], pts, strict=True):
         p["verdict"] = verdict(sp, knee, rule)
     replicas_seen = {r for p in doc["points"] for r in p["replica_load"] if r != "-"}
@@ -234,6 +235,8 @@ def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None
     if knee.found:
         text = (f"knee at {unit} {knee.load:g} ({knee.reason} at {knee.saturated_at:g}); recommended "
                 f"admission.replica_max_concurrency: {gate} for {replicas} replica(s)")  # fmt: skip
+    elif by_rate:
+        text = f"no knee up to {unit} {knee.load:g}: time to first token did not jump (sweep higher rates)"
     else:
         text = f"no knee up to {unit} {knee.load:g}: the gate is at least {gate} per replica (sweep higher)"
     doc["knee"] = knee.to_json()
@@ -245,9 +248,22 @@ def _apply_goodput(doc: Doc, args: argparse.Namespace) -> None:
     if args.slo is None:
         return
     knee = find_goodput_knee([(p["load"], p["summary"]["slo_attainment"]) for p in doc["points"]], args.slo_attainment)
+    for p in doc["points"]:
+        if "verdict" in p:
+            p["verdict"] = slo_verdict(p["verdict"], p["summary"]["slo_attainment"], args.slo_attainment)
     unit = "req/s" if doc["arrival"] == "poisson" else "concurrency"
     best = max(doc["points"], key=lambda p: p["summary"]["goodput_req_per_s"])
-    text = (f"goodput knee at {unit} {knee.load:g} ({knee.reason}; SLO {args.slo.describe()}, "
+    within = "the highest rate within targets" if unit == "req/s" else "goodput knee"
+    if (
+        knee.found
+        and knee.index == 0
+        and doc["points"]
+        and doc["points"][0]["summary"]["slo_attainment"] < args.slo_attainment
+    ):
+        within, knee_text = "no rate tested is within targets", ""
+    else:
+        knee_text = f" {unit} {knee.load:g}"
+    text = (f"{within}{knee_text} ({knee.reason}; SLO {args.slo.describe()}, "
             f"attainment >= {args.slo_attainment:g}); most goodput {best['summary']['goodput_req_per_s']:.2f} req/s "
             f"at {best['load']:g}")  # fmt: skip
     doc["goodput"] = {"slo": asdict(args.slo), "min_attainment": args.slo_attainment, "knee": knee.to_json(),

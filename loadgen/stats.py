@@ -13,7 +13,9 @@ throughput r and success rate s. The baseline b is the TTFT p50 of the lowest-lo
     (b) r_i < (1 + min_gain) * r_{i-1}                        (throughput stopped rising),
     (c) max(r_j, j >= i) < (1 + min_gain) * r_{i-1}           (and it does not rise again at any higher load:
                                                                a single stalled setting is noise, not the knee),
-or when s_i < min_success (the endpoint fails requests). The knee is the point just before the first saturated
+or when s_i < min_success (the endpoint fails requests). A rate sweep (open loop, `open_loop`) saturates on (a)
+alone: arrivals do not slow down when the server does, so measured throughput keeps rising with the offered rate
+while requests queue, and a sharp TTFT rise is the knee. The knee is the point just before the first saturated
 point; when no point saturates the knee is the highest load tested and `found` is False (the sweep did not reach
 it). Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99. O(points^2) at worst, for (c).
 
@@ -24,6 +26,8 @@ Verdicts (`verdict`), with ratio = t_i / b and the knee load k:
     x < k                         -> "production"
     x > k and ratio <= 10         -> "queueing"
     x > k                         -> "batch only"
+With latency targets (`slo_verdict`), a point whose SLO attainment is below `min_attainment` is "misses targets"
+whatever its place against the knee: a point where most requests miss their targets is never a sweet spot.
 
 Recommended per-replica gate: floor(k / replicas), at least 1, for a concurrency sweep. For a rate sweep the knee
 concurrency comes from Little's law, L = rate * mean e2e latency at the knee (rounded up).
@@ -216,10 +220,12 @@ class Knee:
         return asdict(self)
 
 
-def _saturated(prev: SweepPoint, cur: SweepPoint, base: float, rule: KneeRule) -> str | None:
+def _saturated(prev: SweepPoint, cur: SweepPoint, base: float, rule: KneeRule, open_loop: bool) -> str | None:
     if cur.success_rate < rule.min_success:
         return f"success rate {cur.success_rate:.3f} < {rule.min_success}"
     ttft_jump = cur.ttft_p50_s > rule.ttft_factor * base and cur.ttft_p50_s - base > rule.min_rise_s
+    if ttft_jump and open_loop:
+        return f"TTFT p50 {cur.ttft_p50_s * 1e3:.1f} ms > {rule.ttft_factor:g} x baseline {base * 1e3:.1f} ms"
     flat = cur.output_tok_per_s < (1.0 + rule.min_gain) * prev.output_tok_per_s
     if ttft_jump and flat:
         return (
@@ -230,7 +236,7 @@ def _saturated(prev: SweepPoint, cur: SweepPoint, base: float, rule: KneeRule) -
     return None
 
 
-def find_knee(points: Sequence[SweepPoint], rule: KneeRule | None = None) -> Knee:
+def find_knee(points: Sequence[SweepPoint], rule: KneeRule | None = None, *, open_loop: bool = False) -> Knee:
     """Apply the knee rule of the module header; points need not be sorted. Raises ValueError when empty."""
     if not points:
         raise ValueError("find_knee needs at least one sweep point")
@@ -240,9 +246,11 @@ def find_knee(points: Sequence[SweepPoint], rule: KneeRule | None = None) -> Kne
     if pts[0].success_rate < rule.min_success:
         return Knee(0, pts[0].load, True, base, pts[0].load, "lowest load already fails requests")
     for i in range(1, len(pts)):
-        why = _saturated(pts[i - 1], pts[i], base, rule)
+        why = _saturated(pts[i - 1], pts[i], base, rule, open_loop)
         if why is None:
             continue
+        if open_loop:
+            return Knee(i - 1, pts[i - 1].load, True, base, pts[i].load, why)
         later_best = max(p.output_tok_per_s for p in pts[i:])
         if (
             pts[i].success_rate >= rule.min_success
@@ -275,6 +283,11 @@ def verdict(point: SweepPoint, knee: Knee, rule: KneeRule | None = None) -> str:
     if point.load < knee.load:
         return "interactive" if ratio <= 1.5 else "production"
     return "queueing" if ratio <= 10.0 else "batch only"
+
+
+def slo_verdict(plain: str, attainment: float, min_attainment: float) -> str:
+    """A point's verdict once latency targets are known (module header)."""
+    return f"misses targets ({attainment:.0%} within)" if attainment < min_attainment else plain
 
 
 def recommend_gate(knee: Knee, knee_point: SweepPoint, *, replicas: int, by_rate: bool) -> int:

@@ -85,6 +85,11 @@ class QueuePrice:
                 self._prefill_s_per_token = _ew(self._prefill_s_per_token, per_token)
         self.value = self._price()
 
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        """`p`: seconds of prefill per prompt token computed, once an interval saw requests finish."""
+        return self._prefill_s_per_token
+
     def slope(self) -> float | None:
         """`d`: seconds per decode step per running sequence, or None while the running count has not varied."""
         if self._x is None:

@@ -62,6 +62,37 @@ class LimitsConfig(_Strict):
         )
 
 
+class LatencyTargets(_Strict):
+    ttft_s: float | None = Field(
+        None,
+        gt=0,
+        description="time to first token, from arrival at the gateway (seconds; .inf: none; unset: inherited)",
+    )
+    tpot_s: float | None = Field(
+        None, gt=0, description="time per output token after the first (seconds; .inf: none; unset: inherited)"
+    )
+
+
+class TargetsConfig(_Strict):
+    enabled: bool = Field(
+        True,
+        description="admit a request only where some replica is predicted to meet its latency targets (or to start "
+        "it at once); refuse the rest at once with 503 and Retry-After (the predicted drain); false = gates only",
+    )
+    default: LatencyTargets = Field(
+        default_factory=lambda: LatencyTargets(ttft_s=2.0, tpot_s=0.1),
+        description="targets of every request: 2 s to the first token and 100 ms per token protect a pool nobody "
+        "has measured (past its knee time to first token jumps to tens of seconds: docs/admission.md)",
+    )
+    models: dict[str, LatencyTargets] = Field(
+        default_factory=dict, description="per model (or alias target), over the default"
+    )
+    classes: dict[str, LatencyTargets] = Field(
+        default_factory=lambda: {"batch": LatencyTargets(ttft_s=600.0, tpot_s=float("inf"))},
+        description="per priority class, over the model's; a batch request may wait minutes",
+    )
+
+
 class TenantConfig(_Strict):
     keys: list[str] = Field(
         default_factory=list,
@@ -84,6 +115,9 @@ class TenantConfig(_Strict):
         False,
         description="inject a tenant-specific cache_salt (HMAC of the tenant name with cache_salt_secret) so its "
         "prompts never share KV blocks with other tenants'",
+    )
+    targets: LatencyTargets | None = Field(
+        None, description="the tenant's latency targets, over its class's (admission.targets)"
     )
     cache_salt: str | None = Field(
         None, description="explicit salt for the tenant (implies isolation); None = derived as for cache_isolation"
@@ -159,6 +193,12 @@ class AdmissionConfig(_Strict):
     )
     queue: QueueConfig = Field(
         default_factory=QueueConfig, description="bounds and timing of the per-model weighted fair queue"
+    )
+    targets: TargetsConfig = Field(
+        default_factory=TargetsConfig,
+        description="latency targets per model, priority class and tenant, and admission by predicted latency; a "
+        "request may ask for looser ones with x-kvgate-slo-ttft-ms / x-kvgate-slo-tpot-ms (or llm-d's "
+        "x-llm-d-slo-ttft-ms / x-llm-d-slo-tpot-ms)",
     )
     enabled: bool = Field(
         True, description="capacity gate and fair queue; false = neither (auth and quotas still apply)"

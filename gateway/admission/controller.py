@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,10 +37,13 @@ from gateway.admission.config import AdmissionConfig
 from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.queue import DrainRate, FairQueue, QueueEntry
 from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
+from gateway.admission.targets import LatencyGate
 from gateway.context import RequestContext
 from gateway.errors import BadRequest, Overloaded, RateLimited
 from gateway.ids import IdSource
 from gateway.router import Router
+from policies.base import RequestInfo
+from policies.latency import Targets
 from policies.saturation import saturated
 
 log = logging.getLogger("kvgate.admission")
@@ -47,6 +51,19 @@ log = logging.getLogger("kvgate.admission")
 SALT_PREFIX = "kvgate:"
 _UNBOUNDED = 1 << 30
 _UNLIMITED = QuotaResult(allowed=True)  # a tenant without limits: no lease, no rate-limit headers
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What admission by predicted latency needs of a request."""
+
+    info: RequestInfo
+    max_tokens: int | None
+    targets: Targets
+
+
+def _seconds(value: float | None) -> str:
+    return "none" if value is None or math.isinf(value) else f"{value:g} s"
 
 
 @dataclass(slots=True)
@@ -58,22 +75,30 @@ class Ticket:
     quota: QuotaResult
     counted: bool = True  # in the tenant's in-flight count (until finished)
     holds_slot: bool = False
+    targets: Targets | None = None  # its latency targets, with admission by predicted latency
 
 
 class AdmissionSlot:
     """The async context manager `AdmissionController.slot` returns: `finish` always runs, however the block ends."""
 
-    __slots__ = ("controller", "ctx", "identity", "model", "prompt_tokens", "ticket")
+    __slots__ = ("controller", "ctx", "demand", "identity", "model", "prompt_tokens", "ticket")
 
     def __init__(
-        self, controller: AdmissionController, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext
+        self,
+        controller: AdmissionController,
+        identity: Identity,
+        model: str,
+        prompt_tokens: int,
+        ctx: RequestContext,
+        demand: Demand | None,
     ) -> None:
         self.controller = controller
         self.identity, self.model, self.prompt_tokens, self.ctx = identity, model, prompt_tokens, ctx
+        self.demand = demand
         self.ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self.ticket = await self.controller.admit(self.identity, self.model, self.prompt_tokens, self.ctx)
+        self.ticket = await self.controller.admit(self.identity, self.model, self.prompt_tokens, self.ctx, self.demand)
         return self.ticket
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -90,6 +115,7 @@ class AdmissionController:
         store: QuotaStore,
         metrics: AdmissionMetrics,
     ) -> None:
+        self.latency = LatencyGate(config, replicas, router, metrics)
         self.config = config
         self.auth = Authenticator(config)
         self.replicas = replicas
@@ -163,13 +189,19 @@ class AdmissionController:
         body["cache_salt"] = f"{SALT_PREFIX}{salt}" + (f":{client}" if isinstance(client, str) and client else "")
         return True
 
-    def slot(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> AdmissionSlot:
+    def slot(
+        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext, demand: Demand | None = None
+    ) -> AdmissionSlot:
         """`async with controller.slot(...)`: admitted inside the block (or a refusal raised), released after it."""
-        return AdmissionSlot(self, identity, model, prompt_tokens, ctx)
+        return AdmissionSlot(self, identity, model, prompt_tokens, ctx, demand)
 
-    async def admit(self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext) -> Ticket:
-        """Admission: the quota check (no round trip without limits or with the in-process store), then a slot,
-        at once when one is free and nothing of the model is queued, else in the model's fair queue."""
+    async def admit(
+        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext, demand: Demand | None = None
+    ) -> Ticket:
+        """Admission: the quota check (no round trip without limits or with the in-process store), then the
+        latency targets (`demand`: refused at once where no replica is predicted to meet them), then a slot, at
+        once when one is free and nothing of the model is queued, else in the model's fair queue, for at most what
+        the time-to-first-token target leaves."""
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
         limits = tenant_cfg.limits
@@ -180,7 +212,11 @@ class AdmissionController:
         ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
         try:
             if self.config.enabled:
-                await self._acquire_slot(identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx)
+                max_wait = self.config.queue.max_wait_s
+                if demand is not None and self.latency.enabled:
+                    ticket.targets = demand.targets
+                    max_wait = self._judge(identity, model, prompt_tokens, ctx, demand, max_wait)
+                await self._acquire_slot(identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx, max_wait)
                 ticket.holds_slot = True
         except BaseException:
             await self.finish(ticket, ctx, failed=True)
@@ -215,6 +251,9 @@ class AdmissionController:
         if ticket.holds_slot:
             ticket.holds_slot = False
             self._give_back(ticket.model)
+        if ticket.targets is not None or ctx.held_on is not None:
+            self.latency.finish(ctx, ticket.identity, ticket.targets)
+            ticket.targets = None
         if ticket.counted:
             ticket.counted = False
             tenant = ticket.identity.tenant
@@ -290,8 +329,41 @@ class AdmissionController:
     def queued_for(self, tenant: str) -> int:
         return sum(q.tenant_len(tenant) for q in self._queues.values())
 
+    def _judge(
+        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext, demand: Demand, max_wait: float
+    ) -> float:
+        """Refuse at once (503, Retry-After: the predicted drain) where no replica is predicted to meet the
+        request's targets; else hold its KV on the best replica. Returns how long it may wait in the queue."""
+        latency, targets = self.latency, demand.targets
+        verdict, _ = latency.judge(model, demand.info, prompt_tokens, demand.max_tokens, targets)
+        if verdict.reason == "no-replica":
+            return max_wait  # the capacity gate answers it (no_ready_replica)
+        if not verdict.admit:
+            reason = verdict.reason.replace("-", "_")
+            self.metrics.rejections.labels(identity.tenant, reason).inc()
+            latency.refused(model, identity)
+            raise Overloaded(
+                f"no replica of model {model!r} is predicted to meet the request's latency targets now "
+                f"(ttft {_seconds(targets.ttft_s)}, tpot {_seconds(targets.tpot_s)})",
+                retry_after_s=verdict.retry_after_s,
+                code="latency_target",
+            )
+        assert verdict.best is not None
+        replica = self.replicas.get(verdict.best.replica)
+        if replica is not None:
+            latency.hold(ctx, replica, verdict.best, prompt_tokens, demand.max_tokens)
+        if targets.ttft_s is None or verdict.reason == "no-wait":
+            return max_wait
+        return max(0.0, min(max_wait, targets.ttft_s - verdict.best.ttft_s))
+
     async def _acquire_slot(
-        self, identity: Identity, weight: float, tenant_bound: int | None, model: str, ctx: RequestContext
+        self,
+        identity: Identity,
+        weight: float,
+        tenant_bound: int | None,
+        model: str,
+        ctx: RequestContext,
+        max_wait_s: float,
     ) -> None:
         if self._free(model):
             self._take(model)
@@ -315,14 +387,14 @@ class AdmissionController:
         entry = queue.push(tenant, weight, identity.priority)
         started = time.monotonic()
         try:
-            async with asyncio.timeout(qcfg.max_wait_s):
+            async with asyncio.timeout(max_wait_s):
                 await entry.future
         except BaseException as exc:
             self._abandon(queue, entry, model)
             if isinstance(exc, TimeoutError):
                 self.metrics.rejections.labels(tenant, "queue_timeout").inc()
                 raise Overloaded(
-                    f"waited {qcfg.max_wait_s:.0f} s for capacity on model {model!r}",
+                    f"waited {max_wait_s:.1f} s for capacity on model {model!r}",
                     retry_after_s=self.drain.retry_after(self.queued()),
                     code="queue_timeout",
                 ) from None
@@ -383,6 +455,7 @@ class AdmissionController:
         if config.redis != self.config.redis:
             log.warning("admission.redis changed: the quota store is only rebuilt on restart")
         self.config = config
+        self.latency.config = config
         self.auth = Authenticator(config)
         for replica in self.replicas:
             if replica.id in self._defaulted:

@@ -1,0 +1,230 @@
+"""Goodput past the knee: routers without admission, the best static gate, and admission by latency targets.
+
+Setup (loopback; engines and gateways are child processes, this process drives load with kvgate's load generator):
+two simulated engines whose KV capacity caps the running batch as vLLM's scheduler does (`--num-blocks` so that
+`--fit` requests of `--prompt` + `--output` tokens fit; a request waits until its blocks fit), GPU-like costs;
+Poisson arrivals of zero-reuse streamed requests at 0.5x, 1x, 2x and 3x the pool's capacity (capacity = the rate
+the pool completes with every KV slot busy, measured first by a closed loop at 2 x fit x engines); `--requests`
+per rate. A request is *good* when it succeeds within the targets (`--ttft`, `--tpot`); goodput = good requests /
+wall time. Side by side, the same seeded workload through:
+- round-robin, least-load and cache-aware with no admission (`admission.targets.enabled: false`);
+- static gates (`replica_max_concurrency` in `--gates`, the shipped queue: up to 30 s), the best of them per rate;
+- latency targets only (the shipped default path: cache-aware, `admission.targets` = the SLO, no gate).
+Then a context shift: one run at `--shift-rate` x capacity whose prompts double in length half way through (the
+knee moves: half as many fit), through the static gates and the targets.
+
+    python bench/bench_goodput.py [--repeat 3] [--json docs/bench/goodput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _procs import kvgate, sim_engines
+
+from loadgen.client import RequestSpec, Target
+from loadgen.runner import Arrival, run_setting
+from loadgen.stats import Slo, percentile, summarize
+from loadgen.text import CharTextMaker
+
+MODEL = "sim"
+
+
+def workload(prompt: int, output: int, n: int, shift_at: int | None = None) -> Any:
+    """Zero-reuse requests of `prompt` tokens (2 x prompt from request `shift_at` on), `output` tokens each."""
+    maker = CharTextMaker()
+
+    def factory(seed: int) -> Iterator[RequestSpec]:
+        for i in range(n):
+            tokens = prompt * 2 if shift_at is not None and i >= shift_at else prompt
+            text = maker.text(f"goodput-{seed}-{i}", tokens)
+            yield RequestSpec(f"g{i}", f"g{i}", 0, (("user", text),), output, est_prompt_tokens=tokens)
+
+    return factory
+
+
+def gateway_yaml(policy: str, admission: dict[str, Any]) -> str:
+    cfg = {
+        "server": {"access_log": "off", "shutdown_grace_s": 1},
+        "health": {"interval_s": 0.5, "metrics_interval_s": 0.25},
+        "routing": {"policy": policy},
+        "admission": admission,
+    }
+    fd, path = tempfile.mkstemp(suffix=".yaml", prefix="kvgate-goodput-")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def configs(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any]]]:
+    off = {"targets": {"enabled": False}}
+    out = {
+        "round-robin": ("round-robin", off),
+        "least-load": ("least-load", off),
+        "cache-aware": ("cache-aware", off),
+    }
+    for gate in args.gates:
+        out[f"gate {gate}"] = ("cache-aware", {**off, "replica_max_concurrency": gate})
+    targets = {"default": {"ttft_s": args.ttft, "tpot_s": args.tpot}}
+    out["targets"] = ("cache-aware", {"targets": targets})
+    return out
+
+
+async def measure(
+    http: aiohttp.ClientSession, url: str, factory: Any, rate: float, seed: int, slo: Slo
+) -> dict[str, Any]:
+    target = Target(url, MODEL, "chat", timeout_s=120.0)
+    arrival = Arrival("poisson", rate=rate, max_inflight=4096)
+    started = time.monotonic()
+    res = await run_setting(http, target, factory, arrival, seed=seed)
+    summary = summarize(res.results, res.wall_s, slo)
+    refused = [r for r in res.results if r.status in (429, 503)]
+    admitted = [r for r in res.results if r.ok]
+    return {
+        "goodput": summary.goodput_req_per_s,
+        "attainment": summary.slo_attainment,
+        "admitted": len(admitted),
+        "refused": len(refused),
+        "requests": len(res.results),
+        "ttft_p50": summary.ttft_s["p50"],
+        "ttft_p99": summary.ttft_s["p99"],
+        "refusal_p99_ms": percentile([r.e2e_s for r in refused], 99) * 1e3 if refused else None,
+        "wall_s": time.monotonic() - started,
+    }
+
+
+async def capacity(http: aiohttp.ClientSession, url: str, args: argparse.Namespace) -> float:
+    """Completed requests per second with every KV slot busy (a closed loop at twice the slots)."""
+    n = 4 * args.fit * 2
+    target = Target(url, MODEL, "chat", timeout_s=120.0)
+    res = await run_setting(
+        http, target, workload(args.prompt, args.output, n), Arrival("closed", concurrency=2 * args.fit * 2), seed=99
+    )
+    return sum(1 for r in res.results if r.ok) / res.wall_s
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    blocks = args.fit * (args.prompt + args.output + 16) // 16
+    sim = [
+        "--block-size", "16", "--num-blocks", str(blocks), "--max-num-seqs", "256",
+        "--overhead-ms", "2", "--prefill-us-per-token", str(args.prefill_us),
+        "--decode-ms", str(args.decode_ms), "--decode-ms-per-seq", str(args.decode_ms_per_seq),
+    ]  # fmt: skip
+    slo = Slo(ttft_s=args.ttft, tpot_s=args.tpot)
+    doc: dict[str, Any] = {"settings": vars(args), "kv_blocks": blocks, "rates": {}, "shift": {}}
+    paths: list[str] = []
+    try:
+        with ExitStack() as es:
+            engines = es.enter_context(sim_engines(2, *sim, model=MODEL))
+            gateways = {}
+            for name, (policy, admission) in configs(args).items():
+                paths.append(gateway_yaml(policy, admission))
+                gateways[name] = es.enter_context(kvgate(engines, "--config", paths[-1]))[0]
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as http:
+                cap = await capacity(http, gateways["round-robin"], args)
+                doc["capacity_req_per_s"] = cap
+                print(f"pool capacity {cap:.2f} req/s ({blocks} KV blocks per engine)", flush=True)
+                for repeat in range(args.repeat):
+                    order = list(gateways)[repeat % len(gateways) :] + list(gateways)[: repeat % len(gateways)]
+                    for scale in args.scales:
+                        factory = workload(args.prompt, args.output, args.requests)
+                        for name in order:
+                            row = await measure(http, gateways[name], factory, scale * cap, 1000 + repeat, slo)
+                            doc["rates"].setdefault(f"{scale:g}x", {}).setdefault(name, []).append(row)
+                            print(f"repeat {repeat} {scale:g}x {name}: {_line(row)}", flush=True)
+                    shift = workload(args.prompt, args.output, args.requests, shift_at=args.requests // 2)
+                    for name in order:
+                        if name in ("round-robin", "least-load", "cache-aware"):
+                            continue
+                        row = await measure(http, gateways[name], shift, args.shift_rate * cap, 2000 + repeat, slo)
+                        doc["shift"].setdefault(name, []).append(row)
+                        print(f"repeat {repeat} shift {name}: {_line(row)}", flush=True)
+    finally:
+        for path in paths:
+            os.unlink(path)
+    return doc
+
+
+def _line(row: dict[str, Any]) -> str:
+    p99 = row["ttft_p99"]
+    return (
+        f"goodput {row['goodput']:.2f} req/s, {row['attainment']:.0%} within, admitted {row['admitted']}/"
+        f"{row['requests']}, TTFT p99 {p99 if p99 is None else round(p99, 2)} s, refusal p99 "
+        f"{row['refusal_p99_ms'] and round(row['refusal_p99_ms'], 1)} ms"
+    )
+
+
+def table(doc: dict[str, Any], gates: list[int]) -> str:
+    """Medians over the repeats: goodput (req/s) and attainment per rate and configuration."""
+    names = ["round-robin", "least-load", "cache-aware", "best static gate", "targets"]
+    lines = ["| rate | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for rate, by_name in doc["rates"].items():
+        cells = []
+        for name in names:
+            if name == "best static gate":
+                rows = max((by_name[f"gate {g}"] for g in gates), key=lambda rs: statistics.median(_g(rs)))
+            else:
+                rows = by_name[name]
+            cells.append(_cell(rows))
+        lines.append(f"| {rate} | " + " | ".join(cells) + " |")
+    if doc["shift"]:
+        shift = doc["shift"]
+        best = max((shift[f"gate {g}"] for g in gates), key=lambda rs: statistics.median(_g(rs)))
+        lines.append(f"| context shift | - | - | - | {_cell(best)} | {_cell(shift['targets'])} |")
+    return "\n".join(lines)
+
+
+def _g(rows: list[dict[str, Any]]) -> list[float]:
+    return [r["goodput"] or 0.0 for r in rows]
+
+
+def _cell(rows: list[dict[str, Any]]) -> str:
+    goodput = statistics.median(_g(rows))
+    att = statistics.median(r["attainment"] or 0.0 for r in rows)
+    p99s = [r["ttft_p99"] for r in rows if r["ttft_p99"] is not None]
+    p99 = f", p99 {statistics.median(p99s):.1f} s" if p99s else ""
+    return f"{goodput:.2f} ({att:.0%}{p99})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--output", type=int, default=128, help="output tokens per request")
+    p.add_argument("--fit", type=int, default=8, help="requests whose KV fits in one engine at once")
+    p.add_argument("--prefill-us", type=float, default=100.0, help="prefill microseconds per token")
+    p.add_argument("--decode-ms", type=float, default=5.0)
+    p.add_argument("--decode-ms-per-seq", type=float, default=0.25)
+    p.add_argument("--ttft", type=float, default=1.0, help="time-to-first-token target, seconds")
+    p.add_argument("--tpot", type=float, default=0.02, help="time-per-output-token target, seconds")
+    p.add_argument("--scales", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0], help="rates x capacity")
+    p.add_argument("--shift-rate", type=float, default=1.0, help="context-shift run's rate x capacity")
+    p.add_argument("--gates", type=int, nargs="+", default=[4, 8, 12])
+    p.add_argument("--requests", type=int, default=150, help="requests per rate")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+    doc = asyncio.run(run(args))
+    print(table(doc, args.gates))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

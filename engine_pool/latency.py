@@ -1,0 +1,95 @@
+"""One replica's latency model, learned online; the predictions and the admission verdict are `policies.latency`.
+
+Samples are the gateway's own answers (`observe_first_token`, `observe_decode`): a stream's time to first token
+measured from when the gateway sent it, against the prompt tokens the engine computed (prompt less cached, from
+the answer's usage); and its decode seconds per token against the batch it ran in. Only requests predicted to start
+at once (no wait for KV room) teach the prefill line, so queueing never reads as prefill.
+
+Estimator: a Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last `WINDOW`
+samples of each kind, refitted every `REFIT` samples: robust to the outliers a noisy engine gives (a pause, a
+preemption, a scrape that lagged) up to about 29% of the window, and it forgets an engine that changed within
+`WINDOW` answers. Until `MIN_SAMPLES` are in, the engine's own counters (`QueuePrice`, learned from its /metrics)
+are the prior where known, else 0: a model that knows nothing predicts no cost beyond the wait for KV room, so it
+never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or plus the mean output seen
+(`mean_output`, an exponentially weighted mean) when it gave none.
+Costs: O(1) per sample; a refit O(WINDOW^2) (496 slopes) every REFIT samples; reading the model O(1).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+WINDOW = 32
+REFIT = 4
+MIN_SAMPLES = 4
+OUTPUT_WEIGHT = 0.1  # of each answer in the mean output
+DEFAULT_OUTPUT = 256  # tokens a request without max_tokens is taken to produce until answers say otherwise
+
+
+class _Line:
+    """y = intercept + slope x, fitted by Theil-Sen over a window of (x, y) samples; slope and intercept >= 0."""
+
+    __slots__ = ("_since_fit", "intercept", "samples", "slope")
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self._since_fit = 0
+        self.slope: float | None = None
+        self.intercept: float | None = None
+
+    def add(self, x: float, y: float) -> None:
+        self.samples.append((x, y))
+        self._since_fit += 1
+        if len(self.samples) >= MIN_SAMPLES and (self._since_fit >= REFIT or self.slope is None):
+            self._fit()
+
+    def _fit(self) -> None:
+        points = list(self.samples)
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1]
+        slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+        self.slope = slope
+        self.intercept = max(0.0, statistics.median(y - slope * x for x, y in points))
+        self._since_fit = 0
+
+
+class LatencyLearner:
+    """The learned terms of one replica's latency model (seconds)."""
+
+    __slots__ = ("_decode", "_prefill", "mean_output")
+
+    def __init__(self) -> None:
+        self._prefill = _Line()  # time to first token against computed prompt tokens
+        self._decode = _Line()  # seconds per output token against the batch
+        self.mean_output = float(DEFAULT_OUTPUT)
+
+    def observe_first_token(self, computed_tokens: int, ttft_s: float) -> None:
+        """A request that started at once: its time to first token from when it was sent."""
+        if ttft_s >= 0 and computed_tokens >= 0:
+            self._prefill.add(float(computed_tokens), ttft_s)
+
+    def observe_decode(self, batch: int, s_per_token: float, output_tokens: int) -> None:
+        """A finished request: its decode seconds per token, the batch it ran in, the tokens it produced."""
+        if s_per_token >= 0 and batch >= 1:
+            self._decode.add(float(batch), s_per_token)
+        if output_tokens > 0:
+            self.mean_output += OUTPUT_WEIGHT * (output_tokens - self.mean_output)
+
+    def terms(
+        self, prior_prefill_s_per_token: float | None, prior_step_per_seq_s: float | None
+    ) -> tuple[float, float, float, float]:
+        """(overhead, prefill per token, decode step of one, per further sequence), the priors until learned."""
+        p, d = self._prefill, self._decode
+        if p.slope is not None and p.intercept is not None:
+            overhead, prefill = p.intercept, p.slope
+        else:
+            overhead, prefill = 0.0, prior_prefill_s_per_token or 0.0
+        if d.slope is not None and d.intercept is not None:
+            step, per_seq = d.intercept, d.slope
+        else:
+            step, per_seq = 0.0, prior_step_per_seq_s or 0.0
+        return overhead, prefill, step, per_seq
+
+    def held_tokens(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The KV a request holds at most: its prompt and what it may produce."""
+        return prompt_tokens + (max_tokens if max_tokens is not None else round(self.mean_output))

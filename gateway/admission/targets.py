@@ -1,0 +1,182 @@
+"""Latency targets and admission by predicted latency: the async shell of `policies.latency`.
+
+Per request: its targets (`targets`: the default, then its model's, its priority class's and its tenant's, each
+field over the one before; then a looser one the client asks for by header, in milliseconds: kvgate's
+`x-kvgate-slo-ttft-ms` / `x-kvgate-slo-tpot-ms` or llm-d's `x-llm-d-slo-ttft-ms` / `x-llm-d-slo-tpot-ms`) ->
+the verdict (`judge`: a prediction on every routable replica of the model, from what each holds and what it has
+learned) -> a hold on the best replica (the KV the request will take and its predicted end, so the next request's
+prediction sees it at once, before any engine reports it) -> moved if the router places it elsewhere (`place`) ->
+released and learned from when it ends (`finish`: its time to first token from when it was sent, its decode time).
+Outcomes per model, priority class and tenant: met, missed (answered late), refused (`kvgate_slo_requests_total`).
+Cost per request: O(replicas x their held requests) for the verdict; O(1) for the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+
+from engine_pool.replica import Replica
+from engine_pool.replica_set import ReplicaSet
+from gateway.admission.auth import Identity
+from gateway.admission.config import AdmissionConfig, LatencyTargets
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.context import RequestContext
+from gateway.errors import BadRequest
+from gateway.router import Router
+from policies.base import RequestInfo
+from policies.fastmetrics import FastCounter, FastHistogram
+from policies.latency import Held, Prediction, Targets, Verdict, judge, predict
+
+_HEADERS = {
+    "ttft": ("x-kvgate-slo-ttft-ms", "x-llm-d-slo-ttft-ms"),
+    "tpot": ("x-kvgate-slo-tpot-ms", "x-llm-d-slo-tpot-ms"),
+}
+ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def _merge(base: Targets, over: LatencyTargets | None) -> Targets:
+    if over is None:
+        return base
+    return Targets(
+        base.ttft_s if over.ttft_s is None else over.ttft_s, base.tpot_s if over.tpot_s is None else over.tpot_s
+    )
+
+
+def _asked(headers: Mapping[str, str], kind: str) -> float | None:
+    """A target the client asks for by header, in seconds (400 when it is not a positive number of ms)."""
+    for name in _HEADERS[kind]:
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = math.nan
+        if not (ms > 0 and math.isfinite(ms)):
+            raise BadRequest(f"{name} must be a positive number of milliseconds", param=name, code="invalid_header")
+        return ms / 1000.0
+    return None
+
+
+class LatencyGate:
+    def __init__(
+        self, config: AdmissionConfig, replicas: ReplicaSet, router: Router, metrics: AdmissionMetrics
+    ) -> None:
+        self.config = config
+        self.replicas = replicas
+        self.router = router
+        self.outcomes = FastCounter(
+            "kvgate_slo_requests",
+            "Requests by latency-target outcome (met, missed, refused), model, priority class and tenant.",
+            ["model", "priority", "tenant", "outcome"],
+            metrics.registry,
+        )
+        self.predicted = FastHistogram(
+            "kvgate_predicted_ttft_seconds",
+            "Time to first token predicted for admitted requests, from when they were sent.",
+            ["model"],
+            metrics.registry,
+            ERROR_BUCKETS,
+        )
+        self.error = FastHistogram(
+            "kvgate_ttft_prediction_error_seconds",
+            "Absolute difference between observed and predicted time to first token (streams placed at once).",
+            ["model"],
+            metrics.registry,
+            ERROR_BUCKETS,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.targets.enabled
+
+    def targets(self, identity: Identity, model: str, headers: Mapping[str, str]) -> Targets:
+        cfg = self.config.targets
+        found = _merge(Targets(), cfg.default)
+        found = _merge(found, cfg.models.get(model))
+        found = _merge(found, cfg.classes.get(identity.priority_name))
+        found = _merge(found, self.config.tenant(identity.tenant).targets)
+        return found.looser(_asked(headers, "ttft"), _asked(headers, "tpot"))
+
+    def judge(
+        self, model: str, info: RequestInfo, prompt_tokens: int, max_tokens: int | None, targets: Targets
+    ) -> tuple[Verdict, dict[str, Prediction]]:
+        """The verdict on the model's routable replicas now, and each replica's prediction."""
+        now = time.monotonic()
+        replicas = [r for r in self.replicas.for_model(model) if r.routable(now) and r.role != "prefill"]
+        cached = self.router.cached_tokens(info, [r.id for r in replicas])
+        predictions = {}
+        for r in replicas:
+            tokens = r.latency.held_tokens(prompt_tokens, max_tokens)
+            predictions[r.id] = predict(r.latency_view(), now, tokens, prompt_tokens - cached.get(r.id, 0))
+        return judge(list(predictions.values()), targets), predictions
+
+    def hold(
+        self, ctx: RequestContext, replica: Replica, prediction: Prediction, prompt: int, max_tokens: int | None
+    ) -> None:
+        """The request's KV and predicted end, on the replica it is predicted best on (moved by `place`)."""
+        view = replica.latency_view()
+        tokens = replica.latency.held_tokens(prompt, max_tokens)
+        output = tokens - prompt
+        end = time.monotonic() + prediction.ttft_s + output * (view.step_s + view.step_per_seq_s * prediction.batch)
+        ctx.hold, ctx.held_on, ctx.prediction = Held(tokens, end), replica.id, prediction
+        replica.held[id(ctx)] = ctx.hold
+
+    def finish(self, ctx: RequestContext, identity: Identity, targets: Targets | None) -> None:
+        """The request ended: its hold released, its outcome counted, its latencies learned."""
+        replica = self.replicas.get(ctx.held_on) if ctx.held_on is not None else None
+        if replica is not None:
+            replica.held.pop(id(ctx), None)
+        ctx.held_on, ctx.hold = None, None
+        if targets is not None and ctx.status == 200:
+            self.outcomes.labels(ctx.model, identity.priority_name, identity.tenant, _outcome(ctx, targets)).inc()
+        if replica is None or ctx.status != 200 or ctx.routed_at is None or ctx.ttft_s is None:
+            return
+        self._learn(ctx, replica)
+
+    def refused(self, model: str, identity: Identity) -> None:
+        self.outcomes.labels(model, identity.priority_name, identity.tenant, "refused").inc()
+
+    def _learn(self, ctx: RequestContext, replica: Replica) -> None:
+        """What the answer teaches the replica's model (called as the answer ends: now is its end)."""
+        assert ctx.routed_at is not None and ctx.ttft_s is not None
+        learner, prediction = replica.latency, ctx.prediction
+        sent_ttft = ctx.started + ctx.ttft_s - ctx.routed_at
+        sent_e2e = time.monotonic() - ctx.routed_at
+        computed = max(0, (ctx.prompt_tokens or 0) - (ctx.cached_tokens or 0))
+        output = ctx.completion_tokens or 0
+        batch = prediction.batch if prediction is not None else 1
+        if ctx.stream:
+            if prediction is not None and prediction.wait_s == 0.0 and not ctx.split:
+                learner.observe_first_token(computed, sent_ttft)
+                self.predicted.labels(ctx.model).observe(prediction.ttft_s)
+                self.error.labels(ctx.model).observe(abs(sent_ttft - prediction.ttft_s))
+            if output > 1:
+                learner.observe_decode(batch, (sent_e2e - sent_ttft) / (output - 1), output)
+        elif output > 0:  # a whole answer: decode is what its predicted prefill did not take
+            overhead, prefill, _, _ = learner.terms(replica.queue_price.prefill_s_per_token, None)
+            decode = sent_e2e - overhead - prefill * computed
+            learner.observe_decode(batch, max(0.0, decode) / output, output)
+
+
+def place(ctx: RequestContext, replica: Replica, replicas: ReplicaSet) -> None:
+    """The router placed the request on `replica`: its hold (if it has one) moves there."""
+    if ctx.hold is None or ctx.held_on == replica.id:
+        return
+    before = replicas.get(ctx.held_on) if ctx.held_on is not None else None
+    if before is not None:
+        before.held.pop(id(ctx), None)
+    ctx.held_on = replica.id
+    replica.held[id(ctx)] = ctx.hold
+
+
+def _outcome(ctx: RequestContext, targets: Targets) -> str:
+    if targets.ttft_s is not None and ctx.ttft_s is not None and ctx.ttft_s > targets.ttft_s:
+        return "missed"
+    if targets.tpot_s is not None and ctx.stream and ctx.ttft_s is not None and ctx.duration_s is not None:
+        output = ctx.completion_tokens or 0
+        if output > 1 and (ctx.duration_s - ctx.ttft_s) / (output - 1) > targets.tpot_s:
+            return "missed"
+    return "met"

@@ -1,0 +1,118 @@
+"""Predicted latency of one more request on a replica, and the admission verdict that follows: pure functions of
+literal snapshots (the learning is `engine_pool.latency`; the async shell is `gateway.admission.targets`).
+
+Model (per replica):
+- time to first token = wait for KV room + overhead + prefill seconds per token x the request's uncached tokens;
+- wait for KV room: every request the gateway has on the replica holds `tokens` of KV (prompt + output) until its
+  predicted end; the new request's tokens fit when held + its own <= the replica's KV capacity (vLLM's scheduler runs
+  a request only when its blocks fit beside the running ones); otherwise it waits until enough of the held requests
+  have ended, taken in the order of their predicted ends. This is the knee: it moves with context length by itself;
+- time per output token = the decode step at the batch the request joins: step + per-sequence cost x batch.
+A capacity that is not known (an engine that does not publish it) never makes a request wait.
+
+Verdict: admit where some replica is predicted to meet the targets, or where the request need not wait at all (its
+own prefill may be longer than its target: no replica can do better, so it is served, not refused); otherwise
+refuse, with the time until room is predicted (the drain) as `retry_after_s`.
+Cost: O(k) per replica for its k held requests when the new one fits at once, O(k log k) when it must wait.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A request the gateway has on a replica: the KV it holds at most and when it is predicted to end."""
+
+    tokens: int
+    ends_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLatency:
+    """What is known of one replica's speed and what it holds (times in seconds)."""
+
+    replica: str
+    kv_tokens: int | None  # KV capacity in tokens; None: not known
+    held: tuple[Held, ...]
+    overhead_s: float  # time to first token of a request that computes nothing
+    prefill_s_per_token: float
+    step_s: float  # decode step of a batch of one
+    step_per_seq_s: float  # what each further sequence in the batch adds to the step
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    replica: str
+    wait_s: float  # for KV room
+    ttft_s: float
+    tpot_s: float
+    batch: int  # the batch it would join, itself included
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """A request's latency targets in seconds (None: none)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def looser(self, ttft_s: float | None, tpot_s: float | None) -> Targets:
+        """These targets, with any of the given ones that is looser (a request may ask for less, never more)."""
+        return Targets(
+            ttft_s if ttft_s is not None and (self.ttft_s is None or ttft_s > self.ttft_s) else self.ttft_s,
+            tpot_s if tpot_s is not None and (self.tpot_s is None or tpot_s > self.tpot_s) else self.tpot_s,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admit: bool
+    reason: str  # within-target, no-wait, ttft-target, tpot-target, no-replica
+    retry_after_s: float  # when refused: the predicted time until a replica has room
+    best: Prediction | None  # the lowest predicted time to first token among the replicas that meet the targets
+    meeting: tuple[str, ...]  # the replicas predicted to meet the targets (or, with reason no-wait, to need no wait)
+
+
+def room_wait(kv_tokens: int | None, held: Sequence[Held], tokens: int, now: float) -> float:
+    """Seconds until `tokens` more fit beside `held` in `kv_tokens` of KV."""
+    if kv_tokens is None:
+        return 0.0
+    excess = sum(h.tokens for h in held) + min(tokens, kv_tokens) - kv_tokens
+    if excess <= 0:
+        return 0.0
+    for h in sorted(held, key=lambda h: h.ends_at):
+        excess -= h.tokens
+        if excess <= 0:
+            return max(0.0, h.ends_at - now)
+    return 0.0  # unreachable: the held requests' tokens cover the excess
+
+
+def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int) -> Prediction:
+    """The request (`tokens` of KV in all, `uncached` of its prompt to compute) on replica `r` now."""
+    wait = room_wait(r.kv_tokens, r.held, tokens, now)
+    ttft = wait + r.overhead_s + r.prefill_s_per_token * max(0, uncached)
+    batch = len(r.held) + 1
+    return Prediction(r.replica, wait, ttft, r.step_s + r.step_per_seq_s * batch, batch)
+
+
+def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
+    """Admit or refuse a request given its predictions on the replicas that may serve it."""
+    if not predictions:
+        return Verdict(False, "no-replica", 1.0, None, ())
+    # a replica with nothing else to decode is as fast as the engine gets: never a reason to refuse
+    fast_enough = [p for p in predictions if targets.tpot_s is None or p.tpot_s <= targets.tpot_s or p.batch == 1]
+    meeting = [p for p in fast_enough if targets.ttft_s is None or p.ttft_s <= targets.ttft_s]
+    if meeting:
+        best = min(meeting, key=lambda p: p.ttft_s)
+        return Verdict(True, "within-target", 0.0, best, tuple(p.replica for p in meeting))
+    no_wait = [p for p in fast_enough if p.wait_s == 0.0]
+    if no_wait:  # its own prefill is longer than the target: nowhere better than where it starts at once
+        best = min(no_wait, key=lambda p: p.ttft_s)
+        return Verdict(True, "no-wait", 0.0, best, tuple(p.replica for p in no_wait))
+    if not fast_enough:
+        return Verdict(False, "tpot-target", 1.0, None, ())
+    drain = min(p.wait_s for p in fast_enough)
+    return Verdict(False, "ttft-target", drain, None, ())

@@ -1,0 +1,194 @@
+"""Admission by predicted latency: the model and the verdict on literal values (`policies.latency`), the online
+learner on literal sample sequences, clean, noisy and stale (`engine_pool.latency`), and the gateway in front of
+simulated engines whose KV capacity caps the batch: past the knee a request is refused at once with Retry-After
+instead of queued, and a looser target asked by header is honoured."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_pool.latency import MIN_SAMPLES, WINDOW, LatencyLearner
+from policies.latency import Held, Prediction, ReplicaLatency, Targets, judge, predict, room_wait
+from simengine import SimConfig
+from tests.conftest import gateway_over_sims
+
+NOW = 100.0
+
+
+def replica(held: tuple[Held, ...] = (), kv: int | None = 1000, **terms: float) -> ReplicaLatency:
+    t = {"overhead_s": 0.01, "prefill_s_per_token": 0.001, "step_s": 0.02, "step_per_seq_s": 0.005, **terms}
+    return ReplicaLatency("r", kv, held, t["overhead_s"], t["prefill_s_per_token"], t["step_s"], t["step_per_seq_s"])
+
+
+# --- the model ------------------------------------------------------------------------------------------------------
+def test_a_request_that_fits_waits_for_nothing() -> None:
+    assert room_wait(1000, (Held(300, 105.0), Held(300, 103.0)), 400, NOW) == 0.0
+    assert room_wait(None, (Held(10**9, 1e9),), 400, NOW) == 0.0  # capacity unknown: never a wait
+
+
+def test_a_request_that_does_not_fit_waits_for_the_earliest_ends_that_make_room() -> None:
+    held = (Held(400, 109.0), Held(400, 102.0), Held(200, 104.0))
+    assert room_wait(1000, held, 300, NOW) == pytest.approx(2.0)  # 1,300 > 1,000: the one ending at 102 frees 400
+    assert room_wait(1000, held, 500, NOW) == pytest.approx(4.0)  # needs 500: 400 free at 102, 600 at 104
+    assert room_wait(1000, held, 700, NOW) == pytest.approx(9.0)  # needs 700: only at 109
+
+
+def test_prediction_is_wait_plus_prefill_and_the_decode_step_of_the_batch() -> None:
+    p = predict(replica((Held(900, 103.0),)), NOW, 500, uncached=200)
+    assert p.wait_s == pytest.approx(3.0) and p.ttft_s == pytest.approx(3.0 + 0.01 + 0.2)
+    assert p.batch == 2 and p.tpot_s == pytest.approx(0.02 + 0.005 * 2)
+
+
+def _p(name: str, wait: float, ttft: float, tpot: float = 0.03, batch: int = 2) -> Prediction:
+    return Prediction(name, wait, ttft, tpot, batch)
+
+
+def test_verdict_admits_where_the_targets_are_met_best_first() -> None:
+    v = judge([_p("a", 1.0, 1.5), _p("b", 0.0, 0.4), _p("c", 3.0, 3.2)], Targets(ttft_s=2.0))
+    assert v.admit and v.reason == "within-target" and v.best is not None and v.best.replica == "b"
+    assert v.meeting == ("a", "b")
+
+
+def test_verdict_refuses_with_the_drain_when_every_replica_would_make_it_wait_too_long() -> None:
+    v = judge([_p("a", 4.0, 4.2), _p("b", 2.5, 2.9)], Targets(ttft_s=2.0))
+    assert not v.admit and v.reason == "ttft-target" and v.retry_after_s == pytest.approx(2.5)
+
+
+def test_a_prompt_longer_than_its_target_is_served_where_it_need_not_wait() -> None:
+    v = judge([_p("a", 0.0, 5.0), _p("b", 1.0, 6.0)], Targets(ttft_s=2.0))
+    assert v.admit and v.reason == "no-wait" and v.meeting == ("a",)
+
+
+def test_time_per_token_target_but_an_idle_replica_is_never_too_slow() -> None:
+    slow = [_p("a", 0.0, 0.1, tpot=0.2, batch=5), _p("b", 0.0, 0.1, tpot=0.15, batch=3)]
+    assert judge(slow, Targets(ttft_s=2.0, tpot_s=0.1)).reason == "tpot-target"
+    idle = [*slow, _p("c", 0.0, 0.1, tpot=0.12, batch=1)]
+    v = judge(idle, Targets(ttft_s=2.0, tpot_s=0.1))
+    assert v.admit and v.meeting == ("c",)
+    assert judge([], Targets(ttft_s=1.0)).reason == "no-replica"
+
+
+def test_a_request_may_ask_only_for_looser_targets() -> None:
+    t = Targets(ttft_s=2.0, tpot_s=0.1)
+    assert t.looser(5.0, 0.05) == Targets(5.0, 0.1)
+    assert t.looser(1.0, None) == t
+    assert Targets().looser(3.0, None) == Targets(3.0, None)
+
+
+# --- the learner on literal sequences -------------------------------------------------------------------------------
+def test_clean_samples_give_the_engines_line() -> None:
+    learner = LatencyLearner()
+    for tokens in (100, 300, 500, 700, 900, 1100):
+        learner.observe_first_token(tokens, 0.05 + 0.002 * tokens)
+    for batch in (1, 2, 4, 8, 6, 3):
+        learner.observe_decode(batch, 0.02 + 0.004 * batch, 100)
+    overhead, prefill, step, per_seq = learner.terms(None, None)
+    assert overhead == pytest.approx(0.05) and prefill == pytest.approx(0.002)
+    assert step == pytest.approx(0.02) and per_seq == pytest.approx(0.004)
+
+
+def test_a_quarter_of_wild_samples_moves_the_line_little() -> None:
+    rng = random.Random(7)
+    learner = LatencyLearner()
+    for i in range(WINDOW):
+        tokens = rng.randint(50, 2000)
+        ttft = 0.05 + 0.002 * tokens + rng.gauss(0, 0.01)
+        if i % 4 == 0:  # a pause, a preemption, a stale reading: ten times too slow or almost nothing
+            ttft = ttft * 10 if i % 8 == 0 else 0.001
+        learner.observe_first_token(tokens, ttft)
+    _, prefill, _, _ = learner.terms(None, None)
+    assert prefill == pytest.approx(0.002, rel=0.15)
+
+
+def test_an_engine_that_changed_is_relearned_within_the_window() -> None:
+    learner = LatencyLearner()
+    for tokens in range(100, 100 + 50 * WINDOW, 50):
+        learner.observe_first_token(tokens, 0.002 * tokens)
+    for tokens in range(100, 100 + 50 * WINDOW, 50):  # the engine is now three times slower
+        learner.observe_first_token(tokens, 0.006 * tokens)
+    assert learner.terms(None, None)[1] == pytest.approx(0.006)
+
+
+def test_until_enough_samples_the_engines_own_counters_are_the_prior() -> None:
+    learner = LatencyLearner()
+    assert learner.terms(0.003, 0.01) == (0.0, 0.003, 0.0, 0.01)
+    assert learner.terms(None, None) == (0.0, 0.0, 0.0, 0.0)  # knowing nothing: no cost, never a refusal on a guess
+    for tokens in range(MIN_SAMPLES - 1):
+        learner.observe_first_token(100 * (tokens + 1), 0.1)
+    assert learner.terms(0.003, None)[1] == 0.003
+
+
+def test_the_kv_a_request_holds_is_its_max_tokens_or_the_mean_output_seen() -> None:
+    learner = LatencyLearner()
+    assert learner.held_tokens(1000, 64) == 1064
+    for _ in range(200):
+        learner.observe_decode(1, 0.01, 40)
+    assert learner.held_tokens(1000, None) == pytest.approx(1040, abs=2)
+
+
+# --- through the gateway ------------------------------------------------------------------------------------------
+PROMPT_WORDS = 200  # about 430 of the simulator's tokens
+MAX_TOKENS = 32
+# four requests' KV per replica (2,048 tokens in blocks of 16): a fifth waits for one to finish, as vLLM's scheduler
+# makes it wait
+KV_SIM = SimConfig(model="sim", block_size=16, num_blocks=128, decode_ms=25, overhead_ms=2)
+
+
+def _body(i: int, stream: bool = True) -> dict[str, object]:
+    prompt = f"request {i} " + " ".join(f"w{i}x{k}" for k in range(PROMPT_WORDS))
+    return {"model": "sim", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": stream, "ignore_eos": True}
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, object], **headers: str) -> tuple[int, dict]:
+    async with http.post(url + "/v1/completions", json=body, headers=headers) as resp:
+        raw = await resp.read()
+        info = {"retry_after": resp.headers.get("Retry-After")}
+        if resp.status != 200:
+            info["error"] = json.loads(raw)["error"]
+        return resp.status, info
+
+
+async def _outcomes(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvgate_slo_requests_total":
+                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
+    return out
+
+
+@pytest.mark.parametrize("targets_on", [True, False])
+async def test_past_the_knee_requests_are_refused_at_once_instead_of_queued(
+    targets_on: bool, http: aiohttp.ClientSession
+) -> None:
+    targets = {"enabled": targets_on, "default": {"ttft_s": 0.3, "tpot_s": 10.0}}
+    async with gateway_over_sims([KV_SIM, KV_SIM], admission={"targets": targets}) as (gw, _):
+        for i in range(10):  # the model learns each replica's speed from answers (four at a time fit)
+            await asyncio.gather(*(_post(http, gw.url, _body(100 * i + j)) for j in range(2)))
+        answers = await asyncio.gather(*(_post(http, gw.url, _body(1000 + i)) for i in range(40)))
+        refused = [info for status, info in answers if status == 503]
+        if not targets_on:
+            assert not refused  # without targets every request is let through to queue in the engines
+            return
+        # eight fit in the two engines at once; each takes about a second, so most of a burst of 40 would wait
+        # longer than 0.3 s for KV room: they are refused, with the predicted drain as Retry-After
+        assert 8 <= len(answers) - len(refused) < 40 and refused
+        assert all(info["error"]["code"] == "latency_target" and info["retry_after"] for info in refused)
+        assert (await _outcomes(http, gw.url)).get("refused") == len(refused)
+        # a client that can wait asks for a looser target: admitted into the same burst
+        status, _ = await _post(http, gw.url, _body(5000), **{"x-llm-d-slo-ttft-ms": "600000"})
+        assert status == 200
+
+
+async def test_a_target_header_that_is_not_a_number_is_a_400(http: aiohttp.ClientSession) -> None:
+    async with gateway_over_sims([KV_SIM]) as (gw, _):
+        status, info = await _post(http, gw.url, _body(1), **{"x-kvgate-slo-ttft-ms": "soon"})
+        assert status == 400 and info["error"]["param"] == "x-kvgate-slo-ttft-ms"
