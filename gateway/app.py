@@ -26,7 +26,7 @@ from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.quota import QuotaStore
 from gateway.admission.redis_store import RedisQuotaStore
 from gateway.attached import attached_replica, dns_target
-from gateway.cache_ctx import cache_ctx
+from gateway.cache_ctx import CACHE_SWITCH, cache_ctx
 from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, GatewayError, error_response, http_exception_to_error
@@ -137,16 +137,14 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
     if url is None:
         yield
         return
-    state = app.get(CACHE)
+    state = app[CACHE]
     share = app[FLEET] = RoutingShare(cfg.fleet, url, state, app[REGISTRY])
-    if state is not None:
-        state.shared = share
+    state.shared = share
     share.start()
     try:
         yield
     finally:
-        if state is not None:
-            state.shared = None
+        state.shared = None
         await share.close()
 
 
@@ -169,7 +167,8 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     policy = build_policy(cfg.routing.policy, cfg.routing.params)
-    router = Router(policy, app[REPLICAS], app[METRICS], app.get(CACHE), max_candidates=cfg.routing.max_candidates)
+    router = Router(policy, app[REPLICAS], app[METRICS], max_candidates=cfg.routing.max_candidates)
+    await app[CACHE_SWITCH].route_with(router, policy, cfg.routing.max_candidates)
     app[ROUTER] = router
     app[PROXY] = UpstreamProxy(
         app[UPSTREAM],
@@ -212,7 +211,7 @@ async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
         app[REPLICAS],
         app[ROUTER],
         app[PROXY],
-        app.get(CACHE),
+        app[CACHE],
         app.get(FLEET),
         tracer,
     )

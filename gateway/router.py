@@ -75,6 +75,10 @@ class Router:
         self._seq = 0
         self._plain: dict[tuple[str, str], RequestInfo] = {}  # see request_info
 
+    def use(self, policy: Policy, cache: CacheHooks | None, *, max_candidates: int) -> None:
+        """Decide with `policy` from the next request on (a reload), consulting `cache` (None: no cache hooks)."""
+        self.policy, self.cache, self.max_candidates = policy, cache, max_candidates
+
     async def request_info(
         self,
         *,

@@ -120,7 +120,9 @@ class CacheAwareState:
         self._replicas: dict[str, _Replica] = {}
         self._tokenizers: OrderedDict[str, PromptTokenizer] = OrderedDict()
         self._tokenizer_locks: dict[str, asyncio.Lock] = {}
-        self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
+        self._pool = self._new_pool()
+        self._pool_closed = False
+        self._started = False  # between start and stop: KV event subscribers run, tokenizers preload
         self._ids = itertools.count(1)
         self.routed = RoutedRequests(_MAX_PENDING)
         self.chat_prefixes = ChatPrefixCache(
@@ -136,7 +138,19 @@ class CacheAwareState:
         self._early = EarlyDecisions()  # the others' decisions for replicas not registered here yet
 
     # --- lifecycle --------------------------------------------------------------------------------------------
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
     async def start(self) -> None:
+        """Subscribe to the registered replicas' KV events and preload their tokenizers. Registering replicas and
+        learning other gateways' decisions work before (and after) it; `start` after `stop` starts again."""
+        if self._pool_closed:
+            self._pool, self._pool_closed = self._new_pool(), False
+        self._started = True
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
         for rid, r in self._replicas.items():
@@ -145,6 +159,7 @@ class CacheAwareState:
             self._preload(spec)
 
     async def stop(self) -> None:
+        self._started = False
         preloads = list(self._preloads.values())
         for preload in preloads:
             preload.cancel()
@@ -162,6 +177,7 @@ class CacheAwareState:
             self._zmq.term()
             self._zmq = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool_closed = True
 
     # --- replicas ---------------------------------------------------------------------------------------------
     def _capacities(self) -> dict[str, tuple[int, bool, int]]:
@@ -211,12 +227,9 @@ class CacheAwareState:
 
     def _preload(self, spec: str) -> None:
         """Load a tokenizer (and chat template) now, in the background, so no request waits for it."""
-        if spec in self._tokenizers or spec in self._preloads:
+        if spec in self._tokenizers or spec in self._preloads or not self._started:
             return
-        try:
-            task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
-        except RuntimeError:  # no loop yet: `start` preloads
-            return
+        task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
         self._preloads[spec] = task
         task.add_done_callback(lambda _: self._preloads.pop(spec, None))
 
