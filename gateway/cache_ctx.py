@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from cacheindex.state import CacheAwareState
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
-from gateway.keys import CACHE, CONFIG, REGISTRY, REPLICAS
+from gateway.fleet import RoutingShare, shared_redis_url
+from gateway.keys import CACHE, CONFIG, FLEET, REGISTRY, REPLICAS
 from gateway.router import Router
 from policies.base import Policy
-from policies.prefix.state import CacheAwareState
 
 
 class CacheReplicaListener:
@@ -85,13 +86,23 @@ class PrefixCacheSwitch:
 
 
 async def cache_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The routing state shared with the other gateways, when a Redis is configured for it (gateway.fleet: routing
+    decisions, sessions, stored-response holders), and the prefix-cache state, built with it: the state publishes
+    through it, and it reads the other gateways' decisions into the state."""
     cfg = app[CONFIG]
-    state = app[CACHE] = CacheAwareState(cfg.cache, app[REGISTRY])  # the router consults it per policy
+    url = shared_redis_url(cfg.fleet, cfg.admission.redis.url if cfg.admission.redis is not None else None)
+    share = RoutingShare(cfg.fleet, url, app[REGISTRY], session_ttl_s=cfg.cache.session_ttl_s) if url else None
+    state = app[CACHE] = CacheAwareState(cfg.cache, app[REGISTRY], shared=share)  # the router consults it per policy
     switch = app[CACHE_SWITCH] = PrefixCacheSwitch(state, app[REPLICAS], cfg.cache.default_block_size)
+    if share is not None:
+        app[FLEET] = share
+        share.start(state)
     try:
         yield
     finally:
         await switch.close()
+        if share is not None:
+            await share.close()
 
 
 CACHE_SWITCH = web.AppKey("cache_switch", PrefixCacheSwitch)

@@ -15,10 +15,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from cacheindex.config import CacheConfig
 from engine_pool.spec import PoolConfig
 from gateway.admission.config import AdmissionConfig
 from policies.base import Role
-from policies.prefix.config import CacheConfig
 from policies.registry import params_model, policy_names
 
 

@@ -11,7 +11,8 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
   one task sends the buffer every `flush_ms` in one pipeline: an `XADD ... MAXLEN ~ history` per decision (fields:
   gateway id, replica, block hashes as packed little-endian u64, session digest) and a `SET ... EX ttl` of
   `<prefix>:session:<digest>` per session binding. A full buffer drops its oldest decision (counted).
-- Apply: one task reads the stream (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
+- Apply: one task (started with the prefix-cache state as its `SharedDecisionSink`) reads the stream
+  (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
   read, so an outage shorter than the history loses nothing) and hands the other gateways' decisions to
   `CacheAwareState.apply_shared` (O(prompt blocks) each); its own are skipped.
 - Stored responses: `publish_response` buffers `SET <prefix>:response:<id> replica EX response_ttl_s`, sent with
@@ -43,8 +44,8 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
+from cacheindex.shared import SharedDecisionSink
 from gateway.config import FleetConfig
-from policies.prefix.state import CacheAwareState
 
 log = logging.getLogger("kvgate.fleet")
 
@@ -80,16 +81,12 @@ class FleetMetrics:
 
 
 class RoutingShare:
-    def __init__(
-        self, config: FleetConfig, url: str, state: CacheAwareState | None, registry: CollectorRegistry
-    ) -> None:
-        """`state`: the cache-aware routing state whose decisions are shared (None: other policies; then only the
-        stored-response holders are)."""
+    def __init__(self, config: FleetConfig, url: str, registry: CollectorRegistry, *, session_ttl_s: float) -> None:
+        """`session_ttl_s`: how long a session binding lives (cache.session_ttl_s), in Redis as here."""
         self.config = config
-        self.state = state
         self.metrics = FleetMetrics(registry)
         self.gateway_id = os.urandom(8).hex().encode()
-        self._session_ttl = max(1, round(state.config.session_ttl_s)) if state is not None else 1
+        self._session_ttl = max(1, round(session_ttl_s))
         self._pending: deque[tuple[str, Sequence[int], bytes | None]] = deque(maxlen=config.max_pending)
         self._responses: deque[tuple[str, str]] = deque(maxlen=config.max_pending)
         self._wake = asyncio.Event()
@@ -109,11 +106,13 @@ class RoutingShare:
         return f"{self.config.key_prefix}:response:{response_id}"
 
     # --- lifecycle --------------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, sink: SharedDecisionSink) -> None:
+        """Send this gateway's decisions, and read the others' into `sink` (the prefix-cache state)."""
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._send_loop(), name="fleet:send")]
-        if self.state is not None:
-            self._tasks.append(loop.create_task(self._read_loop(), name="fleet:read"))
+        self._tasks = [
+            loop.create_task(self._send_loop(), name="fleet:send"),
+            loop.create_task(self._read_loop(sink), name="fleet:read"),
+        ]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -215,7 +214,7 @@ class RoutingShare:
             if batch:
                 self.metrics.decisions.labels("published").inc(len(batch))
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, sink: SharedDecisionSink) -> None:
         last_id = b"0"  # from the start of the retained history
         catching_up = True  # reading decisions made before this gateway was reading: until a short read
         delay = 0.0
@@ -242,11 +241,11 @@ class RoutingShare:
                 read += len(entries)
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    self._apply(fields, catching_up)
+                    self._apply(sink, fields, catching_up)
             catching_up = catching_up and read == _READ_COUNT
 
-    def _apply(self, fields: dict[bytes, bytes], past: bool) -> None:
-        if fields.get(b"g") == self.gateway_id or self.state is None:
+    def _apply(self, sink: SharedDecisionSink, fields: dict[bytes, bytes], past: bool) -> None:
+        if fields.get(b"g") == self.gateway_id:
             return
         try:
             replica = fields[b"r"].decode()
@@ -255,7 +254,7 @@ class RoutingShare:
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             log.debug("ignoring a malformed routing decision: %r", exc)
             return
-        self.state.apply_shared(replica, hashes, fields.get(b"s"), past=past)
+        sink.apply_shared(replica, hashes, fields.get(b"s"), past=past)
         self.metrics.decisions.labels("applied").inc()
 
 

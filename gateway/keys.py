@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from cacheindex.state import CacheAwareState
 from engine_pool.discovery import DnsDiscovery
 from engine_pool.http_client import UpstreamClient
 from engine_pool.pool import EnginePool
@@ -17,7 +18,6 @@ from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.router import Router
-from policies.prefix.state import CacheAwareState
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REGISTRY = web.AppKey("registry", CollectorRegistry)

@@ -25,7 +25,7 @@ from policies.filters import routable
 
 
 class CacheHooks(Protocol):
-    """What the router needs from the prefix-cache state (policies.prefix.state.CacheAwareState)."""
+    """What the router needs from the prefix-cache state (cacheindex.state.CacheAwareState)."""
 
     async def request_info(
         self,

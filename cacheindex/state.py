@@ -6,7 +6,8 @@ context (model or LoRA adapter name + `cache_salt`). Prompts of at least `tokeni
 are tokenized in a small thread pool (an 8k-token HF chat prompt takes ~20 ms on this machine); shorter ones inline
 (pure-Python tokenizers, which hold the GIL, only from `python_tokenizer_thread_min_chars`).
 `overlap` / `session_replica` fill the `RoutingView`; `on_routed` records the speculative insert and binds the
-session, and hands both to `shared` (the other gateways, gateway.fleet) when set; `apply_shared` learns theirs.
+session, and hands both to `shared` (the other gateways, gateway.fleet, given at construction) when any;
+`apply_shared` learns theirs.
 `on_finished` compares the predicted cached tokens with the engine's `cached_tokens` (live parity).
 
 Replicas: `add_replica` registers a replica's block size and capacity and, when KV events are enabled and its
@@ -30,18 +31,18 @@ from typing import Any, Literal
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from cacheindex.config import CacheConfig
+from cacheindex.event_sink import KvEventApplier
+from cacheindex.hashing import context_seed, prompt_block_hashes
+from cacheindex.incremental import ChatPrefixCache
+from cacheindex.kv_events import KvEvent, KvEventSubscriber
+from cacheindex.kv_index import KvIndex
+from cacheindex.metrics import PrefixMetrics
+from cacheindex.routed import Routed, RoutedRequests
+from cacheindex.sessions import SessionTable, session_digest
+from cacheindex.shared import EarlyDecisions, SharedRouting
+from cacheindex.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 from policies.base import Decision, Footprint, RequestInfo
-from policies.prefix.config import CacheConfig
-from policies.prefix.event_sink import KvEventApplier
-from policies.prefix.hashing import context_seed, prompt_block_hashes
-from policies.prefix.incremental import ChatPrefixCache
-from policies.prefix.kv_events import KvEvent, KvEventSubscriber
-from policies.prefix.kv_index import KvIndex
-from policies.prefix.metrics import PrefixMetrics
-from policies.prefix.routed import Routed, RoutedRequests
-from policies.prefix.sessions import SessionTable, session_digest
-from policies.prefix.shared import EarlyDecisions, SharedRouting
-from policies.prefix.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,10 @@ def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> l
 
 
 class CacheAwareState:
-    def __init__(self, config: CacheConfig, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, config: CacheConfig, registry: CollectorRegistry, *, shared: SharedRouting | None = None
+    ) -> None:
+        """`shared`: the other gateways (gateway.fleet), when several share their routing."""
         self.config = config
         self.registry = registry
         self.index = KvIndex(speculative_ttl_s=config.speculative_ttl_s, hot_window_s=config.hot_window_s)
@@ -134,7 +138,7 @@ class CacheAwareState:
         self._zmq: zmq.asyncio.Context | None = None
         self._stopping: set[asyncio.Task[None]] = set()
         self._events = KvEventApplier(self.index, self.metrics)
-        self.shared: SharedRouting | None = None
+        self.shared = shared
         self._early = EarlyDecisions()  # the others' decisions for replicas not registered here yet
 
     # --- lifecycle --------------------------------------------------------------------------------------------
