@@ -46,6 +46,7 @@ from redis.exceptions import RedisError
 
 from cacheindex.shared import SharedDecisionSink
 from gateway.config import FleetConfig
+from kvcommon.backoff import Backoff
 
 log = logging.getLogger("kvgate.fleet")
 
@@ -176,12 +177,9 @@ class RoutingShare:
         return value.decode() if isinstance(value, bytes) else value
 
     # --- tasks ------------------------------------------------------------------------------------------------
-    def _backoff(self, delay: float) -> float:
-        return min(max(delay * 2, _MIN_BACKOFF_S), self.config.reconnect_max_s)
-
     async def _send_loop(self) -> None:
         cfg = self.config
-        delay = 0.0
+        backoff = Backoff(_MIN_BACKOFF_S, cfg.reconnect_max_s)
         while True:
             await self._wake.wait()
             if cfg.flush_ms:
@@ -205,37 +203,35 @@ class RoutingShare:
                     await pipe.execute()
             except (RedisError, OSError) as exc:
                 self.metrics.decisions.labels("dropped").inc(len(batch))
-                if not delay:
+                if not backoff.attempts:
                     log.warning("could not publish routing decisions to the other gateways: %r", exc)
-                delay = self._backoff(delay)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(backoff.next())
                 continue
-            delay = 0.0
+            backoff.reset()
             if batch:
                 self.metrics.decisions.labels("published").inc(len(batch))
 
     async def _read_loop(self, sink: SharedDecisionSink) -> None:
         last_id = b"0"  # from the start of the retained history
         catching_up = True  # reading decisions made before this gateway was reading: until a short read
-        delay = 0.0
+        backoff = Backoff(_MIN_BACKOFF_S, self.config.reconnect_max_s)
         while True:
             try:
                 reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self._reader.xread(
                     {self.config.channel: last_id}, count=_READ_COUNT, block=_READ_BLOCK_MS
                 )  # type: ignore[assignment]
             except (RedisError, OSError) as exc:
-                if self._reading_since is not None or not delay:
+                if self._reading_since is not None or not backoff.attempts:
                     log.warning("lost the shared routing stream: %r", exc)
                 self._reading_since = None
                 catching_up = True
                 self.metrics.connected.set(0)
-                delay = self._backoff(delay)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(backoff.next())
                 continue
             if self._reading_since is None:
                 self._reading_since = time.monotonic()
                 self.metrics.connected.set(1)
-            delay = 0.0
+            backoff.reset()
             read = 0
             for _, entries in reply:
                 read += len(entries)
