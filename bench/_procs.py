@@ -46,8 +46,10 @@ def child(
     args: list[str], ready_url: str, env: dict[str, str] | None = None, source: Path | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`kvgate <args>` as a child process, from `source` (another checkout, e.g. the previous release) if given."""
+    # a checkout from before the `kvgate` package had its command line in gateway.cli
+    entry = "gateway.cli" if source is not None and not (source / "kvgate").is_dir() else "kvgate"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", *args],
+        [sys.executable, "-m", entry, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(env or {}), **({"PYTHONPATH": str(source)} if source else {})},

@@ -163,7 +163,7 @@ def run(n: int) -> list[dict[str, Any]]:
         ports = [free_port() for _ in range(4)]
         engines = [f"http://127.0.0.1:{p}" for p in ports]
         sims = [
-            (["gateway.cli", "sim-engine", "--port", str(p), "--model", MODEL, "--seed", str(i), *COSTS,
+            (["simengine", "--port", str(p), "--model", MODEL, "--seed", str(i), *COSTS,
               "--kv-transfer-config", connector], [f"http://127.0.0.1:{p}/health"])
             for i, p in enumerate(ports)
         ]  # fmt: skip
@@ -175,7 +175,7 @@ def run(n: int) -> list[dict[str, Any]]:
             with open(path, "w") as f:
                 yaml.safe_dump(gateway_config(port, engines, min_prefill), f)
             urls[mode] = f"http://127.0.0.1:{port}"
-            gws.append((["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"], [urls[mode] + "/ready"]))
+            gws.append((["kvgate", "serve", "--config", path, "--log-level", "WARNING"], [urls[mode] + "/ready"]))
         with children(sims), children(gws):
             return asyncio.run(measure(urls, engines, n, tmp + "/kv"))
 
@@ -217,7 +217,7 @@ def run_vllm(n: int) -> list[dict[str, Any]]:
             with open(path, "w") as f:
                 yaml.safe_dump(vllm_config(port, tmp, min_prefill), f)
             url = f"http://127.0.0.1:{port}"
-            serve = ["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"]
+            serve = ["kvgate", "serve", "--config", path, "--log-level", "WARNING"]
             with children([(serve, [url + "/ready"])], timeout_s=600):
                 rows += asyncio.run(measure_vllm(url, mode, n, maker))
     return rows

@@ -105,7 +105,7 @@ def fleet(sims: Sequence[str], setup: str, redis_url: str, max_num_seqs: int) ->
             path = os.path.join(tmp, f"gw{i}.yaml")
             Path(path).write_text(yaml.safe_dump(cfg))
             url = f"http://127.0.0.1:{port}"
-            specs.append((["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"], [f"{url}/ready"]))
+            specs.append((["kvgate", "serve", "--config", path, "--log-level", "WARNING"], [f"{url}/ready"]))
         with children(specs) as procs:
             if n == 1:
                 yield f"http://127.0.0.1:{ports[0]}", [p.pid for p in procs]

@@ -9,7 +9,7 @@ import random
 import sys
 import time
 
-from policies.prefix.hashing import prompt_block_hashes
+from cacheindex.hashing import prompt_block_hashes
 
 
 def per_call_us(fn: object, n: int) -> float:
@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
         us = per_call_us(lambda bs=bs: prompt_block_hashes(tokens, bs, model="m"), 500)
         print(f"hash 8192 tokens, block {bs:>3}: {us:8.1f} us")
     if argv:
+        from cacheindex.tokenizers import HfPromptTokenizer
         from engine_pool.tiny_model import corpus_text
-        from policies.prefix.tokenizers import HfPromptTokenizer
 
         tok = HfPromptTokenizer(argv[0])
         text = corpus_text()

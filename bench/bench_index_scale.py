@@ -21,14 +21,14 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from cacheindex.config import CacheConfig
+from cacheindex.state import CacheAwareState
 from engine_pool.http_client import UpstreamClient
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
 from policies.cache_aware import CacheAware
-from policies.prefix.config import CacheConfig
-from policies.prefix.state import CacheAwareState
 from simengine import SimConfig, run_sim_engine
 
 GROUPS = 64

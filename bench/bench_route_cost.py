@@ -11,10 +11,10 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from cacheindex.config import CacheConfig
+from cacheindex.state import CacheAwareState
 from policies.base import ReplicaState, RoutingView
 from policies.cache_aware import CacheAware
-from policies.prefix.config import CacheConfig
-from policies.prefix.state import CacheAwareState
 
 
 async def main():

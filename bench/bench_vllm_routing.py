@@ -124,7 +124,7 @@ def router(
         }
         path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        argv = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), "--log-level", "WARNING"]
+        argv = [sys.executable, "-m", "kvgate", "serve", "-c", str(path), "--log-level", "WARNING"]
         ready = url + "/ready"
     else:
         argv = [sglang, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]

@@ -106,7 +106,7 @@ def sim_pool(
     hide = ["--hide-cache-config"] if hide_cache_config else []
     specs = [
         (
-            ["gateway.cli", "sim-engine", "--port", str(p), "--model", model, *costs.flags(num_blocks), *hide],
+            ["simengine", "--port", str(p), "--model", model, *costs.flags(num_blocks), *hide],
             [f"http://127.0.0.1:{p}/health"],
         )
         for p in ports
@@ -146,7 +146,7 @@ def gateways(
             with open(path, "w") as f:
                 yaml.safe_dump(gateway_yaml(engines, policy, params, port, max_num_seqs), f)
             url = f"http://127.0.0.1:{port}"
-            serve = ["gateway.cli", "serve", "--config", path, "--log-level", "WARNING"]
+            serve = ["kvgate", "serve", "--config", path, "--log-level", "WARNING"]
             specs.append((serve, [f"{url}/health", f"{url}/ready"]))
             urls.append(url)
         with children(specs, cpus) as procs:

@@ -292,8 +292,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 [
                     sys.executable,
                     "-m",
-                    "gateway.cli",
-                    "sim-engine",
+                    "simengine",
                     "--port",
                     str(p),
                     "--model",
@@ -317,7 +316,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = Path(tmp) / "kvgate.yaml"
         cfg.write_text(yaml.safe_dump(gateway_config(port, urls, f"redis://127.0.0.1:{redis_port}/0")))
         url = f"http://127.0.0.1:{port}"
-        serve = ["gateway.cli", "serve", "--config", str(cfg), "--log-level", "ERROR"]
+        serve = ["kvgate", "serve", "--config", str(cfg), "--log-level", "ERROR"]
         tracer = ["bench._tracemem", tmp] if args.trace_memory else []
         gateway = Child([sys.executable, "-m", *tracer, *serve], f"{url}/ready")
         gateway.start()

@@ -260,8 +260,7 @@ class EnginePool:
             argv = [
                 sys.executable,
                 "-m",
-                "gateway.cli",
-                "sim-engine",
+                "simengine",
                 "--host",
                 host,
                 "--port",

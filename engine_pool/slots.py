@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from engine_pool.launcher import EngineProcess
 from engine_pool.replica import Replica
 from engine_pool.spec import ModelPoolConfig
-from policies.fastmetrics import CallbackGauge, FastCounter, FastHistogram
+from kvcommon.fastmetrics import CallbackGauge, FastCounter, FastHistogram
 
 After = Literal["stop", "restart", "remove", "backoff"]  # what a stopping replica does next
 

@@ -34,6 +34,7 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import After, PoolError, PoolMetrics, Slot, SlotState
 from engine_pool.spec import PoolConfig
+from kvcommon.backoff import backoff_delay
 
 log = logging.getLogger("kvgate.pool")
 
@@ -300,7 +301,7 @@ class Supervisor:
                 self._set_state(slot, SlotState.FAILED, f"crash loop: {slot.last_error}")
                 return
             r = slot.model.restart
-            delay = min(r.backoff_base_s * 2 ** (slot.attempts - 1), r.backoff_max_s)
+            delay = backoff_delay(slot.attempts, r.backoff_base_s, r.backoff_max_s)
             self._set_state(slot, SlotState.BACKOFF, f"restart in {delay:.1f} s after {slot.last_error}")
             slot.restarts += 1
             self._spawn(slot, self._timer(slot, slot.gen, delay), "backoff")

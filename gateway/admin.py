@@ -156,7 +156,7 @@ async def reload_config(request: web.Request) -> web.Response:
             if isinstance(data, dict) and "admission" in data:
                 data = data["admission"]
             config = reloader.running.model_copy(update={"admission": AdmissionConfig.model_validate(data)})
-            result = reloader.apply(config)
+            result = await reloader.apply(config)
         elif request.app.get(CONFIG_PATH) is not None:
             result = await reloader.reload_file()
         else:

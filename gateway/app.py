@@ -1,8 +1,8 @@
 """The aiohttp application: typed app keys, middleware, and the resources each `cleanup_ctx` step owns.
 
 Start-up order (reverse on shutdown): the HTTP client to engines -> replica set (attached engines, probes) ->
-prefix cache -> what is shared with the other gateways (Redis) -> engine pool -> router and proxy -> admission ->
-the completion service.
+what is shared with the other gateways (Redis) and the prefix cache (gateway.cache_ctx) -> engine pool ->
+router and proxy -> admission -> the completion service.
 Nothing is module-global: a test can run several gateways in one process.
 """
 
@@ -26,11 +26,10 @@ from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.quota import QuotaStore
 from gateway.admission.redis_store import RedisQuotaStore
 from gateway.attached import attached_replica, dns_target
-from gateway.cache_ctx import cache_ctx
+from gateway.cache_ctx import CACHE_SWITCH, cache_ctx
 from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
 from gateway.errors import BadRequest, GatewayError, error_response, http_exception_to_error
-from gateway.fleet import RoutingShare, shared_redis_url
 from gateway.ids import IdSource
 from gateway.keys import (
     ADMISSION,
@@ -129,27 +128,6 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
         await replicas.close()
 
 
-async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
-    """With a Redis for it: the routing decisions, sessions and stored-response holders shared with the other
-    gateways (gateway.fleet)."""
-    cfg = app[CONFIG]
-    url = shared_redis_url(cfg.fleet, cfg.admission.redis.url if cfg.admission.redis is not None else None)
-    if url is None:
-        yield
-        return
-    state = app.get(CACHE)
-    share = app[FLEET] = RoutingShare(cfg.fleet, url, state, app[REGISTRY])
-    if state is not None:
-        state.shared = share
-    share.start()
-    try:
-        yield
-    finally:
-        if state is not None:
-            state.shared = None
-        await share.close()
-
-
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     """The engines kvgate launches: after the replica set (the pool adds its replicas, `managed=True`, warm after
     warm-up), before the router; on shutdown, after the server let in-flight requests finish, it stops every engine
@@ -169,7 +147,8 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     policy = build_policy(cfg.routing.policy, cfg.routing.params)
-    router = Router(policy, app[REPLICAS], app[METRICS], app.get(CACHE), max_candidates=cfg.routing.max_candidates)
+    router = Router(policy, app[REPLICAS], app[METRICS], max_candidates=cfg.routing.max_candidates)
+    await app[CACHE_SWITCH].route_with(router, policy, cfg.routing.max_candidates)
     app[ROUTER] = router
     app[PROXY] = UpstreamProxy(
         app[UPSTREAM],
@@ -212,7 +191,7 @@ async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
         app[REPLICAS],
         app[ROUTER],
         app[PROXY],
-        app.get(CACHE),
+        app[CACHE],
         app.get(FLEET),
         tracer,
     )
@@ -233,9 +212,7 @@ def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = Non
     app[IDS] = IdSource()
     app[REGISTRY] = registry or CollectorRegistry()
     app[METRICS] = GatewayMetrics(app[REGISTRY])
-    app.cleanup_ctx.extend(
-        [_client_ctx, _replicas_ctx, cache_ctx, _fleet_ctx, _pool_ctx, _router_ctx]
-    )  # pool: launched engines
+    app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, cache_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
     app.cleanup_ctx.append(_admission_ctx)  # after the router: tenants, quotas, the fair queue
     app.cleanup_ctx.append(_completions_ctx)  # the completion endpoints, over everything above
     handlers.add_routes(app)

@@ -1,8 +1,14 @@
-"""Wires the prefix-cache state (tokenizers, KV block index, KV events, sessions) to the replica set.
+"""Wires the prefix-cache state (tokenizers, KV block index, KV events, sessions) to the replica set, and makes it
+follow the routing policy.
 
-Only built when the routing policy consumes prefix overlap (`uses_prefix_cache`). A replica coming up is
-registered with its block size and KV capacity as its engine reports them (`vllm:cache_config_info`), falling back to
-the config; a replica going down or removed forgets its entries (a restarted engine starts with an empty cache).
+The state is built at start-up whatever the policy (an index, a session table and metrics: no thread, socket or
+task until started) and always knows the replicas: a replica coming up is registered with its block size and KV
+capacity as its engine reports them (`vllm:cache_config_info`), falling back to the config; a replica going down or
+removed forgets its entries (a restarted engine starts with an empty cache). It runs (KV-event subscribers,
+tokenizer preloads, the tokenizer thread pool) only while the policy consumes prefix overlap (`uses_prefix_cache`),
+and the router consults it only then. `PrefixCacheSwitch.follow(policy)` is called at start-up and by every reload:
+switching to such a policy starts it; leaving it stops it and forgets what it knew (with no events read, it would
+go stale). Cost of a switch: O(replicas).
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from cacheindex.state import CacheAwareState
 from engine_pool.replica import Replica
-from gateway.keys import CACHE, CONFIG, REGISTRY, REPLICAS
-from policies.prefix.state import CacheAwareState
-from policies.registry import build_policy
+from engine_pool.replica_set import ReplicaSet
+from gateway.fleet import RoutingShare, shared_redis_url
+from gateway.keys import CACHE, CONFIG, FLEET, REGISTRY, REPLICAS
+from gateway.router import Router
+from policies.base import Policy
 
 
 class CacheReplicaListener:
@@ -41,25 +50,59 @@ class CacheReplicaListener:
         self.state.remove_replica(replica.id)
 
 
-def policy_uses_prefix_cache(app: web.Application) -> bool:
-    cfg = app[CONFIG]
-    return bool(getattr(build_policy(cfg.routing.policy, cfg.routing.params), "uses_prefix_cache", False))
+def uses_prefix_cache(policy: Policy) -> bool:
+    return bool(getattr(policy, "uses_prefix_cache", False))
+
+
+class PrefixCacheSwitch:
+    """Runs the cache state while the routing policy uses it (see the module docstring)."""
+
+    def __init__(self, state: CacheAwareState, replicas: ReplicaSet, default_block_size: int) -> None:
+        self.state = state
+        self.replicas = replicas
+        self.listener = CacheReplicaListener(state, default_block_size)
+        replicas.add_listener(self.listener)
+        self._register_healthy()
+
+    def _register_healthy(self) -> None:
+        for replica in self.replicas:
+            if replica.healthy:
+                self.listener.replica_up(replica)  # re-registering forgets what was known of its cache
+
+    async def route_with(self, router: Router, policy: Policy, max_candidates: int) -> None:
+        """Make `router` decide with `policy`, the cache state running before a router consults it and stopped
+        after none does."""
+        uses = uses_prefix_cache(policy)
+        if uses and not self.state.started:
+            await self.state.start()
+        router.use(policy, self.state if uses else None, max_candidates=max_candidates)
+        if not uses and self.state.started:
+            await self.state.stop()
+            self._register_healthy()
+
+    async def close(self) -> None:
+        if self.state.started:
+            await self.state.stop()
 
 
 async def cache_ctx(app: web.Application) -> AsyncIterator[None]:
-    if not policy_uses_prefix_cache(app):
-        yield
-        return
+    """The routing state shared with the other gateways, when a Redis is configured for it (gateway.fleet: routing
+    decisions, sessions, stored-response holders), and the prefix-cache state, built with it: the state publishes
+    through it, and it reads the other gateways' decisions into the state."""
     cfg = app[CONFIG]
-    state = CacheAwareState(cfg.cache, app[REGISTRY])
-    app[CACHE] = state
-    await state.start()
-    listener = CacheReplicaListener(state, cfg.cache.default_block_size)
-    app[REPLICAS].add_listener(listener)
-    for replica in app[REPLICAS]:
-        if replica.healthy:
-            listener.replica_up(replica)
+    url = shared_redis_url(cfg.fleet, cfg.admission.redis.url if cfg.admission.redis is not None else None)
+    share = RoutingShare(cfg.fleet, url, app[REGISTRY], session_ttl_s=cfg.cache.session_ttl_s) if url else None
+    state = app[CACHE] = CacheAwareState(cfg.cache, app[REGISTRY], shared=share)  # the router consults it per policy
+    switch = app[CACHE_SWITCH] = PrefixCacheSwitch(state, app[REPLICAS], cfg.cache.default_block_size)
+    if share is not None:
+        app[FLEET] = share
+        share.start(state)
     try:
         yield
     finally:
-        await state.stop()
+        await switch.close()
+        if share is not None:
+            await share.close()
+
+
+CACHE_SWITCH = web.AppKey("cache_switch", PrefixCacheSwitch)

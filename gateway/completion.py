@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
+from cacheindex.state import CacheAwareState
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
@@ -36,7 +37,6 @@ from gateway.responder import Responder
 from gateway.router import Router
 from gateway.tracing import Tracer, valid_traceparent
 from policies.base import RequestInfo
-from policies.prefix.state import CacheAwareState
 
 log = logging.getLogger("kvgate.gateway")
 

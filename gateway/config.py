@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from cacheindex.config import CacheConfig
 from engine_pool.spec import PoolConfig
 from gateway.admission.config import AdmissionConfig
 from policies.base import Role
-from policies.prefix.config import CacheConfig
-from policies.registry import build_policy, policy_names
+from policies.registry import params_model, policy_names
 
 
 class StrictModel(BaseModel):
@@ -230,7 +230,8 @@ class RoutingConfig(StrictModel):
         "d choices), so its cost per request does not grow with the pool",
     )
     params: dict[str, Any] = Field(
-        default_factory=dict, description="policy parameters (validated by the policy at load time)"
+        default_factory=dict,
+        description="the policy's parameters, validated by its model at load time (below: `routing.params` per policy)",
     )
     disaggregation: DisaggregationConfig = Field(
         default_factory=DisaggregationConfig,
@@ -244,10 +245,15 @@ class RoutingConfig(StrictModel):
             raise ValueError(f"unknown routing policy {v!r}; known: {', '.join(policy_names())}")
         return v
 
-    @model_validator(mode="after")
-    def _policy_builds(self) -> RoutingConfig:
-        build_policy(self.policy, self.params)  # unknown name or bad params fail here, at load time
-        return self
+    @field_validator("params")
+    @classmethod
+    def _params_fit_the_policy(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Bad parameters fail at load time with their path (`routing.params.imbalance_cost: ...`): pydantic
+        prefixes the nested model's errors with this field's location."""
+        policy = info.data.get("policy")
+        if policy is not None:  # None: the policy name was invalid, and that error is reported
+            params_model(policy).model_validate(v)
+        return v
 
 
 class FleetConfig(StrictModel):

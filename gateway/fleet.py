@@ -11,7 +11,8 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
   one task sends the buffer every `flush_ms` in one pipeline: an `XADD ... MAXLEN ~ history` per decision (fields:
   gateway id, replica, block hashes as packed little-endian u64, session digest) and a `SET ... EX ttl` of
   `<prefix>:session:<digest>` per session binding. A full buffer drops its oldest decision (counted).
-- Apply: one task reads the stream (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
+- Apply: one task (started with the prefix-cache state as its `SharedDecisionSink`) reads the stream
+  (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
   read, so an outage shorter than the history loses nothing) and hands the other gateways' decisions to
   `CacheAwareState.apply_shared` (O(prompt blocks) each); its own are skipped.
 - Stored responses: `publish_response` buffers `SET <prefix>:response:<id> replica EX response_ttl_s`, sent with
@@ -43,8 +44,9 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
+from cacheindex.shared import SharedDecisionSink
 from gateway.config import FleetConfig
-from policies.prefix.state import CacheAwareState
+from kvcommon.backoff import Backoff
 
 log = logging.getLogger("kvgate.fleet")
 
@@ -80,16 +82,12 @@ class FleetMetrics:
 
 
 class RoutingShare:
-    def __init__(
-        self, config: FleetConfig, url: str, state: CacheAwareState | None, registry: CollectorRegistry
-    ) -> None:
-        """`state`: the cache-aware routing state whose decisions are shared (None: other policies; then only the
-        stored-response holders are)."""
+    def __init__(self, config: FleetConfig, url: str, registry: CollectorRegistry, *, session_ttl_s: float) -> None:
+        """`session_ttl_s`: how long a session binding lives (cache.session_ttl_s), in Redis as here."""
         self.config = config
-        self.state = state
         self.metrics = FleetMetrics(registry)
         self.gateway_id = os.urandom(8).hex().encode()
-        self._session_ttl = max(1, round(state.config.session_ttl_s)) if state is not None else 1
+        self._session_ttl = max(1, round(session_ttl_s))
         self._pending: deque[tuple[str, Sequence[int], bytes | None]] = deque(maxlen=config.max_pending)
         self._responses: deque[tuple[str, str]] = deque(maxlen=config.max_pending)
         self._wake = asyncio.Event()
@@ -109,11 +107,13 @@ class RoutingShare:
         return f"{self.config.key_prefix}:response:{response_id}"
 
     # --- lifecycle --------------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, sink: SharedDecisionSink) -> None:
+        """Send this gateway's decisions, and read the others' into `sink` (the prefix-cache state)."""
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._send_loop(), name="fleet:send")]
-        if self.state is not None:
-            self._tasks.append(loop.create_task(self._read_loop(), name="fleet:read"))
+        self._tasks = [
+            loop.create_task(self._send_loop(), name="fleet:send"),
+            loop.create_task(self._read_loop(sink), name="fleet:read"),
+        ]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -177,12 +177,9 @@ class RoutingShare:
         return value.decode() if isinstance(value, bytes) else value
 
     # --- tasks ------------------------------------------------------------------------------------------------
-    def _backoff(self, delay: float) -> float:
-        return min(max(delay * 2, _MIN_BACKOFF_S), self.config.reconnect_max_s)
-
     async def _send_loop(self) -> None:
         cfg = self.config
-        delay = 0.0
+        backoff = Backoff(_MIN_BACKOFF_S, cfg.reconnect_max_s)
         while True:
             await self._wake.wait()
             if cfg.flush_ms:
@@ -206,47 +203,45 @@ class RoutingShare:
                     await pipe.execute()
             except (RedisError, OSError) as exc:
                 self.metrics.decisions.labels("dropped").inc(len(batch))
-                if not delay:
+                if not backoff.attempts:
                     log.warning("could not publish routing decisions to the other gateways: %r", exc)
-                delay = self._backoff(delay)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(backoff.next())
                 continue
-            delay = 0.0
+            backoff.reset()
             if batch:
                 self.metrics.decisions.labels("published").inc(len(batch))
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, sink: SharedDecisionSink) -> None:
         last_id = b"0"  # from the start of the retained history
         catching_up = True  # reading decisions made before this gateway was reading: until a short read
-        delay = 0.0
+        backoff = Backoff(_MIN_BACKOFF_S, self.config.reconnect_max_s)
         while True:
             try:
                 reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self._reader.xread(
                     {self.config.channel: last_id}, count=_READ_COUNT, block=_READ_BLOCK_MS
                 )  # type: ignore[assignment]
             except (RedisError, OSError) as exc:
-                if self._reading_since is not None or not delay:
+                if self._reading_since is not None or not backoff.attempts:
                     log.warning("lost the shared routing stream: %r", exc)
                 self._reading_since = None
                 catching_up = True
                 self.metrics.connected.set(0)
-                delay = self._backoff(delay)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(backoff.next())
                 continue
             if self._reading_since is None:
                 self._reading_since = time.monotonic()
                 self.metrics.connected.set(1)
-            delay = 0.0
+            backoff.reset()
             read = 0
             for _, entries in reply:
                 read += len(entries)
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    self._apply(fields, catching_up)
+                    self._apply(sink, fields, catching_up)
             catching_up = catching_up and read == _READ_COUNT
 
-    def _apply(self, fields: dict[bytes, bytes], past: bool) -> None:
-        if fields.get(b"g") == self.gateway_id or self.state is None:
+    def _apply(self, sink: SharedDecisionSink, fields: dict[bytes, bytes], past: bool) -> None:
+        if fields.get(b"g") == self.gateway_id:
             return
         try:
             replica = fields[b"r"].decode()
@@ -255,7 +250,7 @@ class RoutingShare:
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             log.debug("ignoring a malformed routing decision: %r", exc)
             return
-        self.state.apply_shared(replica, hashes, fields.get(b"s"), past=past)
+        sink.apply_shared(replica, hashes, fields.get(b"s"), past=past)
         self.metrics.decisions.labels("applied").inc()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from cacheindex.state import CacheAwareState
 from engine_pool.discovery import DnsDiscovery
 from engine_pool.http_client import UpstreamClient
 from engine_pool.pool import EnginePool
@@ -17,7 +18,6 @@ from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.router import Router
-from policies.prefix.state import CacheAwareState
 
 CONFIG = web.AppKey("config", GatewayConfig)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
@@ -29,7 +29,7 @@ PROXY = web.AppKey("proxy", UpstreamProxy)
 ADMISSION = web.AppKey("admission", AdmissionController)
 COMPLETIONS = web.AppKey("completions", CompletionService)  # the two OpenAI completion endpoints
 CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
-CACHE = web.AppKey("cache", CacheAwareState)  # absent unless the routing policy uses prefix overlap
+CACHE = web.AppKey("cache", CacheAwareState)  # running while the routing policy uses prefix overlap (cache_ctx)
 FLEET = web.AppKey("fleet", RoutingShare)  # absent unless a Redis is configured and fleet.share_routing
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config
 DISCOVERY = web.AppKey("discovery", list[DnsDiscovery])  # one per `engines[].dns` entry (maybe none)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from engine_pool.discovery import DnsDiscovery
 from engine_pool.replica import Replica
-from policies.fastmetrics import Buckets, CallbackGauge, FastCounter, FastHistogram, Value
+from kvcommon.fastmetrics import Buckets, CallbackGauge, FastCounter, FastHistogram, Value
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)

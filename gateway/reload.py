@@ -7,7 +7,8 @@ section by section, and what can change under traffic is applied:
   keep their leases);
 - `engines` given by `url`: a new one joins through the health probe; a removed one drains (takes no new request,
   its in-flight ones finish, up to `_DRAIN_S`) and leaves; a changed one is replaced the same way;
-- `routing`: the policy and its parameters, `max_candidates` (the next decision uses them);
+- `routing`: the policy and its parameters, `max_candidates` (the next decision uses them); the prefix-cache
+  state follows the policy (started on a switch to a policy that uses it, stopped when leaving one: cache_ctx);
 - `models`: aliases and fallbacks.
 Every other section that differs (server, health, timeouts, retry, cache, fleet, tracing, admin, pool, and
 `engines` found by `dns`) is named in the answer and the log as needing a restart, and keeps its running value.
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from engine_pool.replica import Replica
 from gateway.attached import attached_replica
+from gateway.cache_ctx import CACHE_SWITCH
 from gateway.config import EngineConfig, GatewayConfig, load_config
 from gateway.keys import ADMISSION, COMPLETIONS, CONFIG, CONFIG_PATH, REPLICAS, ROUTER
 from policies.registry import build_policy
@@ -87,10 +89,10 @@ class ConfigReloader:
         except ValueError as exc:
             log.error("config reload failed, keeping the running config: %s", exc)
             raise
-        return self.apply(new)
+        return await self.apply(new)
 
     # --- applying ---------------------------------------------------------------------------------------------
-    def apply(self, new: GatewayConfig) -> ReloadResult:
+    async def apply(self, new: GatewayConfig) -> ReloadResult:
         old, result = self.running, ReloadResult()
         for section in _RESTART:
             if getattr(old, section) != getattr(new, section):
@@ -100,9 +102,8 @@ class ConfigReloader:
         if new.admission != old.admission:
             self.app[ADMISSION].reload(new.admission)
         if new.routing != old.routing:
-            router = self.app[ROUTER]
-            router.policy = build_policy(new.routing.policy, new.routing.params)
-            router.max_candidates = new.routing.max_candidates
+            policy = build_policy(new.routing.policy, new.routing.params)  # the cache state follows it
+            await self.app[CACHE_SWITCH].route_with(self.app[ROUTER], policy, new.routing.max_candidates)
         if new.models != old.models:
             self.app[COMPLETIONS].set_models(new.models)
         result.applied = [s for s in _APPLIED if getattr(old, s) != getattr(new, s)]

@@ -25,7 +25,7 @@ from policies.filters import routable
 
 
 class CacheHooks(Protocol):
-    """What the router needs from the prefix-cache state (policies.prefix.state.CacheAwareState)."""
+    """What the router needs from the prefix-cache state (cacheindex.state.CacheAwareState)."""
 
     async def request_info(
         self,
@@ -74,6 +74,10 @@ class Router:
         self._rng = random.Random(0)  # the candidate sample: seeded, so a run is reproducible
         self._seq = 0
         self._plain: dict[tuple[str, str], RequestInfo] = {}  # see request_info
+
+    def use(self, policy: Policy, cache: CacheHooks | None, *, max_candidates: int) -> None:
+        """Decide with `policy` from the next request on (a reload), consulting `cache` (None: no cache hooks)."""
+        self.policy, self.cache, self.max_candidates = policy, cache, max_candidates
 
     async def request_info(
         self,

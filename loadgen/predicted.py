@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvcommon.promtext import samples
+from loadgen.promscrape import fetch_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +51,11 @@ def parse_capacities(text: str, url: str) -> list[Capacity]:
     """KV capacities in a metrics page: kvgate's per-replica gauge when present, else vLLM's cache_config_info."""
     kvgate: list[Capacity] = []
     vllm: list[Capacity] = []
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "kvgate_prefix_index_capacity_blocks" and s.labels.get("source") == "engine":
-                kvgate.append(Capacity(s.labels["replica"], int(s.value), int(s.labels.get("block_size", 16))))
-            elif s.name == "vllm:cache_config_info" and s.labels.get("num_gpu_blocks", "").isdigit():
-                vllm.append(Capacity(url, int(s.labels["num_gpu_blocks"]), int(s.labels.get("block_size") or 16)))
+    for s in samples(text, ("kvgate_prefix_index_capacity_blocks{", "vllm:cache_config_info{")):
+        if s.name == "kvgate_prefix_index_capacity_blocks" and s.labels.get("source") == "engine":
+            kvgate.append(Capacity(s.labels["replica"], int(s.value), int(s.labels.get("block_size", 16))))
+        elif s.name == "vllm:cache_config_info" and s.labels.get("num_gpu_blocks", "").isdigit():
+            vllm.append(Capacity(url, int(s.labels["num_gpu_blocks"]), int(s.labels.get("block_size") or 16)))
     return kvgate or vllm[:1]  # one engine per vLLM URL (its info gauge may repeat per engine index)
 
 
@@ -63,8 +64,10 @@ async def scrape_capacities(http: aiohttp.ClientSession, urls: Sequence[str]) ->
     scraped beside it (the same engines, counted once). Raises ValueError when none reports any."""
     found: dict[str, Capacity] = {}
     for url in urls:
-        async with http.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            text = await resp.text() if resp.status == 200 else ""
+        try:
+            text = await fetch_text(http, url)
+        except ValueError:
+            continue  # no page there: no capacity from it
         for c in parse_capacities(text, url):
             found[c.source] = c
     if any(c.source not in urls for c in found.values()):

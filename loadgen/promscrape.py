@@ -1,8 +1,9 @@
 """Prometheus scrapes around a load setting: prefix-cache hit rate from engine counters, per-replica load.
 
-`parse_metrics` reads a text exposition with `prometheus_client.parser.text_string_to_metric_families` and keeps
+`parse_metrics` reads a text exposition with the project's one Prometheus text reader (`kvcommon.promtext`) and keeps
 the sum over label sets of every sample whose name is in `PREFIX_COUNTERS`, vLLM's preemption counter, or a
-kvgate counter (`kvgate*_total`), so the result is bounded by the page. Hit rate over a setting = delta(hits) /
+kvgate counter (`kvgate*_total`), so the result is bounded by the page. `fetch_text` is the one fetch of a page
+(predicted.py reads capacities through it too). Hit rate over a setting = delta(hits) /
 delta(queries) of `vllm:prefix_cache_{hits,queries}_total` (older vLLM: `vllm:gpu_prefix_cache_*`), summed over
 the scraped URLs; None when no query was counted. A counter that went down (engine restarted) contributes its
 after-value.
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from kvcommon.promtext import samples
 
 HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
@@ -25,17 +27,11 @@ PREEMPTIONS = "vllm:num_preemptions_total"  # sequences the engine evicted to ma
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sample name -> sum over label sets, for the counters this module reads. Raises ValueError on bad text."""
+    """Sample name -> sum over label sets, for the counters this module reads (lines that do not parse skipped)."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if (
-                name in PREFIX_COUNTERS
-                or name == PREEMPTIONS
-                or (name.startswith("kvgate") and name.endswith("_total"))
-            ):
-                out[name] = out.get(name, 0.0) + float(sample.value)
+    for name, _, value in samples(text, (*PREFIX_COUNTERS, PREEMPTIONS, "kvgate")):
+        if name in PREFIX_COUNTERS or name == PREEMPTIONS or (name.startswith("kvgate") and name.endswith("_total")):
+            out[name] = out.get(name, 0.0) + value
     return out
 
 
@@ -46,18 +42,23 @@ class Scrape:
     error: str | None = None
 
 
-async def scrape(http: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> Scrape:
+async def fetch_text(http: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> str:
+    """The page at `url`; ValueError naming why there is none (HTTP status, connection error, timeout)."""
     try:
         async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             if resp.status != 200:
-                return Scrape(url, error=f"HTTP {resp.status}")
-            text = await resp.text()
+                raise ValueError(f"HTTP {resp.status}")
+            return await resp.text()
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return Scrape(url, error=f"{type(exc).__name__}: {exc}")
+        raise ValueError(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def scrape(http: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> Scrape:
     try:
-        return Scrape(url, parse_metrics(text))
+        text = await fetch_text(http, url, timeout_s)
     except ValueError as exc:
-        return Scrape(url, error=f"unparsable metrics: {exc}")
+        return Scrape(url, error=str(exc))
+    return Scrape(url, parse_metrics(text))
 
 
 async def scrape_all(http: aiohttp.ClientSession, urls: Sequence[str]) -> list[Scrape]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
+from pydantic import BaseModel, ConfigDict
+
 Role = Literal["both", "prefill", "decode"]  # disaggregated serving: which step a replica takes
 
 
@@ -103,6 +105,17 @@ class NoCandidate(Exception):
     def __init__(self, reason: str = "no-candidate") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class PolicyParams(BaseModel):
+    """A policy's parameters (`routing.params`): typed, every name known, numbers not strings or booleans.
+    Validated when the configuration loads; an error names its path (`routing.params.imbalance_cost: ...`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class NoParams(PolicyParams):
+    """The policy takes no parameters."""
 
 
 @runtime_checkable

@@ -62,38 +62,8 @@ Reason labels:
 
 Scores in the decision: per candidate `(1 + min_cost) / (1 + cost)`, in (0, 1], 1 for the cheapest.
 
-Parameters (all optional; an unknown name or a bad value raises ValueError):
-  prefill_token_cost   float > 0   default 1.0
-  queued_request_cost  float >= 0  default 64.0    (token equivalents per outstanding request: its decode work)
-  waiting_request_cost float >= 0  default 1024.0  (extra per request the engine reports waiting for a slot)
-  kv_usage_threshold   0 <= x < 1  default 0.9     (KV usage above which a replica is penalised)
-  kv_pressure_cost     float >= 0  default 2048.0  (penalty at 100% KV usage)
-  session_max_gap      int >= 0    default 4
-  session_max_ratio    float >= 1  default 1.5
-  eviction_cost        float >= 0  default 1.0     (future misses per hot block a placement evicts)
-  placement_cost       float >= 0  default 1.0     (weight of the destination's cache occupancy on new tokens)
-  learn_queue_price    bool        default false   (use each replica's learned price, `ReplicaState.queue_price`,
-                                                    once known, never below queued_request_cost)
-  offload_token_cost   0 <= x <= 1 default 0.2     (a token loaded from the offloading tier, per recomputed token;
-                                                    PCIe copy vs prefill: a few % on GPUs, more on a busy host)
-  imbalance_gap        int >= 0    default 4       (requests past the least-loaded candidate tolerated free)
-  imbalance_cost       float >= 0  default 32.0    (token equivalents per squared request beyond that gap)
-
-Tuning history (bench/bench_routing.py, docs/routing.md):
-- v1 (this): `waiting_request_cost` added (was implicitly 0): a holder whose engine queues stops attracting its
-  hot prefix before the queue grows, aimed at the Poisson p99 (failure mode 2); `session_max_gap` 8 -> 4: with
-  max_num_seqs ~16 a gap of 8 is half a batch; the prefix overlap already keeps a session's history where it is,
-  so the session rule only has to hold while loads are close. Measured effect: docs/routing.md (within noise on
-  the shared 2-core machine; see there).
-- v3: the footprint terms (eviction and placement), and `queued_request_cost` 256 -> 64:
-  on real vLLM with a working set that fits the pool's cache only when partitioned, load alone put 70/10 of the
-  requests on one replica, which then evicted what it had just been sent, and a load gap of three requests that
-  all hit their cache (256 each) outweighed a 600-token hit and copied hot prefixes onto full replicas.
-- v5: the imbalance term (`imbalance_cost` 32, `imbalance_gap` 4): in closed loops v3 left a replica idle when
-  every request shared a prompt the others held (agent sessions: share 32/19/49/0, throughput 6% under v2's);
-  measured against 0, 64 and 128 side by side (docs/routing.md).
-- v2: the waiting term predicts the slot queue from the gateway's in-flight count when the engine's batch slots
-  are known (field note: routers that do not model capacity pile a hot prefix onto a full replica).
+Parameters: `CacheAwareParams` below (`routing.params`; meaning, bounds and defaults in docs/config-reference.md).
+How the defaults were tuned, version by version: docs/routing.md ("Cache-aware parameters: the tuning history").
 
 Complexity: O(n log n) for n candidates (the id sort that makes results independent of snapshot order); the
 overlap itself is computed by the gateway's index in O(prompt blocks) per replica.
@@ -102,66 +72,47 @@ overlap itself is computed by the gateway's index in O(prompt blocks) per replic
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from policies.base import Decision, NoCandidate, ReplicaState, RoutingView
+from pydantic import Field
+
+from policies.base import Decision, NoCandidate, PolicyParams, ReplicaState, RoutingView
 from policies.filters import routable
 
 
-@dataclass(frozen=True, slots=True)
-class CacheAwareParams:
-    prefill_token_cost: float = 1.0
-    queued_request_cost: float = 64.0
-    waiting_request_cost: float = 1024.0
-    kv_usage_threshold: float = 0.9
-    kv_pressure_cost: float = 2048.0
-    session_max_gap: int = 4
-    session_max_ratio: float = 1.5
-    eviction_cost: float = 1.0
-    placement_cost: float = 1.0
-    offload_token_cost: float = 0.2
-    imbalance_gap: int = 4
-    imbalance_cost: float = 32.0
-    learn_queue_price: bool = False
-
-    @classmethod
-    def parse(cls, params: Mapping[str, Any]) -> CacheAwareParams:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"cache-aware: unknown parameter(s) {unknown}; known: {sorted(known)}")
-        values: dict[str, Any] = {}
-        for name, value in params.items():
-            if name == "learn_queue_price":
-                if not isinstance(value, bool):
-                    raise ValueError(f"cache-aware: learn_queue_price must be true or false, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"cache-aware: {name} must be a number, got {value!r}")
-            if name in ("session_max_gap", "imbalance_gap"):
-                if value != int(value):
-                    raise ValueError(f"cache-aware: {name} must be an integer, got {value!r}")
-                value = int(value)
-            values[name] = value
-        p = cls(**values)
-        checks = (
-            (p.prefill_token_cost > 0, "prefill_token_cost must be > 0"),
-            (p.queued_request_cost >= 0, "queued_request_cost must be >= 0"),
-            (p.waiting_request_cost >= 0, "waiting_request_cost must be >= 0"),
-            (0 <= p.kv_usage_threshold < 1, "kv_usage_threshold must be in [0, 1)"),
-            (p.kv_pressure_cost >= 0, "kv_pressure_cost must be >= 0"),
-            (p.session_max_gap >= 0, "session_max_gap must be >= 0"),
-            (p.session_max_ratio >= 1, "session_max_ratio must be >= 1"),
-            (p.eviction_cost >= 0, "eviction_cost must be >= 0"),
-            (p.placement_cost >= 0, "placement_cost must be >= 0"),
-            (0 <= p.offload_token_cost <= 1, "offload_token_cost must be in [0, 1]"),
-            (p.imbalance_gap >= 0, "imbalance_gap must be >= 0"),
-            (p.imbalance_cost >= 0, "imbalance_cost must be >= 0"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"cache-aware: {message}")
-        return p
+class CacheAwareParams(PolicyParams):
+    prefill_token_cost: float = Field(
+        1.0, gt=0, description="cost of computing one prompt token: the unit of the model"
+    )
+    queued_request_cost: float = Field(
+        64.0, ge=0, description="token equivalents per request outstanding on a replica (its decode work)"
+    )
+    waiting_request_cost: float = Field(
+        1024.0, ge=0, description="extra token equivalents per request waiting there for a batch slot"
+    )
+    kv_usage_threshold: float = Field(0.9, ge=0, lt=1, description="KV usage above which a replica is penalised")
+    kv_pressure_cost: float = Field(2048.0, ge=0, description="the KV-pressure penalty at 100% KV usage")
+    session_max_gap: int = Field(
+        4, ge=0, description="a session stays on its replica unless that one has this many more requests than the "
+        "least loaded AND session_max_ratio times its load",
+    )  # fmt: skip
+    session_max_ratio: float = Field(1.5, ge=1, description="see session_max_gap")
+    eviction_cost: float = Field(1.0, ge=0, description="future misses counted per hot block a placement evicts")
+    placement_cost: float = Field(
+        1.0, ge=0, description="weight of the destination's cache occupancy on the request's new tokens"
+    )
+    offload_token_cost: float = Field(
+        0.2, ge=0, le=1, description="a token loaded back from the offloading tier (CPU memory), per recomputed "
+        "token: the host-link copy against prefill, a few % on GPUs, more on a busy host",
+    )  # fmt: skip
+    imbalance_gap: int = Field(
+        4, ge=0, description="requests past the least-loaded candidate a replica may have before the imbalance term"
+    )
+    imbalance_cost: float = Field(32.0, ge=0, description="token equivalents per squared request beyond imbalance_gap")
+    learn_queue_price: bool = Field(
+        False, description="price a queued request at each replica's learned price once known (never below "
+        "queued_request_cost) instead of the constant",
+    )  # fmt: skip
 
 
 def expected_waiting(r: ReplicaState) -> int:
@@ -179,9 +130,11 @@ def _load_key(r: ReplicaState) -> tuple[int, int, int]:
 class CacheAware:
     name = "cache-aware"
     uses_prefix_cache = True  # the gateway keeps a CacheAwareState (tokenizer, KV index, sessions) for it
+    Params = CacheAwareParams
 
-    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
-        self.params = CacheAwareParams.parse(params or {})
+    def __init__(self, params: Mapping[str, Any] | CacheAwareParams | None = None) -> None:
+        """`params`: validated here when given as a mapping (pydantic.ValidationError, a ValueError, naming it)."""
+        self.params = params if isinstance(params, CacheAwareParams) else CacheAwareParams.model_validate(params or {})
 
     def cost(self, view: RoutingView, r: ReplicaState, min_load: int) -> float:
         """Candidate r's cost in prompt-token equivalents; min_load is the least load among the candidates."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from policies.base import Decision, NoCandidate, ReplicaState, RoutingView
+from policies.base import Decision, NoCandidate, NoParams, ReplicaState, RoutingView
 from policies.filters import routable
 
 
@@ -20,9 +20,11 @@ def load_key(replica: ReplicaState) -> tuple[int, int, int]:
 class LeastLoad:
     name = "least-load"
 
-    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
-        if params:
-            raise ValueError(f"least-load takes no parameters, got {sorted(params)}")
+    Params = NoParams
+
+    def __init__(self, params: Mapping[str, Any] | NoParams | None = None) -> None:
+        if not isinstance(params, NoParams):
+            NoParams.model_validate(params or {})  # ValidationError (a ValueError) naming any parameter given
 
     def decide(self, view: RoutingView) -> Decision:
         best: tuple[int, int, int] | None = None

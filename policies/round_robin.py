@@ -8,16 +8,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from policies.base import Decision, NoCandidate, RoutingView
+from policies.base import Decision, NoCandidate, NoParams, RoutingView
 from policies.filters import routable
 
 
 class RoundRobin:
     name = "round-robin"
 
-    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
-        if params:
-            raise ValueError(f"round-robin takes no parameters, got {sorted(params)}")
+    Params = NoParams
+
+    def __init__(self, params: Mapping[str, Any] | NoParams | None = None) -> None:
+        if not isinstance(params, NoParams):
+            NoParams.model_validate(params or {})  # ValidationError (a ValueError) naming any parameter given
 
     def decide(self, view: RoutingView) -> Decision:
         candidates = sorted(routable(view.replicas), key=lambda r: r.id)

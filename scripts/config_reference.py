@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from gateway.config import GatewayConfig
+from policies.registry import params_model, policy_names
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 
@@ -51,13 +52,24 @@ def _default(field: FieldInfo) -> str:
     return "**required**"
 
 
-def rows(model: type[BaseModel], prefix: str) -> list[str]:
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _bounds(field: FieldInfo) -> str:
+    """` >= 0, < 1`: the field's numeric bounds, as its metadata declares them."""
+    found = [f"{sign} {getattr(m, attr)}" for m in field.metadata for attr, sign in _BOUNDS if hasattr(m, attr)]
+    return ", ".join(found)
+
+
+def rows(model: type[BaseModel], prefix: str, *, bounds: bool = False) -> list[str]:
     out: list[str] = []
     nested: list[tuple[str, type[BaseModel]]] = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
         desc = (field.description or "").replace("|", "\\|")
         kind = _type_name(field.annotation).replace("|", "\\|")
+        if bounds and _bounds(field):
+            kind += f" ({_bounds(field)})"
         default = _default(field).replace("|", "\\|")
         out.append(f"| `{path}` | {kind} | {default} | {desc} |")
         origin = typing.get_origin(field.annotation)
@@ -84,7 +96,21 @@ def render() -> str:
         "|---|---|---|---|",
         *rows(GatewayConfig, ""),
         "",
+        "## `routing.params`, per policy",
+        "",
+        "Each policy's parameters are a model of their own (`Params` in its module), checked when `routing` is;",
+        "a bad one names its path (`routing.params.imbalance_cost: Input should be greater than or equal to 0`).",
+        "",
     ]
+    for name in policy_names():
+        model = params_model(name)
+        lines.append(f"### `routing.policy: {name}`")
+        lines.append("")
+        if not model.model_fields:
+            lines += ["No parameters.", ""]
+            continue
+        table = rows(model, "routing.params.", bounds=True)
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|", *table, ""]
     return "\n".join(lines)
 
 

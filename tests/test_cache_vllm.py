@@ -40,12 +40,12 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from cacheindex.hashing import chain_hashes, context_seed, prompt_block_hashes
+from cacheindex.kv_events import BlockStoredEvent, KvEvent, decode_kv_event_batch
+from cacheindex.kv_index import KvIndex, StoredBlocks
+from cacheindex.tokenizers import HfPromptTokenizer
 from engine_pool.tiny_model import corpus_text
 from loadgen.plan import DEVICES, load_model, plan
-from policies.prefix.hashing import chain_hashes, context_seed, prompt_block_hashes
-from policies.prefix.kv_events import BlockStoredEvent, KvEvent, decode_kv_event_batch
-from policies.prefix.kv_index import KvIndex, StoredBlocks
-from policies.prefix.tokenizers import HfPromptTokenizer
 from tests.vllm_gateway import Gateway, pool_gateway
 
 pytestmark = [

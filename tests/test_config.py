@@ -31,6 +31,25 @@ def test_every_bad_key_is_named_by_path(tmp_path: Path) -> None:
         assert path_part in text
 
 
+def test_a_bad_routing_parameter_is_named_by_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "routing:\n  policy: cache-aware\n  params:\n    imbalance_cost: -1\n    session_max_gap: true\n"
+        "    no_such_param: 1\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    lines = str(info.value).splitlines()
+    assert any(line.strip().startswith("routing.params.imbalance_cost: ") and "0" in line for line in lines)
+    assert any(line.strip().startswith("routing.params.session_max_gap: ") for line in lines)
+    assert any(line.strip().startswith("routing.params.no_such_param: ") for line in lines)
+    with pytest.raises(ConfigError, match=r"routing\.params\.imbalance_cost"):
+        load_config(overrides={"routing": {"policy": "least-load", "params": {"imbalance_cost": 1}}}, environ={})
+    params = {"imbalance_cost": 0, "session_max_gap": 8, "learn_queue_price": True}
+    cfg = load_config(overrides={"routing": {"policy": "cache-aware", "params": params}}, environ={})
+    assert cfg.routing.params == params
+
+
 def test_unreadable_and_non_mapping_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml", environ={})

@@ -111,3 +111,38 @@ async def test_an_invalid_file_changes_nothing_and_says_where(tmp_path: Path, ht
             status, answer = await reload(http, gw)
             assert status == 400
             assert (await chat(http, gw, "sk-acme"))[0] == 200  # still the old config
+
+
+async def test_a_reload_to_cache_aware_routes_by_prefix_at_once(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    """Started with least-load, reloaded to cache-aware: the prefix-cache state follows the policy, so requests
+    sharing a long system prompt go where the first one went; back to least-load and again to cache-aware, the
+    cache state starts over (what it knew went stale while no policy used it)."""
+    sim = SimConfig(model="sim", block_size=16, overhead_ms=0, prefill_us_per_token=0, decode_ms=0, decode_ms_per_seq=0)
+    system = "you are a helpful assistant who answers briefly and politely. " * 30  # 300 words
+    cache_aware = {"policy": "cache-aware"}
+    async with AsyncExitStack() as stack:
+        sims = [await stack.enter_async_context(run_sim_engine(sim.model_copy(update={"seed": i}))) for i in range(3)]
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, sims, admission={"auth": False}, cache={"tokenizers": {"sim": "sim"}})
+        gw = await stack.enter_async_context(gateway_from(path))
+        await wait_ready(http, gw.url)
+
+        async def reasons(user: str) -> list[str]:
+            got = []
+            for n in range(3):
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": f"{user} {n}"}]
+                body = {"model": "sim", "max_tokens": 2, "messages": messages}
+                async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    got.append(resp.headers["x-kvgate-route-reason"])
+            return got
+
+        for routing, first_user in ((cache_aware, "q"), ({"policy": "least-load"}, "r"), (cache_aware, "s")):
+            config_file(path, sims, admission={"auth": False}, routing=routing, cache={"tokenizers": {"sim": "sim"}})
+            status, answer = await reload(http, gw)
+            assert status == 200 and "routing" in answer["applied"], answer
+            got = await reasons(first_user)
+            if routing is cache_aware:
+                assert got[0].startswith("cold-") and got[1:] == ["cache-hit", "cache-hit"], got
+            else:
+                assert not any(r.startswith(("cold-", "cache-")) for r in got), got

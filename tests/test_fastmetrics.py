@@ -1,4 +1,4 @@
-"""policies.fastmetrics renders exactly what prometheus_client's own metrics render for the same updates."""
+"""kvcommon.fastmetrics renders exactly what prometheus_client's own metrics render for the same updates."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from policies.fastmetrics import FastCounter, FastGauge, FastHistogram
+from kvcommon.fastmetrics import FastCounter, FastGauge, FastHistogram
 
 BUCKETS = (0.001, 0.01, 0.1, 1, 2.5, 10)
 

@@ -114,7 +114,7 @@ class Fleet:
         return f"http://127.0.0.1:{self.ports[i]}"
 
     def start_gateway(self, i: int) -> None:
-        argv = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.tmp / f"gw{i}.yaml")]
+        argv = [sys.executable, "-m", "kvgate", "serve", "--config", str(self.tmp / f"gw{i}.yaml")]
         with open(self.tmp / f"gw{i}.log", "ab") as log:
             self.procs[i] = subprocess.Popen(
                 [*argv, "--log-level", "WARNING"], stdout=log, stderr=log, start_new_session=True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.prefix.hashing import chain_hashes, context_seed, prompt_block_hashes
+from cacheindex.hashing import chain_hashes, context_seed, prompt_block_hashes
 
 tokens_st = st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=200)
 block_st = st.integers(min_value=1, max_value=16)

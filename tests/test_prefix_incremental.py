@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.prefix.hashing import chain_hashes, context_seed
-from policies.prefix.incremental import ChatPrefixCache
-from policies.prefix.tokenizers import HfPromptTokenizer
+from cacheindex.hashing import chain_hashes, context_seed
+from cacheindex.incremental import ChatPrefixCache
+from cacheindex.tokenizers import HfPromptTokenizer
 
 BS = 4
 SEED = context_seed("m", None, "salt")

@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from policies.prefix.kv_events import (
+from cacheindex.kv_events import (
     AllBlocksClearedEvent,
     BlockRemovedEvent,
     BlockStoredEvent,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.prefix.hashing import chain_hashes, context_seed, prompt_block_hashes
-from policies.prefix.kv_index import KvIndex, StoredBlocks
+from cacheindex.hashing import chain_hashes, context_seed, prompt_block_hashes
+from cacheindex.kv_index import KvIndex, StoredBlocks
 
 BS = 4
 SEED = context_seed("m")

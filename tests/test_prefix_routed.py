@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.prefix.routed import Routed, RoutedRequests
+from cacheindex.routed import Routed, RoutedRequests
 
 
 def routed(replica: str, inserts_at: int) -> Routed:

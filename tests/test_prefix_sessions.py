@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 
-from policies.prefix.sessions import SessionTable
+from cacheindex.sessions import SessionTable
 
 
 class Clock:

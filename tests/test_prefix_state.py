@@ -14,9 +14,9 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
+from cacheindex.config import CacheConfig
+from cacheindex.state import CacheAwareState, PrefixRequestInfo
 from policies.base import Decision
-from policies.prefix.config import CacheConfig
-from policies.prefix.state import CacheAwareState, PrefixRequestInfo
 from simengine import tokenize as sim_tokenize
 
 BS = 4

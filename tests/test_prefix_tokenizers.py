@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from policies.prefix.chat_render import detect_content_format, normalize_conversation
-from policies.prefix.tokenizers import (
+from cacheindex.chat_render import detect_content_format, normalize_conversation
+from cacheindex.tokenizers import (
     CharsPromptTokenizer,
     HfPromptTokenizer,
     SimPromptTokenizer,

@@ -55,7 +55,7 @@ def pool_gateway(
     log = tmp / "kvgate.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "-c", str(cfg_path)], stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "kvgate", "serve", "-c", str(cfg_path)], stdout=out, stderr=subprocess.STDOUT
         )
     try:
         yield Gateway(proc, f"http://127.0.0.1:{port}", model_dir, log)

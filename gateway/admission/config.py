@@ -1,14 +1,13 @@
 """Typed admission configuration: tenants, API keys (stored as sha256 hashes), limits, priority classes, queue
 bounds, the quota store (memory or Redis) and its failure policy, and per-tenant KV-cache isolation.
 
-Keys are never stored in clear: `hash_key("sk-...")` (or `python -m gateway.admission.config sk-...`) gives the
+Keys are never stored in clear: `hash_key("sk-...")` (or `kvgate hash-key sk-...`) gives the
 `sha256:<hex>` string to put under `tenants.<name>.keys`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from functools import cached_property
 from typing import Literal
 
@@ -258,8 +257,3 @@ class AdmissionConfig(_Strict):
 
 
 _DEFAULT_TENANT = TenantConfig()
-
-
-if __name__ == "__main__":  # print the stored form of the keys given on the command line
-    for arg in sys.argv[1:]:
-        print(hash_key(arg))

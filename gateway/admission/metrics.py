@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry
 
-from policies.fastmetrics import CallbackGauge, FastCounter, FastGauge, FastHistogram, Value
+from kvcommon.fastmetrics import CallbackGauge, FastCounter, FastGauge, FastHistogram, Value
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -36,6 +36,7 @@ from gateway.admission.config import LimitsConfig, RedisConfig
 from gateway.admission.local import LocalQuotaStore
 from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.quota import Lease, QuotaResult, limit_or_zero
+from kvcommon.backoff import Backoff
 
 log = logging.getLogger("kvgate.admission.redis")
 
@@ -266,15 +267,14 @@ class RedisQuotaStore:
             self._reconnect = asyncio.create_task(self._reconnect_loop(), name="kvgate:redis-reconnect")
 
     async def _reconnect_loop(self) -> None:
-        delay = self.config.reconnect_min_s
+        backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
         while True:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(backoff.next())
             try:
                 async with asyncio.timeout(self._call_timeout_s):
                     await self.client.ping()
                 await self._reconcile()
             except _ERRORS:
-                delay = min(delay * 2, self.config.reconnect_max_s)
                 continue
             self.up = True
             self.metrics.store_up.labels("redis").set(1)

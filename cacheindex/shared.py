@@ -1,7 +1,9 @@
 """What several gateways share of their routing, as the cache-aware state sees it (the Redis side is gateway.fleet).
 
 `SharedRouting` is the other gateways: where this one publishes its decisions and asks about sessions and cold
-placements. `EarlyDecisions` keeps the others' decisions for replicas this gateway has not registered yet (it is
+placements; `SharedDecisionSink` is where their decisions are learned. The composition root passes the first to
+the state at construction and the state to the fleet's reader when it starts.
+`EarlyDecisions` keeps the others' decisions for replicas this gateway has not registered yet (it is
 starting and its engines are still being probed, or the engine is new), to apply when they register: bounded by
 replicas (`_MAX_EARLY_REPLICAS`) and per replica (`_MAX_EARLY_DECISIONS`, the newest). A replica that was
 registered and is away (down, removed) keeps nothing: its engine may come back empty. O(1) per decision.
@@ -29,6 +31,13 @@ class SharedRouting(Protocol):
 
     async def claim(self, first_block: int, replica: str) -> str:
         """The replica a cold prefix goes to: `replica`, or the one another gateway just placed it on."""
+
+
+class SharedDecisionSink(Protocol):
+    """Where the other gateways' decisions are learned (cacheindex.state.CacheAwareState)."""
+
+    def apply_shared(self, replica: str, hashes: Sequence[int], session: bytes | None, *, past: bool = False) -> None:
+        """Another gateway sent a request with these blocks (and session) to `replica`."""
 
 
 Decision = tuple[Sequence[int], bytes | None, bool]  # block hashes, session digest, from the history

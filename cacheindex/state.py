@@ -6,7 +6,8 @@ context (model or LoRA adapter name + `cache_salt`). Prompts of at least `tokeni
 are tokenized in a small thread pool (an 8k-token HF chat prompt takes ~20 ms on this machine); shorter ones inline
 (pure-Python tokenizers, which hold the GIL, only from `python_tokenizer_thread_min_chars`).
 `overlap` / `session_replica` fill the `RoutingView`; `on_routed` records the speculative insert and binds the
-session, and hands both to `shared` (the other gateways, gateway.fleet) when set; `apply_shared` learns theirs.
+session, and hands both to `shared` (the other gateways, gateway.fleet, given at construction) when any;
+`apply_shared` learns theirs.
 `on_finished` compares the predicted cached tokens with the engine's `cached_tokens` (live parity).
 
 Replicas: `add_replica` registers a replica's block size and capacity and, when KV events are enabled and its
@@ -30,18 +31,18 @@ from typing import Any, Literal
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from cacheindex.config import CacheConfig
+from cacheindex.event_sink import KvEventApplier
+from cacheindex.hashing import context_seed, prompt_block_hashes
+from cacheindex.incremental import ChatPrefixCache
+from cacheindex.kv_events import KvEvent, KvEventSubscriber
+from cacheindex.kv_index import KvIndex
+from cacheindex.metrics import PrefixMetrics
+from cacheindex.routed import Routed, RoutedRequests
+from cacheindex.sessions import SessionTable, session_digest
+from cacheindex.shared import EarlyDecisions, SharedRouting
+from cacheindex.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 from policies.base import Decision, Footprint, RequestInfo
-from policies.prefix.config import CacheConfig
-from policies.prefix.event_sink import KvEventApplier
-from policies.prefix.hashing import context_seed, prompt_block_hashes
-from policies.prefix.incremental import ChatPrefixCache
-from policies.prefix.kv_events import KvEvent, KvEventSubscriber
-from policies.prefix.kv_index import KvIndex
-from policies.prefix.metrics import PrefixMetrics
-from policies.prefix.routed import Routed, RoutedRequests
-from policies.prefix.sessions import SessionTable, session_digest
-from policies.prefix.shared import EarlyDecisions, SharedRouting
-from policies.prefix.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,10 @@ def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> l
 
 
 class CacheAwareState:
-    def __init__(self, config: CacheConfig, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, config: CacheConfig, registry: CollectorRegistry, *, shared: SharedRouting | None = None
+    ) -> None:
+        """`shared`: the other gateways (gateway.fleet), when several share their routing."""
         self.config = config
         self.registry = registry
         self.index = KvIndex(speculative_ttl_s=config.speculative_ttl_s, hot_window_s=config.hot_window_s)
@@ -120,7 +124,9 @@ class CacheAwareState:
         self._replicas: dict[str, _Replica] = {}
         self._tokenizers: OrderedDict[str, PromptTokenizer] = OrderedDict()
         self._tokenizer_locks: dict[str, asyncio.Lock] = {}
-        self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
+        self._pool = self._new_pool()
+        self._pool_closed = False
+        self._started = False  # between start and stop: KV event subscribers run, tokenizers preload
         self._ids = itertools.count(1)
         self.routed = RoutedRequests(_MAX_PENDING)
         self.chat_prefixes = ChatPrefixCache(
@@ -132,11 +138,23 @@ class CacheAwareState:
         self._zmq: zmq.asyncio.Context | None = None
         self._stopping: set[asyncio.Task[None]] = set()
         self._events = KvEventApplier(self.index, self.metrics)
-        self.shared: SharedRouting | None = None
+        self.shared = shared
         self._early = EarlyDecisions()  # the others' decisions for replicas not registered here yet
 
     # --- lifecycle --------------------------------------------------------------------------------------------
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
     async def start(self) -> None:
+        """Subscribe to the registered replicas' KV events and preload their tokenizers. Registering replicas and
+        learning other gateways' decisions work before (and after) it; `start` after `stop` starts again."""
+        if self._pool_closed:
+            self._pool, self._pool_closed = self._new_pool(), False
+        self._started = True
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
         for rid, r in self._replicas.items():
@@ -145,6 +163,7 @@ class CacheAwareState:
             self._preload(spec)
 
     async def stop(self) -> None:
+        self._started = False
         preloads = list(self._preloads.values())
         for preload in preloads:
             preload.cancel()
@@ -162,6 +181,7 @@ class CacheAwareState:
             self._zmq.term()
             self._zmq = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool_closed = True
 
     # --- replicas ---------------------------------------------------------------------------------------------
     def _capacities(self) -> dict[str, tuple[int, bool, int]]:
@@ -211,12 +231,9 @@ class CacheAwareState:
 
     def _preload(self, spec: str) -> None:
         """Load a tokenizer (and chat template) now, in the background, so no request waits for it."""
-        if spec in self._tokenizers or spec in self._preloads:
+        if spec in self._tokenizers or spec in self._preloads or not self._started:
             return
-        try:
-            task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
-        except RuntimeError:  # no loop yet: `start` preloads
-            return
+        task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
         self._preloads[spec] = task
         task.add_done_callback(lambda _: self._preloads.pop(spec, None))
 

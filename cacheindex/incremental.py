@@ -40,13 +40,13 @@ from typing import Any, Literal, Protocol
 import orjson
 import xxhash
 
-from policies.prefix.hashing import chain_hashes
+from cacheindex.hashing import chain_hashes
 
 Outcome = Literal["hit", "miss", "unsafe", "rewritten", "full"]
 
 
 class ChatRenderer(Protocol):
-    """What the cache needs of a tokenizer (policies.prefix.tokenizers.HfPromptTokenizer)."""
+    """What the cache needs of a tokenizer (cacheindex.tokenizers.HfPromptTokenizer)."""
 
     template_id: str
     special_tokens: tuple[str, ...]

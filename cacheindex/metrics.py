@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from policies.fastmetrics import FastCounter, FastHistogram
+from kvcommon.fastmetrics import FastCounter, FastHistogram
 
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 

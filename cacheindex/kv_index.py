@@ -53,8 +53,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat, takewhile
 
+from cacheindex.hashing import chain_hashes
 from policies.base import Footprint
-from policies.prefix.hashing import chain_hashes
 
 EngineHash = Hashable  # vLLM publishes int (low 64 bits) or bytes hashes
 

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from policies.prefix.hashing import context_seed
-from policies.prefix.kv_events import AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent, KvEvent
-from policies.prefix.kv_index import KvIndex, StoredBlocks
-from policies.prefix.metrics import PrefixMetrics
+from cacheindex.hashing import context_seed
+from cacheindex.kv_events import AllBlocksClearedEvent, BlockRemovedEvent, BlockStoredEvent, KvEvent
+from cacheindex.kv_index import KvIndex, StoredBlocks
+from cacheindex.metrics import PrefixMetrics
 
 log = logging.getLogger(__name__)
 

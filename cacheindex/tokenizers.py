@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import orjson
 import xxhash
 
-from policies.prefix.chat_render import ContentFormat, detect_content_format, normalize_conversation, text_parts
+from cacheindex.chat_render import ContentFormat, detect_content_format, normalize_conversation, text_parts
 
 # apply_chat_template parameters a request's chat_template_kwargs must not override
 _RESERVED_KWARGS = frozenset(
