@@ -25,8 +25,8 @@ from gateway.admission.metrics import AdmissionMetrics
 from gateway.context import RequestContext
 from gateway.errors import BadRequest
 from gateway.router import Router
+from kvcommon.fastmetrics import FastCounter, FastHistogram
 from policies.base import RequestInfo
-from policies.fastmetrics import FastCounter, FastHistogram
 from policies.latency import Held, Prediction, Targets, Verdict, judge, predict
 
 _HEADERS = {
