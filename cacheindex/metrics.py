@@ -1,62 +1,16 @@
-"""Prometheus metrics of the cache-aware state, all on the registry the gateway passes in (names `kvgate_...`)."""
+"""Prometheus metrics of the cache-aware state, all on the registry the gateway passes in (names `kvgate_...`), in
+the product's one metric style (`kvcommon.fastmetrics`): counters and histograms updated in place, sizes read by
+`CallbackGauge`s at scrape time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
-from kvcommon.fastmetrics import FastCounter, FastHistogram
+from kvcommon.fastmetrics import CallbackGauge, FastCounter, FastHistogram
 
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-
-
-class _SizeCollector(Collector):
-    """Index and session sizes, read when scraped (no per-replica gauge children to add and remove)."""
-
-    def __init__(
-        self,
-        index_sizes: Callable[[], Mapping[str, int]],
-        capacities: Callable[[], Mapping[str, tuple[int, bool, int]]],
-        sessions: Callable[[], int],
-        offloaded_sizes: Callable[[], Mapping[str, int]],
-    ) -> None:
-        self._index_sizes = index_sizes
-        self._offloaded_sizes = offloaded_sizes
-        self._capacities = capacities
-        self._sessions = sessions
-
-    def collect(self) -> Iterator[Metric]:
-        sizes = self._index_sizes()
-        per_replica = GaugeMetricFamily(
-            "kvgate_prefix_index_blocks", "KV blocks kvgate believes each replica holds", labels=["replica"]
-        )
-        for rid, n in sorted(sizes.items()):
-            per_replica.add_metric([rid], n)
-        yield per_replica
-        offloaded = GaugeMetricFamily(
-            "kvgate_prefix_index_offloaded_blocks",
-            "KV blocks kvgate believes each replica's offloading tier (CPU memory) holds, from its KV events",
-            labels=["replica"],
-        )
-        for rid, n in sorted(self._offloaded_sizes().items()):
-            offloaded.add_metric([rid], n)
-        yield offloaded
-        capacity = GaugeMetricFamily(
-            "kvgate_prefix_index_capacity_blocks",
-            "the index's bound per replica in blocks: the engine's num_gpu_blocks (source=engine) or the estimate "
-            "learned from reported cached tokens (source=estimated); block_size: tokens per block",
-            labels=["replica", "source", "block_size"],
-        )
-        for rid, (blocks, known, block_size) in sorted(self._capacities().items()):
-            capacity.add_metric([rid, "engine" if known else "estimated", str(block_size)], blocks)
-        yield capacity
-        yield GaugeMetricFamily(
-            "kvgate_prefix_index_entries", "entries in the prefix index, all replicas", value=sum(sizes.values())
-        )
-        yield GaugeMetricFamily("kvgate_sessions", "session bindings held", value=self._sessions())
 
 
 class PrefixMetrics:
@@ -135,4 +89,28 @@ class PrefixMetrics:
             ["replica"],
             r,
         )
-        registry.register(_SizeCollector(index_sizes, capacities, sessions, offloaded_sizes))
+        # sizes, read when scraped (no per-replica gauge children to add and remove)
+        CallbackGauge(
+            "kvgate_prefix_index_blocks", "KV blocks kvgate believes each replica holds", ["replica"], r,
+            lambda: [((rid,), n) for rid, n in sorted(index_sizes().items())],
+        )  # fmt: skip
+        CallbackGauge(
+            "kvgate_prefix_index_offloaded_blocks",
+            "KV blocks kvgate believes each replica's offloading tier (CPU memory) holds, from its KV events",
+            ["replica"], r, lambda: [((rid,), n) for rid, n in sorted(offloaded_sizes().items())],
+        )  # fmt: skip
+        CallbackGauge(
+            "kvgate_prefix_index_capacity_blocks",
+            "the index's bound per replica in blocks: the engine's num_gpu_blocks (source=engine) or the estimate "
+            "learned from reported cached tokens (source=estimated); block_size: tokens per block",
+            ["replica", "source", "block_size"], r,
+            lambda: [
+                ((rid, "engine" if known else "estimated", str(block_size)), blocks)
+                for rid, (blocks, known, block_size) in sorted(capacities().items())
+            ],
+        )  # fmt: skip
+        CallbackGauge(
+            "kvgate_prefix_index_entries", "entries in the prefix index, all replicas", [], r,
+            lambda: [((), sum(index_sizes().values()))],
+        )  # fmt: skip
+        CallbackGauge("kvgate_sessions", "session bindings held", [], r, lambda: [((), sessions())])

@@ -23,14 +23,14 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import dns.asyncresolver
 import dns.exception
 import dns.rdatatype
 import dns.resolver
 
-from engine_pool.replica import Replica, Role
+from engine_pool.replica import Replica, ReplicaSettings, build_replica, tcp_endpoint
 from engine_pool.replica_set import ReplicaSet
 
 log = logging.getLogger("kvgate.discovery")
@@ -43,13 +43,9 @@ class DnsTarget:
     port: int | None = None  # engine port for A/AAAA records (SRV records carry their own)
     srv: bool = False
     scheme: str = "http"
-    model: str | None = None
-    tokenizer: str | None = None
+    settings: ReplicaSettings = field(default_factory=ReplicaSettings)  # of every replica the name gives
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
-    max_concurrency: int | None = None
-    max_num_seqs: int | None = None
-    role: Role = "both"
     interval_s: float = 5.0
     timeout_s: float = 2.0
     nameserver: str | None = None  # "host" or "host:port"; None = the system's resolver
@@ -183,17 +179,13 @@ class DnsDiscovery:
         t = self.target
         address, port = ep
         host = _url_host(address)
-        replica = Replica(
+        replica = build_replica(
             f"{t.id}-{host}:{port}",
             f"{t.scheme}://{host}:{port}",
-            t.model,
-            kv_events_endpoint=f"tcp://{host}:{t.kv_events_port}" if t.kv_events_port else None,
-            kv_events_replay_endpoint=f"tcp://{host}:{t.kv_events_replay_port}" if t.kv_events_replay_port else None,
-            tokenizer=t.tokenizer,
-            max_concurrency=t.max_concurrency,
-            max_num_seqs=t.max_num_seqs,
+            t.settings,
             managed=False,
-            role=t.role,
+            kv_events_endpoint=tcp_endpoint(host, t.kv_events_port),
+            kv_events_replay_endpoint=tcp_endpoint(host, t.kv_events_replay_port),
         )
         replica.warm = False  # routable only after a real completion
         self.replicas.add(replica)

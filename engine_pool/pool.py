@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from engine_pool.degradation import DegradationWatcher
 from engine_pool.http_client import UpstreamClient
 from engine_pool.launcher import LaunchCommand, free_port
-from engine_pool.replica import Replica
+from engine_pool.replica import Replica, ReplicaSettings, build_replica, tcp_endpoint
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import PoolError, PoolMetrics, Slot, SlotState, UnknownReplica
 from engine_pool.spec import ModelPoolConfig, PoolConfig, parse_cpu_list
@@ -233,19 +233,13 @@ class EnginePool:
         replay_port = free_port(host) if m.kv_events else None
         slot_id = f"{m.name}-{index}"
         tokenizer = m.tokenizer or ("sim" if m.kind == "sim" else self._model_paths.get(m.name))
-        replica = Replica(
-            slot_id,
-            f"http://{host}:{port}",
-            m.served,
-            role=m.role,
-            kv_events_endpoint=f"tcp://{host}:{kv_port}" if kv_port is not None else None,
-            kv_events_replay_endpoint=f"tcp://{host}:{replay_port}" if replay_port is not None else None,
-            tokenizer=tokenizer,
-            max_concurrency=m.max_concurrency,
-            max_num_seqs=m.max_num_seqs,
-            managed=True,
-            pooling=m.warmup_path != "/v1/completions",
+        settings = ReplicaSettings(
+            m.served, tokenizer, m.max_concurrency, m.max_num_seqs, m.role, pooling=m.warmup_path != "/v1/completions"
         )
+        replica = build_replica(
+            slot_id, f"http://{host}:{port}", settings, managed=True,
+            kv_events_endpoint=tcp_endpoint(host, kv_port), kv_events_replay_endpoint=tcp_endpoint(host, replay_port),
+        )  # fmt: skip
         slot = Slot(slot_id, m, index, port, kv_port, replay_port, replica)
         self.supervisor.add(slot)
         if self._on_replica is not None:

@@ -36,6 +36,52 @@ class EngineMetrics:
     scraped_at: float = -math.inf  # time.monotonic()
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    """What a configuration entry says about the replicas it gives: an attached `engines[]` entry, a pool model, a
+    DNS-discovered name (the same fields, one type)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    max_concurrency: int | None = None
+    max_num_seqs: int | None = None
+    role: Role = "both"
+    pooling: bool = False
+
+
+def tcp_endpoint(host: str, port: int | None) -> str | None:
+    """A KV-events endpoint on the engine's host (None without a port)."""
+    return f"tcp://{host}:{port}" if port else None
+
+
+def build_replica(
+    replica_id: str,
+    url: str,
+    settings: ReplicaSettings,
+    *,
+    managed: bool,
+    kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
+    metrics_url: str | None = None,
+) -> Replica:
+    """The one way the product makes a replica (attached, pool-launched, discovered): an id, where it answers, and
+    its entry's settings. A managed one (the pool's) is warm only after its warm-up."""
+    return Replica(
+        replica_id,
+        url,
+        settings.model,
+        metrics_url=metrics_url,
+        kv_events_endpoint=kv_events_endpoint,
+        kv_events_replay_endpoint=kv_events_replay_endpoint,
+        tokenizer=settings.tokenizer,
+        max_concurrency=settings.max_concurrency,
+        max_num_seqs=settings.max_num_seqs,
+        managed=managed,
+        role=settings.role,
+        pooling=settings.pooling,
+    )
+
+
 class Replica:
     def __init__(
         self,

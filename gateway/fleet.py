@@ -41,12 +41,13 @@ from collections import deque
 from collections.abc import Sequence
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
 from cacheindex.shared import SharedDecisionSink
 from gateway.config import FleetConfig
 from kvcommon.backoff import Backoff
+from kvcommon.fastmetrics import FastCounter, FastGauge
 
 log = logging.getLogger("kvgate.fleet")
 
@@ -58,26 +59,27 @@ _READ_COUNT = 512  # stream entries per XREAD: a long history is applied in slic
 
 class FleetMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
-            "kvgate_fleet_decisions_total",
+        self.decisions = FastCounter(
+            "kvgate_fleet_decisions",
             "Routing decisions shared with the other gateways: published (this gateway's, sent), applied (theirs, "
             "learned here), dropped (this gateway's, not sent: Redis down or the buffer full)",
             ["outcome"],
-            registry=registry,
+            registry,
         )
-        self.connected = Gauge("kvgate_fleet_connected", "1 while reading the shared routing stream", registry=registry)
-        self.claims = Counter(
-            "kvgate_fleet_claims_total",
+        self.connected = FastGauge("kvgate_fleet_connected", "1 while reading the shared routing stream", [], registry)
+        self.connected.labels().set(0)
+        self.claims = FastCounter(
+            "kvgate_fleet_claims",
             "Cold placements claimed in Redis: won (this gateway's choice stands), joined (another gateway's claim "
             "decided the replica), error (Redis did not answer: own choice)",
             ["outcome"],
-            registry=registry,
+            registry,
         )
-        self.session_lookups = Counter(
-            "kvgate_fleet_session_lookups_total",
+        self.session_lookups = FastCounter(
+            "kvgate_fleet_session_lookups",
             "Sessions unknown here looked up in Redis (found, missing, error)",
             ["outcome"],
-            registry=registry,
+            registry,
         )
 
 
@@ -225,12 +227,12 @@ class RoutingShare:
                     log.warning("lost the shared routing stream: %r", exc)
                 self._reading_since = None
                 catching_up = True
-                self.metrics.connected.set(0)
+                self.metrics.connected.labels().set(0)
                 await asyncio.sleep(backoff.next())
                 continue
             if self._reading_since is None:
                 self._reading_since = time.monotonic()
-                self.metrics.connected.set(1)
+                self.metrics.connected.labels().set(1)
             backoff.reset()
             read = 0
             for _, entries in reply:
