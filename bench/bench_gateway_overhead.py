@@ -7,6 +7,9 @@ Side by side in one run, on the same engines:
   streaming and not;
 - the default policy of the shipped configs (cache-aware) and least-load, with and without the access log;
 - with `--baseline DIR`, the same modes of another checkout (the previous release) in the same run;
+- with `--sglang-python PY` (a virtualenv with sglang-router: `python -m venv .kvgate/sglang-venv &&
+  .kvgate/sglang-venv/bin/pip install sglang-router==0.3.2`), sglang-router's cache_aware policy in front of the
+  same engines, measured the same way (its process CPU from /proc, all its threads);
 - every mode measured once per round, over `--repeat` rounds, reported as medians and ranges (this machine's speed
   drifts by 20-30% over minutes: only numbers taken side by side compare).
 kvgate runs as its own process (`kvgate serve`, uvloop), the engines as `kvgate sim-engine --instant`, and this
@@ -20,16 +23,19 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, kvgate, sim_engine_processes
+from _procs import cpu_seconds, free_port, kvgate, sim_engine_processes, wait_http
 
 
 def pct(values: list[float], p: float) -> float:
@@ -91,6 +97,25 @@ MODES = (("cache-aware", "plain"), ("cache-aware", "off"), ("least-load", "off")
 CACHE_ENV = {"KVGATE__CACHE__TOKENIZERS__SIM": "sim"}
 
 
+@contextmanager
+def sglang_router(python: str, engines: list[str]) -> Iterator[tuple[str, int]]:
+    """sglang-router (Rust) with its cache_aware policy in front of `engines`: (URL, pid)."""
+    port = free_port()
+    argv = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--worker-urls", *engines, "--policy", "cache_aware", "--log-level", "warn"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 60)
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 async def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     """Every mode's measurements, one per round: all gateways (this checkout's and, with `--baseline`, the previous
     release's) run at once and each round measures each of them (and the engine alone) in turn, so slow and fast
@@ -109,6 +134,10 @@ async def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]
                 extra = ("--policy", policy, "--access-log", log_mode, "--log-level", log_level)
                 cm = kvgate(engines, *extra, source=source)
                 gateways.append((f"{release} {policy} access_log={log_mode}", *stack.enter_context(cm)))
+        if args.sglang_python is not None:
+            gateways.append(
+                ("sglang-router cache_aware", *stack.enter_context(sglang_router(args.sglang_python, engines)))
+            )
         for round_no in range(args.repeat):
             for stream in (False, True):  # reference: what one plain aiohttp server (the engine itself) costs
                 ref = await cpu_per_request(procs[0][0], procs[0][1], args.requests, args.concurrency, stream)
@@ -169,6 +198,7 @@ def main() -> None:
         type=Path,
         help="a checkout of the previous release (git worktree add DIR <commit>), run side by side with this one",
     )
+    p.add_argument("--sglang-python", help="the Python of a virtualenv with sglang-router, to measure it alongside")
     args = p.parse_args()
     results = asyncio.run(measure(args))
     table = markdown(results, args)

@@ -122,7 +122,7 @@ class UpstreamProxy:
             replica, decision = ex.pinned, Decision(ex.pinned.id, "holds-response")
         else:
             started = time.monotonic()
-            replica, decision = await self.router.choose(ex.info, ex.tried, prefill=prefill)
+            replica, decision = await self._choose(ex, prefill)
             if not prefill:
                 ctx.route_started, ctx.routed_at = started, time.monotonic()
         ex.tried.append(replica.id)
@@ -135,6 +135,19 @@ class UpstreamProxy:
             ctx.attempts += 1
         ctx.replica, ctx.route_reason = replica.id, "migrated" if migrated else decision.reason
         return replica, decision
+
+    async def _choose(self, ex: Exchange, prefill: bool) -> tuple[Replica, Decision]:
+        """The router's choice; a first try only among the replicas admission predicted to meet the request's
+        latency targets (the others would keep it waiting past them), any replica if none of those can take it."""
+        meeting = ex.ctx.meeting
+        if not prefill and not ex.tried and meeting:
+            others = [r.id for r in self.replicas.for_model(ex.parsed.model) if r.id not in meeting]
+            if others:
+                try:
+                    return await self.router.choose(ex.info, others, prefill=False)
+                except GatewayError:
+                    pass
+        return await self.router.choose(ex.info, ex.tried, prefill=prefill)
 
     async def _attempt(self, ex: Exchange, replica: Replica, decision: Decision, relay: Relay[T]) -> T:
         """Send `ex` to `replica` and hand its answer to `relay`; a 5xx or a failure before any byte reached the
