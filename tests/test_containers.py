@@ -126,11 +126,10 @@ def containers() -> Iterator[Containers]:
         c.remove()
 
 
-ENGINE_ARGS = [  # deploy/compose/compose.yaml's engine, on loopback ports
-    f"--served-model-name={MODEL}", "--model=/models/tiny-llama", "--block-size=32", "--max-model-len=2048",
-    "--kv-cache-memory-bytes=268435456", "--enable-prefix-caching", "--prefix-caching-hash-algo=sha256_cbor",
-    "--enforce-eager", "--enable-prompt-tokens-details",
-]  # fmt: skip
+# deploy/compose/compose.yaml's engine command line, on loopback ports (tests/test_deploy.py keeps the Kubernetes kit's
+# the same)
+COMPOSE_ENGINE = yaml.safe_load((ROOT / "deploy" / "compose" / "compose.yaml").read_text())["services"]["engine"]
+ENGINE_ARGS = [a for a in COMPOSE_ENGINE["command"] if not a.startswith(("--port=", "--kv-events-config="))]
 
 
 def gateway_yaml(engine: dict[str, int], redis_url: str) -> dict[str, Any]:
@@ -214,7 +213,8 @@ async def test_engine_and_two_gateways_in_containers_behind_haproxy(
         "endpoint": f"tcp://*:{engine['events']}", "replay_endpoint": f"tcp://*:{engine['replay']}",
     }  # fmt: skip
     engine_name = containers.run(
-        "engine", "--shm-size=1g", "-v", f"{containers.volume}:/models", "kvgate-engine-cpu:latest",
+        "engine", f"--shm-size={COMPOSE_ENGINE['shm_size']}", "-v", f"{containers.volume}:/models",
+        "kvgate-engine-cpu:latest",
         f"--port={engine['http']}", *ENGINE_ARGS, f"--kv-events-config={json.dumps(events)}",
     )  # fmt: skip
     try:
