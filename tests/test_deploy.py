@@ -157,3 +157,56 @@ def test_the_compose_file_is_consistent_and_its_pieces_are_valid(tmp_path: Path)
         subprocess.run(
             ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], check=True, capture_output=True
         )
+
+
+def dockerfile(name: str) -> dict[str, Any]:
+    """A Dockerfile's final stage: its EXPOSE ports, HEALTHCHECK command line, USER and ENTRYPOINT."""
+    text = (ROOT / "deploy" / name).read_text().replace("\\\n", "")
+    final = text[text.rindex("\nFROM ") :]
+    instructions = [line.split(None, 1) for line in final.splitlines() if line and not line.startswith("#")]
+    found: dict[str, Any] = {"EXPOSE": set()}
+    for keyword, rest in instructions:
+        if keyword == "EXPOSE":
+            found["EXPOSE"] |= {int(p) for p in rest.split()}
+        elif keyword in ("HEALTHCHECK", "USER", "ENTRYPOINT"):
+            found[keyword] = rest
+    return found
+
+
+@needs_kubectl
+def test_the_compose_and_kubernetes_kits_run_the_images_scripts_images_sh_builds() -> None:
+    """The three kits cannot drift apart: the images' names (scripts/images.sh tags them), ports, probes against the
+    Dockerfiles' EXPOSE and HEALTHCHECK, and the engine's command line the same in compose and the cpu overlay (the
+    container test runs compose's; tests/test_containers.py)."""
+    compose = yaml.safe_load((COMPOSE / "compose.yaml").read_text())["services"]
+    documents = render(KIT / "overlays" / "cpu")
+    images_sh = (ROOT / "scripts" / "images.sh").read_text()
+    gateway_image, engine_image = compose["gateway"]["image"], compose["engine"]["image"]
+    assert f"build {gateway_image} deploy/Dockerfile\n" in images_sh
+    assert f"build {engine_image} deploy/Dockerfile.engine-cpu\n" in images_sh
+    assert compose["gateway"]["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert compose["engine"]["build"]["dockerfile"] == "deploy/Dockerfile.engine-cpu"
+    gateway_file, engine_file = dockerfile("Dockerfile"), dockerfile("Dockerfile.engine-cpu")
+    assert gateway_file["USER"] == engine_file["USER"] == "10001"
+
+    pod = one(documents, "Deployment", "kvgate")["spec"]["template"]["spec"]
+    gateway = pod["containers"][0]
+    assert gateway["image"] == gateway_image and pod["initContainers"][0]["image"] == engine_image
+    assert gateway["args"] == compose["gateway"]["command"]
+    assert {p["containerPort"] for p in gateway["ports"]} == gateway_file["EXPOSE"]
+    assert "/health" in gateway_file["HEALTHCHECK"] and gateway["livenessProbe"]["httpGet"]["path"] == "/health"
+    compose_config = load_config(str(COMPOSE / "kvgate.yaml"), environ={})
+    assert compose_config.server.port in gateway_file["EXPOSE"]
+
+    engine = one(documents, "StatefulSet", "vllm")["spec"]["template"]["spec"]
+    container = engine["containers"][0]
+    assert container["image"] == engine_image
+    assert sorted(container["args"]) == sorted(compose["engine"]["command"])
+    assert {p["containerPort"] for p in container["ports"]} == engine_file["EXPOSE"]
+    for probe in ("readinessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    assert "/health" in engine_file["HEALTHCHECK"] and "/health" in " ".join(compose["engine"]["healthcheck"]["test"])
+    # vLLM's shared-memory queues need more /dev/shm than a container gets by default, in both kits
+    assert compose["engine"]["shm_size"] == "1g"
+    shm = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"}
+    assert [v["emptyDir"]["medium"] for v in engine["volumes"] if v["name"] in shm] == ["Memory"]
