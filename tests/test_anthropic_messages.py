@@ -6,6 +6,7 @@ agents' headers, and a stream cut by its engine ending in an Anthropic `error` e
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,12 +18,13 @@ import pytest
 from gateway.admission.config import hash_key
 from gateway.anthropic import messages_as_chat
 from gateway.errors import BadRequest, Overloaded, render_error
+from gateway.keys import REPLICAS
 from policies.prefix.tokenizers import SimPromptTokenizer
 from simengine import SimConfig
 from simengine import messages as sim_messages
 from simengine.config import Faults
 from simengine.tokenize import tokenize_chat
-from tests.conftest import gateway_over_sims
+from tests.conftest import gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", block_size=16, overhead_ms=0, prefill_us_per_token=0, decode_ms=0, decode_ms_per_seq=0)
 CACHE_AWARE = {"routing": {"policy": "cache-aware"}, "cache": {"tokenizers": {"sim": "sim"}}}
@@ -243,3 +245,14 @@ def test_the_simulator_renders_a_messages_body_as_kvgate_predicts_it() -> None:
     assert view is not None
     predicted = SimPromptTokenizer().tokenize_chat(view["messages"])
     assert predicted == tokenize_chat(sim_messages.chat_messages(AGENT_TURN))
+
+
+async def test_no_ready_replica_is_the_sdks_overloaded_error() -> None:
+    async with gateway_over_sims([SIM], **CACHE_AWARE) as (gw, sims), sdk(gw.url) as client:
+        sims[0].engine.set_faults(Faults(fail_health=True))
+        replicas = gw.app[REPLICAS]
+        await wait_for(lambda: not any(r.routable(time.monotonic()) for r in replicas), what="the replica down")
+        with pytest.raises(anthropic.OverloadedError) as overloaded:
+            await client().messages.create(model="sim", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert overloaded.value.status_code == 529 and overloaded.value.type == "overloaded_error"
+        assert int(overloaded.value.response.headers["retry-after"]) >= 1
