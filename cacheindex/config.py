@@ -15,7 +15,17 @@ class CacheConfig(BaseModel):
     )
     char_chunk_size: int = Field(4, gt=0, description='characters per pseudo token for the "chars" tokenizer')
     session_header: str = Field("x-session-id", description="request header carrying the session key")
-    session_from_user: bool = Field(True, description="use the body's `user` field when the header is absent")
+    agent_session_headers: list[str] = Field(
+        default_factory=lambda: ["x-claude-code-session-id", "session-id", "x-session-affinity", "thread-id"],
+        description="further request headers carrying a session key, tried in order after `session_header`: what "
+        "coding agents send of their own (Claude Code's `x-claude-code-session-id`, the Codex CLI's `session-id` "
+        "and `thread-id`, OpenCode's `x-session-affinity`); [] = only `session_header`",
+    )
+    session_from_user: bool = Field(
+        True,
+        description="use the body's `user` field (the Messages API's `metadata.user_id`) when no session header is "
+        "present",
+    )
     session_ttl_s: float = Field(600.0, gt=0, description="a session binding expires this long after last use")
     session_max_entries: int = Field(100_000, gt=0, description="LRU bound of the session table")
     speculative_ttl_s: float = Field(

@@ -51,6 +51,9 @@ def usage_event(event: bytes, ctx: RequestContext, strip_usage: bool, tokens_bef
     if isinstance(payload, dict) and isinstance(payload.get("response"), dict):  # the Responses API's events
         ctx.set_usage(payload["response"].get("usage"))
         return event
+    if isinstance(payload, dict) and isinstance(payload.get("message"), dict):  # the Messages API's message_start
+        ctx.set_usage(payload["message"].get("usage"))
+        return event
     if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
         return event
     if tokens_before:

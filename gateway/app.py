@@ -29,6 +29,7 @@ from gateway.attached import attached_replica, dns_target
 from gateway.cache_ctx import CACHE_SWITCH, cache_ctx
 from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
+from gateway.endpoints import API_BY_PATH
 from gateway.errors import BadRequest, GatewayError, error_response, http_exception_to_error
 from gateway.ids import IdSource
 from gateway.keys import (
@@ -74,6 +75,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     client_id = request.headers.get("x-request-id")
     request_id = client_id if client_id and _valid_request_id(client_id) else request.app[IDS].next()
     request[REQUEST_ID] = request_id
+    resource = request.match_info.route.resource
+    api = API_BY_PATH.get(resource.canonical, "openai") if resource is not None else "openai"  # the route's shape
     try:
         if client_id and client_id != request_id:
             raise BadRequest(
@@ -81,14 +84,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             )
         response = await handler(request)
     except GatewayError as err:
-        return error_response(err, request_id=request_id)
+        return error_response(err, request_id=request_id, api=api)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(http_exception_to_error(exc), request_id=request_id)
+        return error_response(http_exception_to_error(exc), request_id=request_id, api=api)
     except Exception:
         log.exception("unhandled error in %s %s (request %s)", request.method, request.path, request_id)
-        return error_response(GatewayError("internal gateway error"), request_id=request_id)
+        return error_response(GatewayError("internal gateway error"), request_id=request_id, api=api)
     if not response.prepared:
         response.headers.setdefault("x-request-id", request_id)
     return response

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from gateway.config import ServerConfig
-from gateway.errors import BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_response
+from gateway.errors import ApiShape, BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_response
 from gateway.ids import IdSource
 
 
@@ -93,7 +93,7 @@ class ExpectationFailed(GatewayError):
 ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 
 
-def expect_handler(max_body_bytes: int, ids: IdSource) -> ExpectHandler:
+def expect_handler(max_body_bytes: int, ids: IdSource, api: ApiShape = "openai") -> ExpectHandler:
     async def handle(request: web.Request) -> web.StreamResponse | None:
         err: GatewayError | None = None
         if request.headers.get("Expect", "").lower() != "100-continue":
@@ -101,7 +101,7 @@ def expect_handler(max_body_bytes: int, ids: IdSource) -> ExpectHandler:
         elif request.content_length is not None and request.content_length > max_body_bytes:
             err = PayloadTooLarge("request body exceeds the configured limit")
         if err is not None:
-            response = error_response(err, request_id=request.headers.get("x-request-id") or ids.next())
+            response = error_response(err, request_id=request.headers.get("x-request-id") or ids.next(), api=api)
             response.force_close()  # the body may follow anyway: it is not read
             return response
         if request.version >= (1, 1):

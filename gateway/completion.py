@@ -98,8 +98,17 @@ class CompletionService:
         self.adapters = AdapterLoader(replicas, metrics, config.models)
         self.set_models(config.models)
         self.tracer = tracer
-        self._session_header = config.cache.session_header.lower()
+        sessions = config.cache
+        self._session_headers = tuple(h.lower() for h in (sessions.session_header, *sessions.agent_session_headers))
         self._access_log = config.server.access_log
+
+    def session_key(self, headers: Mapping[str, str]) -> str | None:
+        """The first session header the request carries (`cache.session_header`, then the agents' own:
+        `cache.agent_session_headers`); None without one (then the body's `user`, where the cache reads it)."""
+        for name in self._session_headers:
+            if value := headers.get(name):
+                return value
+        return None
 
     def set_models(self, models: ModelsConfig) -> None:
         """Aliases, fallbacks and the adapters loaded on demand (at start and on a config reload)."""
@@ -109,7 +118,7 @@ class CompletionService:
 
     async def handle(self, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
         """Answer one request; returns the response for aiohttp to finish (a stream is already written)."""
-        ctx = RequestContext(request_id, endpoint.name, time.monotonic())
+        ctx = RequestContext(request_id, endpoint.name, time.monotonic(), api=endpoint.api)
         traceparent = request.headers.get("traceparent")
         if self.tracer is not None:
             ctx.trace = self.tracer.begin(traceparent)
@@ -120,7 +129,7 @@ class CompletionService:
         info: RequestInfo | None = None
         try:
             headers = request.headers
-            identity = admission.identify(headers)  # 401 before anything else when auth is on
+            identity = admission.identify(headers, x_api_key=endpoint.api == "anthropic")  # 401 first when auth is on
             ctx.tenant = identity.tenant
             raw, parsed, holder = await self._read(request, endpoint)
             if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
@@ -150,14 +159,14 @@ class CompletionService:
                     endpoint=kind,
                     body=routed_body,
                     tenant=identity.tenant,
-                    session_key=headers.get(self._session_header),
+                    session_key=self.session_key(headers),
                 )
                 demand = Demand(info, parsed.max_tokens, admission.latency.targets(identity, model, headers))
                 try:
                     async with admission.slot(identity, model, info.prompt_tokens or len(raw) // 4, ctx, demand):
                         ctx.admitted_at = time.monotonic()
                         ctx.status = await self.proxy.forward(
-                            self._exchange(out, request, parsed, info, ctx, raw, salted, holder)
+                            self._exchange(out, request, endpoint, parsed, info, ctx, raw, salted, holder)
                         )
                     break
                 except Overloaded as err:
@@ -185,6 +194,7 @@ class CompletionService:
         self,
         out: Responder,
         request: web.Request,
+        endpoint: Endpoint,
         parsed: ParsedRequest,
         info: RequestInfo,
         ctx: RequestContext,
@@ -198,7 +208,11 @@ class CompletionService:
             relayed = Relayed(retry.migration_buffer_bytes)
         data = engine_body(parsed, raw, salted=salted, usage_stats=relayed is not None)
         deadline = time.monotonic() + self.config.timeouts.total_s
-        return Exchange(out, request.method, request.raw_path, parsed, info, ctx, data, deadline, holder, relayed)
+        ex = Exchange(out, request.method, request.raw_path, parsed, info, ctx, data, deadline, holder, relayed)
+        for name in endpoint.forward_headers:
+            if (value := request.headers.get(name)) is not None:
+                ex.forward[name] = value
+        return ex
 
     async def _read(self, request: web.Request, endpoint: Endpoint) -> tuple[bytes, ParsedRequest, Replica | None]:
         """The body as sent, what kvgate reads of it, and the replica the request must go to (a stored response's
@@ -219,7 +233,7 @@ class CompletionService:
             previous = parsed.body.get("previous_response_id") if endpoint.records_id else None
             if isinstance(previous, str):  # a conversation stored on one replica continues there
                 holder = await self.holders.get(previous)
-        parsed.records_id = endpoint.records_id
+        parsed.records_id, parsed.api = endpoint.records_id, endpoint.api
         if not parsed.model:
             parsed.model = self._only_model()
         return raw, parsed, holder
@@ -254,10 +268,10 @@ class CompletionService:
             self.metrics.model(ctx.model).cancelled.value += 1
 
     async def _error(self, err: GatewayError, ctx: RequestContext, out: Responder) -> None:
-        ctx.status, ctx.error = err.status, err.code
         for name, value in ctx.extra_headers.items():
             err.headers.setdefault(name, value)
-        status, headers, body = render_error(err, request_id=ctx.request_id)
+        status, headers, body = render_error(err, request_id=ctx.request_id, api=ctx.api)
+        ctx.status, ctx.error = status, err.code  # the status the client got (the API's own for no capacity)
         await out.send(status, headers, body)
 
     def _observe(self, ctx: RequestContext) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from gateway.errors import ApiShape
 from policies.latency import Held, Prediction
 
 
@@ -60,17 +61,26 @@ class RequestContext:
     route_started: float | None = None
     routed_at: float | None = None
     sent_at: float | None = None
+    api: ApiShape = "openai"  # the route's API shape: its errors and rate-limit headers (gateway.endpoints)
 
     def set_usage(self, usage: object) -> None:
-        """Token counts from an answer's `usage`: chat and completions' names, or the Responses API's."""
+        """Token counts from an answer's `usage`: chat and completions' names, the Responses API's, or the Messages
+        API's, whose `input_tokens` are only the uncached ones (the prompt is those plus `cache_read_input_tokens`
+        and `cache_creation_input_tokens`, as vLLM reports them)."""
         if not isinstance(usage, dict):
             return
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
         completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        cache_read = usage.get("cache_read_input_tokens")
+        if isinstance(prompt, int) and isinstance(cache_read, int):  # Anthropic's usage
+            created = usage.get("cache_creation_input_tokens")
+            prompt += cache_read + (created if isinstance(created, int) else 0)
         self.prompt_tokens = prompt if isinstance(prompt, int) else self.prompt_tokens
         self.completion_tokens = completion if isinstance(completion, int) else self.completion_tokens
         details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        if isinstance(cache_read, int):
+            self.cached_tokens = cache_read
+        elif isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             self.cached_tokens = details["cached_tokens"]
         elif self.prompt_tokens is not None and self.cached_tokens is None:
             self.cached_tokens = 0

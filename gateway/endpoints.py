@@ -12,6 +12,10 @@ cancellation, metrics (labelled with `name`) and the access log. `body` says how
   client sent it; only its `model` and `stream` fields are read;
 - "held": a call about a stored response (`{response_id}` in the path): sent to the replica that created it
   (`records_id` endpoints remember which replica answered which id), 404 when no replica is known to hold it.
+`api` is the shape of the route's answers: "openai", or "anthropic" (the Messages API, which vLLM serves itself):
+the key also in `x-api-key`, errors in Anthropic's shape (`gateway.errors`), `anthropic-ratelimit-*` headers
+beside `x-ratelimit-*`, and a stream complete only with its `message_stop` event (`gateway.relay`).
+`forward_headers` are request headers the engine gets as the client sent them (the engine reads them).
 The engine is asked at the same path. A new vLLM endpoint is one more line here.
 """
 
@@ -21,7 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.anthropic import messages_as_chat
+from gateway.errors import ApiShape
 from gateway.request_parse import BodyKind, responses_as_chat
+
+ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +42,8 @@ class Endpoint:
     records_id: bool = False  # the answer's `id` names state the replica keeps (vLLM's stored responses)
     # the body as a chat request, for cache-aware routing of an endpoint whose prompt hits the prefix cache
     chat_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+    api: ApiShape = "openai"
+    forward_headers: tuple[str, ...] = ()
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -42,6 +52,17 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("responses", "/v1/responses", "json", records_id=True, chat_view=responses_as_chat),
     Endpoint("responses", "/v1/responses/{response_id}", "held", method="GET"),
     Endpoint("responses", "/v1/responses/{response_id}/cancel", "held"),
+    # the Messages API: routed cache-aware as the chat request vLLM turns it into; counting tokens computes no KV
+    # (routing it cache-aware would teach the index blocks no engine holds): routed by load
+    Endpoint(
+        "messages",
+        "/v1/messages",
+        "json",
+        chat_view=messages_as_chat,
+        api="anthropic",
+        forward_headers=ANTHROPIC_HEADERS,
+    ),
+    Endpoint("count_tokens", "/v1/messages/count_tokens", "json", api="anthropic", forward_headers=ANTHROPIC_HEADERS),
     Endpoint("embeddings", "/v1/embeddings", "json"),
     Endpoint("tokenize", "/tokenize", "json", model_optional=True),
     Endpoint("detokenize", "/detokenize", "json", model_optional=True),
@@ -56,3 +77,4 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("translations", "/v1/audio/translations", "multipart"),
 )
 CHAT, COMPLETIONS = ENDPOINTS[0], ENDPOINTS[1]
+API_BY_PATH: dict[str, ApiShape] = {e.path: e.api for e in ENDPOINTS}  # the middleware's errors, by route

@@ -1,8 +1,11 @@
 """One exception hierarchy for everything the gateway answers with an error, rendered in one place.
 
-Every error carries its HTTP status and OpenAI error `type` / `code`; `render_error` renders
-`{"error": {"message", "type", "param", "code"}}` as (status, headers, bytes); `error_response` makes it the
-aiohttp response that handlers, the middleware and the server's protocol errors (`gateway.listener`) send.
+Every error carries its HTTP status and OpenAI error `type` / `code`; `render_error` renders it in the API shape of
+the route it answers (`gateway.endpoints`: a route's `api`) as (status, headers, bytes): OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, or Anthropic's `{"type": "error", "error": {"type", "message"}}`
+with the type its SDKs map the status to (no capacity is 529 `overloaded_error` there, the status Anthropic's SDK
+raises `OverloadedError` for); `error_event` is the same error as a stream's last event. `error_response` makes it
+the aiohttp response that handlers, the middleware and the server's protocol errors (`gateway.listener`) send.
 Subclasses also inherit the matching builtin where one exists (a timeout is also a `TimeoutError`) so callers can
 catch either.
 """
@@ -10,9 +13,12 @@ catch either.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 import orjson
 from aiohttp import web
+
+ApiShape = Literal["openai", "anthropic"]  # how a route's answers and errors are shaped (gateway.endpoints)
 
 
 class GatewayError(Exception):
@@ -175,17 +181,53 @@ class Migration(Exception):
         self.failure = failure
 
 
-def render_error(err: GatewayError, *, request_id: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    """The one rendering of an error: status, headers (the error's own, Content-Type, x-request-id) and body."""
+# Anthropic's error types by status, as its SDKs name them (anthropic-sdk-python: _exceptions.py, ErrorType)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    408: "timeout_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
+    503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error",
+}  # fmt: skip
+ANTHROPIC_ERROR_TYPES = frozenset({*_ANTHROPIC_TYPES.values(), "api_error", "billing_error"})
+OVERLOADED_ANTHROPIC = 529  # Anthropic's status for no capacity (its SDK: OverloadedError; 503 is not that class)
+
+
+def anthropic_error(err: GatewayError) -> tuple[int, dict[str, object]]:
+    """(status, body) of `err` in Anthropic's shape: an engine's own Anthropic-shaped error as it came, any other
+    typed by its status; the gateway's own no-capacity answer is 529."""
+    upstream = err.upstream_body if isinstance(err, UpstreamError) else None
+    if upstream is not None and upstream.get("type") == "error":
+        inner = upstream.get("error")
+        if isinstance(inner, dict) and inner.get("type") in ANTHROPIC_ERROR_TYPES:
+            return err.status, upstream
+    status = OVERLOADED_ANTHROPIC if isinstance(err, Overloaded) else err.status
+    kind = _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def render_error(
+    err: GatewayError, *, request_id: str | None = None, api: ApiShape = "openai"
+) -> tuple[int, dict[str, str], bytes]:
+    """The one rendering of an error: status, headers (the error's own, Content-Type, x-request-id) and body, in
+    the route's API shape."""
     headers = dict(err.headers)
     headers["Content-Type"] = "application/json"
     if request_id:
         headers["x-request-id"] = request_id
+    if api == "anthropic":
+        status, body = anthropic_error(err)
+        return status, headers, orjson.dumps(body)
     return err.status, headers, orjson.dumps(err.body())
 
 
-def error_response(err: GatewayError, *, request_id: str | None = None) -> web.Response:
-    status, headers, body = render_error(err, request_id=request_id)
+def error_event(err: GatewayError, api: ApiShape = "openai") -> bytes:
+    """`err` as the last event of a stream that already started (its status line is long sent)."""
+    if api == "anthropic":
+        return b"event: error\ndata: " + orjson.dumps(anthropic_error(err)[1]) + b"\n\n"
+    return b"data: " + orjson.dumps(err.body()) + b"\n\n"
+
+
+def error_response(err: GatewayError, *, request_id: str | None = None, api: ApiShape = "openai") -> web.Response:
+    status, headers, body = render_error(err, request_id=request_id, api=api)
     return web.Response(status=status, body=body, headers=headers)
 
 

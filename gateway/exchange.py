@@ -33,6 +33,7 @@ class Exchange:
     relayed: Relayed | None = None  # a stream that can continue elsewhere: what its client got so far
     tried: list[str] = field(default_factory=list)  # replica ids, in the order they were tried
     refused: list[Replica] = field(default_factory=list)  # replicas that answered 5xx (see proxy.forward)
+    forward: dict[str, str] = field(default_factory=dict)  # client headers the engine gets (Endpoint.forward_headers)
 
     @property
     def stream(self) -> bool:

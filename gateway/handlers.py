@@ -124,9 +124,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     """Every route of the gateway's one server."""
-    expect = expect_handler(app[CONFIG].server.max_body_bytes, app[IDS])
+    max_body, ids = app[CONFIG].server.max_body_bytes, app[IDS]
+    expect = expect_handler(max_body, ids)
     for endpoint in ENDPOINTS:
-        app.router.add_route(endpoint.method, endpoint.path, _endpoint_handler(endpoint), expect_handler=expect)
+        expects = expect if endpoint.api == "openai" else expect_handler(max_body, ids, endpoint.api)
+        app.router.add_route(endpoint.method, endpoint.path, _endpoint_handler(endpoint), expect_handler=expects)
     app.router.add_get("/version", version, expect_handler=expect)
     app.router.add_get("/v1/models", list_models, expect_handler=expect)
     app.router.add_get("/health", health, expect_handler=expect)

@@ -27,8 +27,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import orjson
-
 from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
@@ -36,7 +34,15 @@ from gateway.admission.targets import place
 from gateway.answers import answer_id, upstream_error, usage_of
 from gateway.config import DisaggregationConfig, RetryConfig, TimeoutConfig
 from gateway.disagg import PrefillStep, transfer_params
-from gateway.errors import Exhausted, GatewayError, Migration, Retryable, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import (
+    Exhausted,
+    GatewayError,
+    Migration,
+    Retryable,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    error_event,
+)
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.migration import continuation
@@ -215,7 +221,7 @@ class UpstreamProxy:
     @staticmethod
     def _ask_headers(ex: Exchange) -> dict[str, str]:
         ctx = ex.ctx
-        headers = {"Content-Type": ex.parsed.content_type, "x-request-id": ctx.request_id}
+        headers = {**ex.forward, "Content-Type": ex.parsed.content_type, "x-request-id": ctx.request_id}
         if ctx.trace is not None:  # the engine's spans join the request's trace under kvgate.upstream
             headers["traceparent"] = ctx.trace.upstream_traceparent()
             ctx.sent_at = time.monotonic()
@@ -300,7 +306,7 @@ class UpstreamProxy:
         self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
     ) -> int:
         """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or stalled
-        after it started (the client then gets an OpenAI-shaped error event before the end, never a clean end that
+        after it started (the client then gets an error event in its API's shape before the end, never a clean end that
         looks complete), unless it can continue on another replica: then `Migration` is raised."""
         timeouts = self.settings.timeouts
         splitter, client = SseSplitter(), ClientEvents(ex, self.metrics.model(ex.parsed.model).itl)
@@ -336,9 +342,13 @@ class UpstreamProxy:
             self.count_failure(replica)
         if not started:
             raise Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
-        if failure is None and ex.parsed.kind in ("json", "multipart"):  # others' streams end with the body
+        if failure is None and client.end is None:  # a stream without an end event ends with the body
             ex.ctx.answered = True
-        elif failure is None and not client.done:  # chat and completions end with [DONE]: cut short without it
+        elif failure is None and client.failed:  # the engine's own error event ended it: relayed as it came
+            ex.ctx.error = "upstream_error_event"
+            await ex.out.end()
+            return 502
+        elif failure is None and not client.done:  # cut short without its end event ([DONE], message_stop)
             ex.ctx.error = "upstream_truncated"
             failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
         if failure is not None and not client.done and self._may_migrate(ex):
@@ -358,7 +368,7 @@ class UpstreamProxy:
     @staticmethod
     async def _end_stream(ex: Exchange, failure: GatewayError | None) -> int:
         if failure is not None:
-            await ex.out.write(b"data: " + orjson.dumps(failure.body()) + b"\n\n")
+            await ex.out.write(error_event(failure, ex.parsed.api))
         await ex.out.end()
         return 200 if failure is None else failure.status
 

@@ -4,7 +4,9 @@ The proxy (`gateway.proxy`) reads chunks from the engine, splits them into whole
 them into what the client gets, and writes those. `ClientEvents` records what the request learns on the way (usage,
 a stored response's id, the end of the answer) and, for a stream that may continue elsewhere, what was relayed
 (`gateway.migration.Relayed`). A continuation's events go into the client's started stream without the assistant
-role the client already has, its usage told as the whole answer's.
+role the client already has, its usage told as the whole answer's. A stream is complete with its API's last event
+(`end_marker`): `data: [DONE]` for chat and completions, `message_stop` for the Messages API (whose `error` event
+from the engine ends it too, as failed); other streams end with their body.
 
 Cost per event: one `bytes.find` for its end; one substring check for usage (and, on a stream that may migrate,
 one `rfind` that moves the engine's continuous usage out of the event); events that carry a final usage object are
@@ -20,8 +22,18 @@ from typing import Protocol
 from gateway.answers import answer_id, usage_event
 from gateway.exchange import Exchange
 from gateway.migration import split_usage, without_role
+from gateway.request_parse import ParsedRequest
 
 DONE = b"data: [DONE]"
+MESSAGE_STOP = b"event: message_stop"
+ANTHROPIC_ERROR = b"event: error"
+
+
+def end_marker(parsed: ParsedRequest) -> bytes | None:
+    """The start of the event that completes a stream of this request; None: the stream ends with its body."""
+    if parsed.api == "anthropic":
+        return MESSAGE_STOP
+    return DONE if parsed.kind in ("chat", "completions") else None
 
 
 class Observer(Protocol):
@@ -51,14 +63,16 @@ class SseSplitter:
 class ClientEvents:
     """The client's side of one attempt's stream."""
 
-    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "done")
+    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "done", "end", "failed")
 
     def __init__(self, ex: Exchange, itl: Observer) -> None:
         self._ex = ex
         self._itl = itl
         self._continuing = ex.out.started  # a continuation: the client has the stream's opening already
         self._last_write = 0.0
-        self.done = False  # the answer's end reached the client ([DONE]); it may leave before the terminator
+        self.end = end_marker(ex.parsed)
+        self.done = False  # the answer's end reached the client (`end`); it may leave before the terminator
+        self.failed = False  # the engine ended the stream with its own error event (the Messages API's)
 
     def take(self, events: list[bytes]) -> list[bytes]:
         """What the client gets of the engine's `events` (possibly nothing)."""
@@ -106,5 +120,8 @@ class ClientEvents:
         if self._ex.relayed is not None:
             self._ex.relayed.add(events, len(data))
         await self._ex.out.write(data)
-        if events[-1].startswith(DONE):
+        last = events[-1]
+        if self.end is not None and last.startswith(self.end):
             self.done = self._ex.ctx.answered = True
+        elif self.end is MESSAGE_STOP and last.startswith(ANTHROPIC_ERROR):
+            self.failed = True

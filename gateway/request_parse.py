@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.errors import BadRequest
+from gateway.errors import ApiShape, BadRequest
 
 BodyKind = Literal["chat", "completions", "json", "multipart", "held"]  # see gateway.endpoints
 
@@ -32,6 +32,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # client asked for stream_options.continuous_usage_stats
     content_type: str = "application/json"  # sent to the engine with the body
     records_id: bool = False  # remember which replica answered the answer's `id` (gateway.endpoints)
+    api: ApiShape = "openai"  # the shape of the route's answers, errors and stream events (gateway.endpoints)
 
 
 def _check_int(body: dict[str, Any], key: str, minimum: int) -> int | None:

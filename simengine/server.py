@@ -3,9 +3,11 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/embeddings`` (deterministic vectors),
 ``POST /v1/audio/transcriptions`` and ``/translations`` (multipart; the text describes the file received),
-``GET /load``, ``GET /version``, ``POST /reset_prefix_cache``, ``GET /sim/stats``, ``GET|POST /sim/faults``.
-Errors are OpenAI-shaped. The ``X-Request-Id`` request header is echoed on every response. Handlers are cancelled
-when the client disconnects (``handler_cancellation=True``), which is how a dropped request stops generating.
+``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API as vLLM serves it:
+`simengine.messages`), ``GET /load``, ``GET /version``, ``POST /reset_prefix_cache``, ``GET /sim/stats``,
+``GET|POST /sim/faults``. Errors are OpenAI-shaped (Anthropic-shaped on the Messages API). The ``X-Request-Id``
+request header is echoed on every response. Handlers are cancelled when the client disconnects
+(``handler_cancellation=True``), which is how a dropped request stops generating.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
+from simengine import messages
 from simengine.config import Faults, SimConfig
 from simengine.engine import OverloadedError, SimEngine, SimFaultError
 from simengine.kv_events import KVEventPublisher
@@ -166,6 +169,14 @@ async def _stream(
     await resp.write(tail.encode() + _DONE)
     await resp.write_eof()
     return resp
+
+
+async def anthropic_messages(request: web.Request) -> web.StreamResponse:
+    return await messages.create(request, request.app[ENGINE_KEY])
+
+
+async def anthropic_count_tokens(request: web.Request) -> web.StreamResponse:
+    return await messages.count_tokens(request, request.app[ENGINE_KEY])
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -438,6 +449,8 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", anthropic_messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic_count_tokens)
     app.router.add_get("/v1/responses/{response_id}", stored_response)
     app.router.add_post("/v1/responses/{response_id}/cancel", stored_response)
     app.router.add_post("/v1/audio/transcriptions", transcriptions)

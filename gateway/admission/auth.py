@@ -1,4 +1,5 @@
-"""Who is calling: `Authorization: Bearer <key>` -> tenant, and the admin bearer check.
+"""Who is calling: `Authorization: Bearer <key>` (on the Messages API's routes also `x-api-key: <key>`, which the
+Anthropic SDKs and Claude Code send) -> tenant, and the admin bearer check.
 
 Keys are stored as sha256 digests; the presented key is hashed and looked up by digest (O(1)), so the time taken
 never depends on how much of a stored clear key matched (there is none to match). The admin key is compared with
@@ -38,14 +39,21 @@ class Authenticator:
         self._ranks = {name: i for i, name in enumerate(config.priority_classes)}
         self._plain: dict[str, Identity] = {}  # tenant -> identity without a requested class (bounded by tenants)
 
-    def identify(self, headers: Mapping[str, str]) -> Identity:
-        """The caller's tenant and priority class; raises Unauthorized (401) when auth is on and the key is bad."""
+    def identify(self, headers: Mapping[str, str], *, x_api_key: bool = False) -> Identity:
+        """The caller's tenant and priority class; raises Unauthorized (401) when auth is on and the key is bad.
+        `x_api_key`: the key may come in `x-api-key` (Anthropic's header; it wins over a bearer token)."""
         if not self.config.auth:
             tenant = self.config.anonymous_tenant
         else:
-            token = bearer(headers)
+            token = (headers.get("x-api-key") or None) if x_api_key else None
+            token = token or bearer(headers)
             if token is None:
-                raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+                send = (
+                    "'x-api-key: <key>' or 'Authorization: Bearer <key>'"
+                    if x_api_key
+                    else "'Authorization: Bearer <key>'"
+                )
+                raise Unauthorized(f"missing API key: send {send}")
             digest = hash_key(token)
             found = self._by_hash.get(digest)  # keyed by digest: timing reveals nothing about the clear key
             if found is None:

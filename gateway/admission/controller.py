@@ -173,8 +173,8 @@ class AdmissionController:
             self._defaulted.add(replica.id)
 
     # --- per request -------------------------------------------------------------------------------------------
-    def identify(self, headers: Mapping[str, str]) -> Identity:
-        return self.auth.identify(headers)
+    def identify(self, headers: Mapping[str, str], *, x_api_key: bool = False) -> Identity:
+        return self.auth.identify(headers, x_api_key=x_api_key)
 
     def apply_cache_salt(self, identity: Identity, body: dict[str, Any]) -> bool:
         """Inject the tenant's cache_salt into the body (and so into prefix hashing); True when the body changed."""
@@ -229,7 +229,7 @@ class AdmissionController:
         """The ticket of a quota check's grant (counted as the tenant's active request), or its refusal raised."""
         tenant = identity.tenant
         if quota is not _UNLIMITED:
-            ctx.extra_headers.update(quota.headers())
+            ctx.extra_headers.update(quota.headers(anthropic=ctx.api == "anthropic"))
         if not quota.allowed:
             self.metrics.rejections.labels(tenant, quota.reason or "quota").inc()
             if quota.reason == "store_unavailable":

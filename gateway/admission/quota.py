@@ -1,4 +1,6 @@
-"""Per-tenant quotas: the `QuotaStore` contract both stores implement, and the OpenAI-style rate-limit headers.
+"""Per-tenant quotas: the `QuotaStore` contract both stores implement, and the rate-limit headers: OpenAI's
+`x-ratelimit-*` (resets as durations) and, on the Messages API's routes, Anthropic's `anthropic-ratelimit-*` beside
+them (the same numbers; resets as RFC 3339 times).
 
 Windows are fixed per clock minute (requests, tokens) and per UTC day (daily token budget), so every gateway
 sharing a store agrees on them. A check atomically: drops expired concurrency leases, tests the concurrency,
@@ -10,6 +12,7 @@ Token cost = uncached prompt tokens + cached prompt tokens x `cached_token_weigh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,17 +45,24 @@ class QuotaResult:
     remaining_tokens: int = 0
     reset_tokens_s: float = 0.0
 
-    def headers(self) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers for the limits that are configured."""
+    def headers(self, *, anthropic: bool = False) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for the limits that are configured (and, with `anthropic`, Anthropic's
+        anthropic-ratelimit-* with the same numbers)."""
         out: dict[str, str] = {}
-        if self.limit_requests is not None:
-            out["x-ratelimit-limit-requests"] = str(self.limit_requests)
-            out["x-ratelimit-remaining-requests"] = str(max(0, self.remaining_requests))
-            out["x-ratelimit-reset-requests"] = format_reset(self.reset_requests_s)
-        if self.limit_tokens is not None:
-            out["x-ratelimit-limit-tokens"] = str(self.limit_tokens)
-            out["x-ratelimit-remaining-tokens"] = str(max(0, self.remaining_tokens))
-            out["x-ratelimit-reset-tokens"] = format_reset(self.reset_tokens_s)
+        now = time.time()
+        for kind, limit, remaining, reset_s in (
+            ("requests", self.limit_requests, self.remaining_requests, self.reset_requests_s),
+            ("tokens", self.limit_tokens, self.remaining_tokens, self.reset_tokens_s),
+        ):
+            if limit is None:
+                continue
+            out[f"x-ratelimit-limit-{kind}"] = str(limit)
+            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, remaining))
+            out[f"x-ratelimit-reset-{kind}"] = format_reset(reset_s)
+            if anthropic:
+                out[f"anthropic-ratelimit-{kind}-limit"] = str(limit)
+                out[f"anthropic-ratelimit-{kind}-remaining"] = str(max(0, remaining))
+                out[f"anthropic-ratelimit-{kind}-reset"] = rfc3339(now + reset_s)
         return out
 
 
@@ -87,6 +97,11 @@ def format_reset(seconds: float) -> str:
     if m:
         return f"{m}m{s}s"
     return f"{s}s"
+
+
+def rfc3339(epoch_s: float) -> str:
+    """Anthropic's reset format: a UTC time to the second, '2026-01-02T03:04:05Z'."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(round(epoch_s)))
 
 
 def limit_or_zero(value: int | None) -> int:
