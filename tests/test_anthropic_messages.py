@@ -15,11 +15,11 @@ import aiohttp
 import anthropic
 import pytest
 
+from cacheindex.tokenizers import SimPromptTokenizer
 from gateway.admission.config import hash_key
 from gateway.anthropic import messages_as_chat
 from gateway.errors import BadRequest, Overloaded, render_error
 from gateway.keys import REPLICAS
-from policies.prefix.tokenizers import SimPromptTokenizer
 from simengine import SimConfig
 from simengine import messages as sim_messages
 from simengine.config import Faults
