@@ -134,11 +134,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             engines = es.enter_context(sim_engines(2, *sim, model=MODEL))
             gateways = {}
             for name, (policy, admission) in configs(args).items():
+                if args.configs and name not in args.configs:
+                    continue
                 paths.append(gateway_yaml(policy, admission))
                 gateways[name] = es.enter_context(kvgate(engines, "--config", paths[-1]))[0]
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as http:
-                cap = await capacity(http, gateways["round-robin"], args)
+                cap = await capacity(http, next(iter(gateways.values())), args)
                 doc["capacity_req_per_s"] = cap
                 print(f"pool capacity {cap:.2f} req/s ({blocks} KV blocks per engine)", flush=True)
                 for repeat in range(args.repeat):
@@ -151,7 +153,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             print(f"repeat {repeat} {scale:g}x {name}: {_line(row)}", flush=True)
                     shift = workload(args.prompt, args.output, args.requests, shift_at=args.requests // 2)
                     for name in order:
-                        if name in ("round-robin", "least-load", "cache-aware"):
+                        if name in ("round-robin", "least-load", "cache-aware"):  # no admission: collapse as at 3x
                             continue
                         row = await measure(http, gateways[name], shift, args.shift_rate * cap, 2000 + repeat, slo)
                         doc["shift"].setdefault(name, []).append(row)
@@ -160,6 +162,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for path in paths:
             os.unlink(path)
     return doc
+
+
+def merged(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`base` with the configurations `new` measured replaced by `new`'s rows (the capacity of each run kept)."""
+    out = json.loads(json.dumps(base))
+    for rate, by_name in new["rates"].items():
+        out["rates"].setdefault(rate, {}).update(by_name)
+    out["shift"].update(new["shift"])
+    out.setdefault("reruns", []).append(
+        {"configs": list(new["settings"]["configs"] or []), "capacity": new["capacity_req_per_s"]}
+    )
+    return out
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -206,21 +220,25 @@ def _cell(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
-    p.add_argument("--output", type=int, default=128, help="output tokens per request")
+    p.add_argument("--output", type=int, default=32, help="output tokens per request")
     p.add_argument("--fit", type=int, default=8, help="requests whose KV fits in one engine at once")
     p.add_argument("--prefill-us", type=float, default=100.0, help="prefill microseconds per token")
-    p.add_argument("--decode-ms", type=float, default=5.0)
-    p.add_argument("--decode-ms-per-seq", type=float, default=0.25)
+    p.add_argument("--decode-ms", type=float, default=20.0)
+    p.add_argument("--decode-ms-per-seq", type=float, default=1.0)
     p.add_argument("--ttft", type=float, default=1.0, help="time-to-first-token target, seconds")
-    p.add_argument("--tpot", type=float, default=0.02, help="time-per-output-token target, seconds")
+    p.add_argument("--tpot", type=float, default=0.04, help="time-per-output-token target, seconds")
     p.add_argument("--scales", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0], help="rates x capacity")
     p.add_argument("--shift-rate", type=float, default=1.0, help="context-shift run's rate x capacity")
     p.add_argument("--gates", type=int, nargs="+", default=[4, 8, 12])
     p.add_argument("--requests", type=int, default=150, help="requests per rate")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--configs", nargs="*", default=None, help="only these configurations (names as in the table)")
+    p.add_argument("--merge", default=None, help="a results file whose rows of these configurations are replaced")
     args = p.parse_args()
     doc = asyncio.run(run(args))
+    if args.merge:
+        doc = merged(json.loads(Path(args.merge).read_text()), doc)
     print(table(doc, args.gates))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")

@@ -12,7 +12,10 @@ preemption, a scrape that lagged) up to about 29% of the window, and it forgets 
 are the prior where known, else 0: a model that knows nothing predicts no cost beyond the wait for KV room, so it
 never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or plus the mean output seen
 (`mean_output`, an exponentially weighted mean) when it gave none.
-Costs: O(1) per sample; a refit O(WINDOW^2) (496 slopes) every REFIT samples; reading the model O(1).
+The margin: the `MARGIN_QUANTILE` of how much later than predicted the last `WINDOW` first tokens came (0 while
+they came early), added to every prediction (`policies.latency`).
+Costs: O(1) per sample; a refit O(WINDOW^2) (496 slopes) every REFIT samples; reading the model O(1) but the
+margin, O(WINDOW log WINDOW).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections import deque
 WINDOW = 32
 REFIT = 4
 MIN_SAMPLES = 4
+MARGIN_QUANTILE = 0.95
 OUTPUT_WEIGHT = 0.1  # of each answer in the mean output
 DEFAULT_OUTPUT = 256  # tokens a request without max_tokens is taken to produce until answers say otherwise
 
@@ -56,12 +60,23 @@ class _Line:
 class LatencyLearner:
     """The learned terms of one replica's latency model (seconds)."""
 
-    __slots__ = ("_decode", "_prefill", "mean_output")
+    __slots__ = ("_decode", "_late", "_prefill", "mean_output")
 
     def __init__(self) -> None:
         self._prefill = _Line()  # time to first token against computed prompt tokens
         self._decode = _Line()  # seconds per output token against the batch
+        self._late: deque[float] = deque(maxlen=WINDOW)  # observed - predicted time to first token
         self.mean_output = float(DEFAULT_OUTPUT)
+
+    def observe_late(self, observed_s: float, predicted_s: float) -> None:
+        """A first token against its prediction (without the margin)."""
+        self._late.append(observed_s - predicted_s)
+
+    def margin(self) -> float:
+        if len(self._late) < MIN_SAMPLES:
+            return 0.0
+        ordered = sorted(self._late)
+        return max(0.0, ordered[min(len(ordered) - 1, int(MARGIN_QUANTILE * len(ordered)))])
 
     def observe_first_token(self, computed_tokens: int, ttft_s: float) -> None:
         """A request that started at once: its time to first token from when it was sent."""

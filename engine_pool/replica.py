@@ -192,7 +192,8 @@ class Replica:
         m, price = self.metrics, self.queue_price
         kv = m.num_blocks * m.block_size if m.num_blocks and m.block_size else None
         overhead, prefill, step, per_seq = self.latency.terms(price.prefill_s_per_token, price.slope())
-        return ReplicaLatency(self.id, kv, tuple(self.held.values()), overhead, prefill, step, per_seq)
+        held = tuple(self.held.values())
+        return ReplicaLatency(self.id, kv, held, overhead, prefill, step, per_seq, self.latency.margin())
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when no request is in flight (drain finished) within timeout_s."""

@@ -31,6 +31,7 @@ def access_record(ctx: RequestContext) -> dict[str, object]:
         "cached_tokens": ctx.cached_tokens,
         "completion_tokens": ctx.completion_tokens,
         "ttft_ms": _ms(ctx.ttft_s),
+        "predicted_ttft_ms": _ms(ctx.prediction.ttft_s) if ctx.prediction is not None else None,
         "queue_ms": _ms(ctx.queue_wait_s),
         "duration_ms": _ms(ctx.duration_s),
         "error": ctx.error,
@@ -40,7 +41,7 @@ def access_record(ctx: RequestContext) -> dict[str, object]:
 
 def plain_line(ctx: RequestContext) -> str:
     """`access_record` as `key=value` pairs ('-' for none), built in one f-string (this runs for every request)."""
-    ttft, duration = ctx.ttft_s, ctx.duration_s
+    ttft, duration, prediction = ctx.ttft_s, ctx.duration_s, ctx.prediction
     prompt, cached, completion, error = ctx.prompt_tokens, ctx.cached_tokens, ctx.completion_tokens, ctx.error
     return (
         f"request_id={ctx.request_id} tenant={ctx.tenant} endpoint={ctx.endpoint} model={ctx.model} "
@@ -48,7 +49,9 @@ def plain_line(ctx: RequestContext) -> str:
         f"attempts={ctx.attempts} migrations={ctx.migrations} prompt_tokens={'-' if prompt is None else prompt} "
         f"cached_tokens={'-' if cached is None else cached} "
         f"completion_tokens={'-' if completion is None else completion} "
-        f"ttft_ms={'-' if ttft is None else round(ttft * 1000, 2)} queue_ms={round(ctx.queue_wait_s * 1000, 2)} "
+        f"ttft_ms={'-' if ttft is None else round(ttft * 1000, 2)} "
+        f"predicted_ttft_ms={'-' if prediction is None else round(prediction.ttft_s * 1000, 2)} "
+        f"queue_ms={round(ctx.queue_wait_s * 1000, 2)} "
         f"duration_ms={'-' if duration is None else round(duration * 1000, 2)} "
         f"error={'-' if error is None else error} client_disconnected={ctx.client_disconnected}"
     )

@@ -7,7 +7,10 @@ Model (per replica):
   predicted end; the new request's tokens fit when held + its own <= the replica's KV capacity (vLLM's scheduler runs
   a request only when its blocks fit beside the running ones); otherwise it waits until enough of the held requests
   have ended, taken in the order of their predicted ends. This is the knee: it moves with context length by itself;
-- time per output token = the decode step at the batch the request joins: step + per-sequence cost x batch.
+- time per output token = the decode step at the batch the request joins: step + per-sequence cost x batch;
+- plus a margin: how late this replica's first tokens recently came against their predictions (what the model does
+  not see: the gateway's own queueing, a busy machine, other gateways' requests), so admitted requests keep their
+  target at a high quantile, not only on average.
 A capacity that is not known (an engine that does not publish it) never makes a request wait.
 
 Verdict: admit where some replica is predicted to meet the targets, or where the request need not wait at all (its
@@ -39,8 +42,9 @@ class ReplicaLatency:
     held: tuple[Held, ...]
     overhead_s: float  # time to first token of a request that computes nothing
     prefill_s_per_token: float
-    step_s: float  # decode step of a batch of one
-    step_per_seq_s: float  # what each further sequence in the batch adds to the step
+    step_s: float  # the fixed part of a decode step
+    step_per_seq_s: float  # what each sequence in the batch adds to the step
+    margin_s: float = 0.0  # how late this replica's first tokens came against their predictions (a high quantile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,7 @@ class Prediction:
     ttft_s: float
     tpot_s: float
     batch: int  # the batch it would join, itself included
+    margin_s: float = 0.0  # included in ttft_s: the replica's recent prediction error
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +98,9 @@ def room_wait(kv_tokens: int | None, held: Sequence[Held], tokens: int, now: flo
 def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int) -> Prediction:
     """The request (`tokens` of KV in all, `uncached` of its prompt to compute) on replica `r` now."""
     wait = room_wait(r.kv_tokens, r.held, tokens, now)
-    ttft = wait + r.overhead_s + r.prefill_s_per_token * max(0, uncached)
+    ttft = wait + r.overhead_s + r.prefill_s_per_token * max(0, uncached) + r.margin_s
     batch = len(r.held) + 1
-    return Prediction(r.replica, wait, ttft, r.step_s + r.step_per_seq_s * batch, batch)
+    return Prediction(r.replica, wait, ttft, r.step_s + r.step_per_seq_s * batch, batch, r.margin_s)
 
 
 def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:

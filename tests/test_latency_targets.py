@@ -23,7 +23,16 @@ NOW = 100.0
 
 def replica(held: tuple[Held, ...] = (), kv: int | None = 1000, **terms: float) -> ReplicaLatency:
     t = {"overhead_s": 0.01, "prefill_s_per_token": 0.001, "step_s": 0.02, "step_per_seq_s": 0.005, **terms}
-    return ReplicaLatency("r", kv, held, t["overhead_s"], t["prefill_s_per_token"], t["step_s"], t["step_per_seq_s"])
+    return ReplicaLatency(
+        "r",
+        kv,
+        held,
+        t["overhead_s"],
+        t["prefill_s_per_token"],
+        t["step_s"],
+        t["step_per_seq_s"],
+        t.get("margin_s", 0.0),
+    )
 
 
 # --- the model ------------------------------------------------------------------------------------------------------
@@ -122,6 +131,20 @@ def test_until_enough_samples_the_engines_own_counters_are_the_prior() -> None:
     for tokens in range(MIN_SAMPLES - 1):
         learner.observe_first_token(100 * (tokens + 1), 0.1)
     assert learner.terms(0.003, None)[1] == 0.003
+
+
+def test_the_margin_is_how_late_first_tokens_came_at_a_high_quantile() -> None:
+    learner = LatencyLearner()
+    assert learner.margin() == 0.0
+    for late in (0.05, -0.2, 0.3, 0.1, 0.0, 0.02, 0.4, -0.1, 0.08, 0.12):  # seconds later than predicted
+        learner.observe_late(1.0 + late, 1.0)
+    assert learner.margin() == pytest.approx(0.4)  # the 90th percentile of ten samples: the tenth
+    early = LatencyLearner()
+    for _ in range(10):
+        early.observe_late(0.5, 1.0)
+    assert early.margin() == 0.0  # predictions that were too pessimistic never lower a prediction
+    view = replica(margin_s=0.25)
+    assert predict(view, NOW, 100, uncached=100).ttft_s == pytest.approx(0.01 + 0.1 + 0.25)
 
 
 def test_the_kv_a_request_holds_is_its_max_tokens_or_the_mean_output_seen() -> None:

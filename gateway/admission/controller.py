@@ -296,10 +296,18 @@ class AdmissionController:
             if not r.routable(now):
                 continue
             ready += 1
-            if r.metrics.waiting > 0 and saturated(r.snapshot(now), threshold):  # saturation needs waiting > 0
+            if self._saturated(r, now, threshold):
                 continue
             cap += _UNBOUNDED if r.max_concurrency is None else r.max_concurrency
         return cap, ready
+
+    def _saturated(self, r: Replica, now: float, threshold: float) -> bool:
+        """A replica with waiting requests and its KV nearly full has no capacity, unless admission by predicted
+        latency is on: the prediction already prices the engine's queue (KV room), and a request it admitted should
+        not then wait in the gateway for a saturation it was admitted into."""
+        if self.latency.enabled:
+            return False
+        return r.metrics.waiting > 0 and saturated(r.snapshot(now), threshold)  # saturation needs waiting > 0
 
     def _has_slot(self, model: str) -> bool:
         """A slot is free: fewer admitted requests than `capacity` and some routable replica below its gate (what
@@ -311,7 +319,7 @@ class AdmissionController:
                 continue
             gate = r.max_concurrency
             gate_open = gate_open or gate is None or r.in_flight < gate
-            if r.metrics.waiting > 0 and saturated(r.snapshot(now), threshold):  # saturation needs waiting > 0
+            if self._saturated(r, now, threshold):
                 continue
             cap += _UNBOUNDED if gate is None else gate
             if gate_open and active < cap:

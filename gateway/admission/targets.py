@@ -82,7 +82,7 @@ class LatencyGate:
         )
         self.error = FastHistogram(
             "kvgate_ttft_prediction_error_seconds",
-            "Absolute difference between observed and predicted time to first token (streams placed at once).",
+            "Absolute difference between observed and predicted time to first token of streams (before the margin).",
             ["model"],
             metrics.registry,
             ERROR_BUCKETS,
@@ -149,10 +149,13 @@ class LatencyGate:
         output = ctx.completion_tokens or 0
         batch = prediction.batch if prediction is not None else 1
         if ctx.stream:
+            if prediction is not None and not ctx.split:
+                raw = prediction.ttft_s - prediction.margin_s
+                learner.observe_late(sent_ttft, raw)
+                self.predicted.labels(ctx.model).observe(prediction.ttft_s)
+                self.error.labels(ctx.model).observe(abs(sent_ttft - raw))
             if prediction is not None and prediction.wait_s == 0.0 and not ctx.split:
                 learner.observe_first_token(computed, sent_ttft)
-                self.predicted.labels(ctx.model).observe(prediction.ttft_s)
-                self.error.labels(ctx.model).observe(abs(sent_ttft - prediction.ttft_s))
             if output > 1:
                 learner.observe_decode(batch, (sent_e2e - sent_ttft) / (output - 1), output)
         elif output > 0:  # a whole answer: decode is what its predicted prefill did not take
