@@ -140,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 gateways[name] = es.enter_context(kvgate(engines, "--config", paths[-1]))[0]
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as http:
-                cap = await capacity(http, next(iter(gateways.values())), args)
+                cap = args.capacity or await capacity(http, next(iter(gateways.values())), args)
                 doc["capacity_req_per_s"] = cap
                 print(f"pool capacity {cap:.2f} req/s ({blocks} KV blocks per engine)", flush=True)
                 for repeat in range(args.repeat):
@@ -235,6 +235,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--configs", nargs="*", default=None, help="only these configurations (names as in the table)")
     p.add_argument("--merge", default=None, help="a results file whose rows of these configurations are replaced")
+    p.add_argument("--capacity", type=float, default=None, help="req/s (default: measured, through the first one)")
     args = p.parse_args()
     doc = asyncio.run(run(args))
     if args.merge:

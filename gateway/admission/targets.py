@@ -149,11 +149,11 @@ class LatencyGate:
         output = ctx.completion_tokens or 0
         batch = prediction.batch if prediction is not None else 1
         if ctx.stream:
-            if prediction is not None and not ctx.split:
+            if prediction is not None and not ctx.split:  # the target counts from arrival: so does the lateness
                 raw = prediction.ttft_s - prediction.margin_s
-                learner.observe_late(sent_ttft, raw)
+                learner.observe_late(ctx.ttft_s, raw)
                 self.predicted.labels(ctx.model).observe(prediction.ttft_s)
-                self.error.labels(ctx.model).observe(abs(sent_ttft - raw))
+                self.error.labels(ctx.model).observe(abs(ctx.ttft_s - raw))
             if prediction is not None and prediction.wait_s == 0.0 and not ctx.split:
                 learner.observe_first_token(computed, sent_ttft)
             if output > 1:
