@@ -67,6 +67,19 @@ class ServerConfig(StrictModel):
     )
     max_header_bytes: int = Field(8190, ge=256, description="longest request line or header line; longer gets 431")
     max_headers: int = Field(128, ge=8, description="most header lines in a request; more gets 431")
+    max_head_bytes: int = Field(
+        65536,
+        ge=256,
+        description="bytes of a request head in all (request line and headers); more gets 431 at once, without "
+        "waiting for the head's end (max_header_bytes and max_headers bound each line and the count); at least "
+        "max_header_bytes",
+    )
+
+    @model_validator(mode="after")
+    def _one_line_fits(self) -> ServerConfig:
+        if self.max_head_bytes < self.max_header_bytes:
+            raise ValueError("max_head_bytes must be at least max_header_bytes (one line of the head must fit)")
+        return self
 
     @field_validator("access_log", mode="before")
     @classmethod
