@@ -5,13 +5,13 @@ from __future__ import annotations
 from engine_pool.discovery import DnsTarget
 from engine_pool.replica import Replica
 from gateway.config import EngineConfig
+from gateway.engine_urls import replica_id
 
 
 def attached_replica(engine: EngineConfig) -> Replica:
     assert engine.url is not None
-    host = engine.url.split("://", 1)[1]
     return Replica(
-        engine.name or host,
+        replica_id(engine.url, engine.name),
         engine.url,
         engine.model,
         metrics_url=engine.metrics_url,

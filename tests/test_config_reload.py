@@ -111,3 +111,22 @@ async def test_an_invalid_file_changes_nothing_and_says_where(tmp_path: Path, ht
             status, answer = await reload(http, gw)
             assert status == 400
             assert (await chat(http, gw, "sk-acme"))[0] == 200  # still the old config
+
+
+async def test_one_engine_twice_in_a_reloaded_file_is_refused_with_its_path(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """An engine written twice (issue 33: a trailing slash) is a configuration error on reload too: nothing
+    changes, the answer names the entry."""
+    async with run_sim_engine(SimConfig(model="sim")) as sim:
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, [sim])
+        async with gateway_from(path) as gw:
+            await wait_ready(http, gw.url)
+            data = yaml.safe_load(path.read_text())
+            data["engines"].append({"url": sim.url + "/"})
+            path.write_text(yaml.safe_dump(data))
+            status, answer = await reload(http, gw)
+            assert status == 400 and "engines.1.url: duplicate engine" in answer["error"]["message"]
+            assert [r.id for r in gw.app[REPLICAS]] == [sim.url.split("://")[1]]
+            assert (await chat(http, gw, "sk-acme"))[0] == 200
