@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine_pool.discovery import DnsTarget
 from engine_pool.replica import Replica, ReplicaSettings, build_replica
 from gateway.config import EngineConfig
+from gateway.engine_urls import replica_id
 
 
 def engine_settings(engine: EngineConfig) -> ReplicaSettings:
@@ -15,10 +16,10 @@ def engine_settings(engine: EngineConfig) -> ReplicaSettings:
 
 def attached_replica(engine: EngineConfig) -> Replica:
     assert engine.url is not None
-    host = engine.url.split("://", 1)[1]
     return build_replica(
-        engine.name or host, engine.url, engine_settings(engine), managed=False, metrics_url=engine.metrics_url,
-        kv_events_endpoint=engine.kv_events_endpoint, kv_events_replay_endpoint=engine.kv_events_replay_endpoint,
+        replica_id(engine.url, engine.name), engine.url, engine_settings(engine), managed=False,
+        metrics_url=engine.metrics_url, kv_events_endpoint=engine.kv_events_endpoint,
+        kv_events_replay_endpoint=engine.kv_events_replay_endpoint,
     )  # fmt: skip
 
 

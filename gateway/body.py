@@ -1,9 +1,11 @@
-"""Reading a request body, the one way every route does it: bounded in size (`server.max_body_bytes`, enforced by
-aiohttp's `client_max_size`, 413), in time (`server.body_timeout_s` from when the handler starts reading, 408) and
-in JSON nesting (`server.max_json_depth`, 400, checked before any parser sees the body: deep nesting makes parsers
-recurse). The nesting check is linear in the body's length whatever its bytes, and uses no regular expression (an
-earlier one backtracked exponentially on a string that never closes: 170 bytes held the event loop for seconds). It
-costs two `bytes.count` calls when the body has fewer brackets than the limit (most bodies); otherwise four C passes
+"""Reading a request body, the one way every route does it: bounded in size (`server.max_body_bytes`: a declared
+Content-Length over it is 413 before any of the body is waited for; a chunked body whose first chunk announces more
+is refused by the listener as that line arrives, `gateway.framing`; otherwise aiohttp's `client_max_size`, 413), in
+time (`server.body_timeout_s` from when the handler starts reading, 408) and in JSON nesting
+(`server.max_json_depth`, 400, checked before any parser sees the body: deep nesting makes parsers recurse). The
+nesting check is linear in the body's length whatever its bytes, and uses no regular expression (an earlier one
+backtracked exponentially on a string that never closes: 170 bytes held the event loop for seconds). It costs two
+`bytes.count` calls when the body has fewer brackets than the limit (most bodies); otherwise four C passes
 (`replace`, `translate`) keep only the quotes and brackets, with escapes resolved, and one Python step per byte kept
 decides: at most one per byte of the body (8 MiB of brackets, the default body limit, about 0.2 s on one core).
 
@@ -27,6 +29,9 @@ from gateway.ids import IdSource
 
 async def read_body(request: web.Request, limits: ServerConfig, *, json: bool = True) -> bytes:
     """The whole body, or PayloadTooLarge / RequestTimeout / BadRequest (nesting of a JSON body) raised."""
+    declared = request.content_length
+    if declared is not None and declared > limits.max_body_bytes:  # not waited for: the client need not send it
+        raise PayloadTooLarge(f"the request body declares {declared} bytes, over the limit ({limits.max_body_bytes})")
     try:
         if request.content.is_eof():  # all of it arrived with the head (the common case): nothing to wait for
             raw = await request.read()

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from cacheindex.config import CacheConfig
 from engine_pool.spec import PoolConfig
+from gateway import engine_urls
 from gateway.admission.config import AdmissionConfig
 from policies.base import Role
 from policies.registry import params_model, policy_names
@@ -67,6 +68,19 @@ class ServerConfig(StrictModel):
     )
     max_header_bytes: int = Field(8190, ge=256, description="longest request line or header line; longer gets 431")
     max_headers: int = Field(128, ge=8, description="most header lines in a request; more gets 431")
+    max_head_bytes: int = Field(
+        65536,
+        ge=256,
+        description="bytes of a request head in all (request line and headers); more gets 431 at once, without "
+        "waiting for the head's end (max_header_bytes and max_headers bound each line and the count); at least "
+        "max_header_bytes",
+    )
+
+    @model_validator(mode="after")
+    def _one_line_fits(self) -> ServerConfig:
+        if self.max_head_bytes < self.max_header_bytes:
+            raise ValueError("max_head_bytes must be at least max_header_bytes (one line of the head must fit)")
+        return self
 
     @field_validator("access_log", mode="before")
     @classmethod
@@ -165,7 +179,11 @@ class EngineConfig(StrictModel):
     """An engine kvgate did not start (attached): probed and routed to, never restarted; or, with `dns`, every
     engine a DNS name resolves to."""
 
-    url: str | None = Field(None, description="base URL of an engine speaking vLLM's OpenAI API (or give dns)")
+    url: str | None = Field(
+        None,
+        description="base URL of an engine speaking vLLM's OpenAI API (or give dns); kept in one spelling (scheme "
+        "and host in lower case, no default port, no trailing slash): an engine listed twice is a config error",
+    )
     dns: DnsConfig | None = Field(None, description="find the engines by DNS instead of one url")
     model: str | None = Field(None, description="served model name; discovered from /v1/models when omitted")
     name: str | None = Field(None, description="replica id; defaults to host:port (with dns: the id prefix)")
@@ -190,9 +208,7 @@ class EngineConfig(StrictModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
-        return v.rstrip("/") if v is not None else None
+        return engine_urls.normalize(v) if v is not None else None
 
     @model_validator(mode="after")
     def _one_source(self) -> EngineConfig:
@@ -424,6 +440,13 @@ class GatewayConfig(StrictModel):
         None, description="engines kvgate launches and supervises (engine_pool.spec); None = none"
     )
 
+    @model_validator(mode="after")
+    def _engines_once(self) -> GatewayConfig:
+        problems = engine_urls.duplicates([(e.url, e.name) for e in self.engines])
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
 
 class ConfigError(ValueError):
     """Configuration that cannot be served; the message lists every bad key by its dotted path."""
@@ -432,8 +455,9 @@ class ConfigError(ValueError):
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "(root)"
-        lines.append(f"{path}: {e['msg']}")
+        message = e["msg"].removeprefix("Value error, ")
+        # a check of the whole config names its own paths (`engines.1.url: ...`)
+        lines.append(f"{'.'.join(str(p) for p in e['loc'])}: {message}" if e["loc"] else message)
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

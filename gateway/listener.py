@@ -1,10 +1,22 @@
 """The gateway's one listening port: aiohttp's HTTP/1.1 server (llhttp parser) with the bounds an ingress needs.
 
 Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each accepted connection gets a
-`GuardedRequestHandler`, aiohttp's own protocol with three additions:
+`GuardedRequestHandler`, aiohttp's own protocol with these additions:
 - a head that does not complete within `server.head_timeout_s` of its first byte gets 408 and the connection
-  closes (aiohttp alone only times out idle connections, after `keepalive_timeout_s`); the body's own deadline is
-  `server.body_timeout_s`, applied where a handler reads it (`gateway.body`);
+  closes (aiohttp alone only times out idle connections, after `keepalive_timeout_s`); also a head pipelined behind
+  requests being answered (its 408 follows their answers); the body's own deadline is `server.body_timeout_s`,
+  applied where a handler reads it (`gateway.body`);
+- a head is bounded in all: more than `server.max_head_bytes` of it gets 431 at once (aiohttp bounds each line and
+  the count of headers, and only checks the count when the head ends); the count is exact for a head that starts a
+  segment or follows a request without a body or with a Content-Length one, and starts with the next segment after a
+  chunked one (`gateway.framing.after_request`);
+- requests are parsed one at a time (aiohttp's parser, told to stop after each whole request, keeps the rest), so a
+  malformed request replaces only itself: the requests pipelined before it are answered, in order, then its 400
+  (aiohttp answers a parser error in place of every request parsed in the same call); nothing after a malformed
+  request, or after one that closes the connection, is read;
+- a chunked body whose first chunk-size line announces more than `server.max_body_bytes` fails at once with 413
+  where the segment's bytes are known to be that body's (`gateway.framing`); a declared Content-Length over it is
+  refused where the body is read (`gateway.body`), before any of it is waited for;
 - protocol errors answer in OpenAI's error shape: malformed HTTP (smuggling shapes included: Content-Length with
   Transfer-Encoding, a duplicate Content-Length) 400 `invalid_http_request`, a header line over
   `max_header_bytes` or more than `max_headers` headers 431; the connection then closes;
@@ -13,7 +25,9 @@ Pipelining is bounded by aiohttp itself: at most 32 parsed requests wait per con
 the socket until they are answered (in order). `Expect: 100-continue` is answered by aiohttp before the handler
 reads the body (a body declared over `max_body_bytes` gets 413 instead: `gateway.body.expect_handler`).
 Shutdown: stop accepting; idle connections close; running requests finish for up to `server.shutdown_grace_s`;
-then every cleanup step of the app runs. Cost per connection: one timer while a head is incomplete.
+then every cleanup step of the app runs. Cost per connection: one timer while a head is incomplete; per segment a
+few integer checks, and one `bytes.rfind` / `bytes.find` where a request ended or a chunked head ended in it; per
+pipelined request one more call into the parser.
 """
 
 from __future__ import annotations
@@ -25,11 +39,22 @@ from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_parser import HttpRequestParser
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from gateway.config import GatewayConfig, ServerConfig
-from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, Overloaded, RequestTimeout, render_error
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    HeadersTooLarge,
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    render_error,
+)
+from gateway.framing import CARRY, ChunkLine, after_request, body_start
 from gateway.keys import METRICS
 
 log = logging.getLogger("kvgate.server")
@@ -49,7 +74,10 @@ _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
 def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
-    """The OpenAI-shaped error for a request aiohttp's parser refused (or a handler crash it caught)."""
+    """The OpenAI-shaped error for a request aiohttp's parser refused (or a handler crash it caught, or one the
+    listener refused itself: a GatewayError, answered as it is)."""
+    if isinstance(exc, GatewayError):
+        return exc
     if status == 400:
         text = exc.message if isinstance(exc, HttpProcessingError) else str(exc or "")
         text = text if len(text) <= 200 else text[:200] + "..."  # never echo a huge header back
@@ -64,12 +92,23 @@ def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
 
 
 class GuardedRequestHandler(RequestHandler):
-    """aiohttp's protocol with a head deadline, OpenAI-shaped protocol errors and a connection count."""
+    """aiohttp's protocol with a head deadline and bound, requests answered up to a malformed one, declared bodies
+    over the limit refused at once, OpenAI-shaped protocol errors and a connection count."""
 
     def __init__(self, listener: GatewayListener, server: web.Server, **kwargs: Any) -> None:
         super().__init__(server, **kwargs)
         self._listener = listener
         self._head_timer: asyncio.TimerHandle | None = None
+        # aiohttp's parser, made to stop after each whole request (it keeps the rest): see `_parse`
+        self._parser = HttpRequestParser(
+            self, self._loop, self._read_bufsize, max_line_size=self.max_line_size, max_headers=self.max_headers,
+            max_field_size=self.max_field_size, payload_exception=RequestPayloadError, max_msg_queue_size=1,
+        )  # fmt: skip
+        self._stopped_parsing = False  # after a protocol error (or a request that closes): nothing more is read
+        self._head_bytes = 0  # bytes of the head being received (no body in progress), for `max_head_bytes`
+        self._newest: StreamReader | None = None  # the body of the newest request parsed
+        self._chunk_line: tuple[StreamReader, ChunkLine] | None = None  # a chunked body whose first line is awaited
+        self._carry = b""  # the last bytes of the previous segment (`framing.body_start`)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._listener.open_connections -= 1
@@ -79,24 +118,120 @@ class GuardedRequestHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._stopped_parsing:
+            return
+        between = self._newest is None or self._newest.is_eof()  # no body of a parsed request still arriving
+        parsed = self._request_count
+        self._parse(data)
+        new_requests = self._request_count - parsed
+        if new_requests:
+            self._newest = self._messages[-1][1] if self._messages else None
+            self._head_bytes = self._next_head_bytes(data)
+        elif between:
+            self._head_bytes += len(data)
+        limit = self._listener.config.server.max_head_bytes
+        if self._head_bytes > limit and not self._stopped_parsing:
+            self._refuse(HeadersTooLarge(f"request head too large: more than {limit} bytes"))
+        self._read_chunk_line(data, new_requests, between)
+        self._carry = data[-CARRY:] if data else self._carry
+        self._time_head(new_requests, bool(data))
+
+    def _next_head_bytes(self, data: bytes) -> int:
+        """Bytes of the next head in the segment in which the newest request ended (`framing.after_request`);
+        0 while its body is still arriving, or when its length is not known (chunked): then the count starts with
+        the next segment."""
+        message, body = self._messages[-1] if self._messages else (None, None)
+        if message is None or body is None or isinstance(message, _ErrInfo) or message.chunked or not body.is_eof():
+            return 0
+        declared = message.headers.get("Content-Length", "0")
+        return after_request(data, int(declared)) if declared.isdigit() else 0
+
+    def _parse(self, data: bytes) -> None:
+        """aiohttp's parsing, one request per step: its parser stops after each whole request, and the rest is
+        parsed in further steps, so a parser error replaces only the request it is in (aiohttp answers a parser error
+        with a 400 in place of every request parsed in the same call). Stops at aiohttp's queue bound (it resumes
+        parsing as the queue drains), after an error and after a request that closes the connection."""
         super().data_received(data)
-        head_pending = not (self._messages or self._request_in_progress)  # no whole head yet, nothing served
-        if self._head_timer is not None:
-            if not head_pending:
+        count = -1
+        while count != self._request_count and self._messages and self._payload_parser is None:
+            count = self._request_count
+            message, body = self._messages[-1]
+            if isinstance(message, _ErrInfo) or (message.should_close and body.is_eof()):
+                self._stopped_parsing = True
+                return
+            if len(self._messages) >= self._max_msg_queue_size or self._close or self._force_close or self._upgraded:
+                return
+            super().data_received(b"")
+
+    def _read_chunk_line(self, data: bytes, new_requests: int, between: bool) -> None:
+        """Refuse at once a chunked body whose first chunk-size line announces more than `max_body_bytes`, where
+        this segment's bytes are known to be that body's (`gateway.framing`)."""
+        body = self._newest
+        if new_requests:
+            self._chunk_line = None
+            message = self._messages[-1][0] if self._messages else None
+            if new_requests > 1 or not between or body is None or body.is_eof() or self._reading_paused:
+                return
+            if message is None or isinstance(message, _ErrInfo) or not message.chunked:
+                return
+            start = body_start(self._carry, data)
+            if start is None:
+                return
+            self._chunk_line, data = (body, ChunkLine()), data[start:]
+        if self._chunk_line is None or self._chunk_line[0] is not body or body is None:
+            self._chunk_line = None
+            return
+        over, size = self._chunk_line[1].feed(data)
+        if over:
+            self._chunk_line = None
+        limit = self._listener.config.server.max_body_bytes
+        if size is not None and size > limit:
+            body.set_exception(PayloadTooLarge(f"the request body announces {size} bytes, over the limit ({limit})"))
+
+    def _refuse(self, err: GatewayError) -> None:
+        """Answer `err` after the requests already parsed, in order, then close; nothing more is read."""
+        self._stopped_parsing = True
+        self._messages.append((_ErrInfo(status=err.status, exc=err, message=err.message), EMPTY_PAYLOAD))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _time_head(self, new_requests: int, received: bool) -> None:
+        """The head deadline: armed at a head's first byte (also one pipelined behind requests being answered),
+        restarted when a whole head arrives and more follows, cancelled when none is pending."""
+        if new_requests and self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        pending = not self._stopped_parsing and (
+            self._head_bytes > 0 or not (self._messages or self._request_in_progress)
+        )
+        if not pending:
+            if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
-        elif head_pending and self.transport is not None:
+        elif self._head_timer is None and received and self.transport is not None:
             timeout = self._listener.config.server.head_timeout_s
             self._head_timer = self._loop.call_later(timeout, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
+        """408: written at once when nothing else is being answered, else after the requests before it."""
         self._head_timer = None
         transport = self.transport
-        if transport is None or transport.is_closing() or self._messages or self._request_in_progress:
+        if transport is None or transport.is_closing() or self._stopped_parsing:
             return
-        transport.write(_raw_answer(RequestTimeout("the request head did not arrive in time")))
+        err = RequestTimeout("the request head did not arrive in time")
+        if self._messages or self._request_in_progress:
+            if self._head_bytes > 0:
+                self._refuse(err)
+            return
+        transport.write(_raw_answer(err))
         self.force_close()
         transport.close()
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        if isinstance(kwargs.get("exc_info"), PayloadTooLarge):  # aiohttp drains a body refused by its announced
+            return  # size after the 413 and meets the refusal: the connection closes, as it should
+        super().log_exception(*args, **kwargs)
 
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None

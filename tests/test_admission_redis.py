@@ -227,3 +227,110 @@ async def test_requests_that_finished_while_redis_was_frozen_leave_no_lease(redi
         await wait_for(lambda: all(isinstance(s, RedisQuotaStore) and s.up for s in stores), 30.0, "stores up")
         both = await asyncio.gather(*(post(session, gw.url, chat(max_tokens=20), key="sk-acme") for gw in gws))
         assert [r[0] for r in both] == [200, 200]
+
+
+class SlowLink:
+    """A TCP relay to a local port that holds every chunk `delay_s` before passing it on, both ways: a Redis at a
+    network's distance. A connection it cannot open upstream is closed."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self.target, self.delay_s, self.port = port, delay_s, 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> SlowLink:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            self._writers.discard(writer)
+            return
+        self._writers.add(up_writer)
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(src, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await asyncio.sleep(self.delay_s)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+            self._writers.discard(writer)
+
+
+async def redis_counted(url: str) -> int:
+    """Requests the tenant was counted for in Redis (every minute's counter)."""
+    redis = aioredis.Redis.from_url(url)
+    try:
+        return sum([int(await redis.get(key) or 0) for key in await redis.keys("kvgate:{acme}:req:*")])
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+async def test_the_store_gauge_follows_redis_back_under_traffic(redis_server: RedisProcess, policy: str) -> None:
+    """Redis (a few ms away) killed and restarted while clients keep sending (issue 33): the recovered store serves
+    them and kvgate_quota_store_up reads 1 again, traffic still running. (Under steady traffic a fail-open gateway
+    kept adopting into Redis the leases it granted meanwhile, each pass finding new ones, and never marked it up.)"""
+    await redis_server.start()
+    async with AsyncExitStack() as es:
+        link = await es.enter_async_context(SlowLink(redis_server.port, delay_s=0.005))
+        cfg = admission(f"redis://127.0.0.1:{link.port}/0", policy)
+        cfg["tenants"]["acme"]["limits"] = {"max_concurrency": 10_000}
+        engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, instant=True)))
+        gw = await es.enter_async_context(running_gateway(gateway_config([engine], cfg)))
+        session = await es.enter_async_context(aiohttp.ClientSession())
+        await wait_ready(session, gw.url)
+        reg = gw.app[REGISTRY]
+
+        def gauge() -> float | None:
+            return reg.get_sample_value("kvgate_quota_store_up", {"store": "redis"})
+
+        statuses: dict[int, int] = {}
+        stop = asyncio.Event()
+
+        async def client() -> None:
+            while not stop.is_set():
+                status = (await post(session, gw.url, chat(max_tokens=1), key="sk-acme"))[0]
+                statuses[status] = statuses.get(status, 0) + 1
+
+        clients = [asyncio.create_task(client()) for _ in range(48)]
+        try:
+            await wait_for(lambda: sum(statuses.values()) > 100, 30.0, "traffic flowing")
+            assert redis_server.proc is not None
+            redis_server.proc.kill()
+            await redis_server.proc.wait()
+            redis_server.proc = None
+            await wait_for(lambda: gauge() == 0, 30.0, "the loss seen")
+            await redis_server.start()
+            await wait_for(lambda: gauge() == 1, 30.0, "the gauge up again while clients keep sending")
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+        assert set(statuses) <= {200, 503}, statuses  # 503 only from the fail-closed gateway while Redis was down
+        counted = await redis_counted(redis_server.url)
+        assert (await post(session, gw.url, chat(), key="sk-acme"))[0] == 200
+        assert await redis_counted(redis_server.url) == counted + 1 and gauge() == 1  # served by the recovered store

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, env_overrides, load_config
+from gateway.serve import main as serve_main
 
 
 def test_defaults_need_no_file() -> None:
@@ -90,3 +91,38 @@ def test_an_engine_is_a_url_or_a_dns_name() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(overrides={"engines": [engine]}, environ={})
+
+
+def test_one_engine_twice_is_a_config_error_with_its_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Spellings of one URL (issue 33): found by `kvgate serve --check`, not a traceback at start."""
+    for first, second in (
+        ("http://h:8000", "http://h:8000/"),
+        ("http://H:8000//", "HTTP://h:8000"),
+        ("http://h", "http://h:80"),
+        ("https://h:443/v1", "https://h/v1/"),
+    ):
+        path = tmp_path / "kvgate.yaml"
+        path.write_text(f"engines:\n  - url: {first}\n  - url: {second}\n")
+        with pytest.raises(ConfigError, match=r"engines\.1\.url: duplicate engine: .* is also engines\.0\.url"):
+            load_config(path, environ={})
+        assert serve_main(["--config", str(path), "--check"]) == 2
+        assert "engines.1.url: duplicate engine" in capsys.readouterr().err
+    path.write_text("engines:\n  - url: http://a:1\n  - url: http://b:1\n    name: a:1\n")
+    with pytest.raises(ConfigError, match=r"engines\.1\.name: duplicate replica id 'a:1'"):
+        load_config(path, environ={})
+    path.write_text("engines:\n  - url: http://a:1\n  - url: https://a:1\n")  # one replica id, two engines
+    with pytest.raises(ConfigError, match=r"engines\.1\.url: duplicate replica id"):
+        load_config(path, environ={})
+
+
+def test_engine_urls_have_one_spelling() -> None:
+    engines = [{"url": "HTTP://Engine-A:8000/"}, {"url": "https://b:443/v1/"}, {"url": "http://[::1]:80"}]
+    cfg = load_config(overrides={"engines": engines}, environ={})
+    assert [e.url for e in cfg.engines] == ["http://engine-a:8000", "https://b/v1", "http://[::1]"]
+    for url, message in (
+        ("http://h:8000?x=1", "no query"),
+        ("http://:8000", "no host"),
+        ("http://h:99999", "(?i)port"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides={"engines": [{"url": url}]}, environ={})

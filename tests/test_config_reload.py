@@ -146,3 +146,22 @@ async def test_a_reload_to_cache_aware_routes_by_prefix_at_once(tmp_path: Path, 
                 assert got[0].startswith("cold-") and got[1:] == ["cache-hit", "cache-hit"], got
             else:
                 assert not any(r.startswith(("cold-", "cache-")) for r in got), got
+
+
+async def test_one_engine_twice_in_a_reloaded_file_is_refused_with_its_path(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """An engine written twice (issue 33: a trailing slash) is a configuration error on reload too: nothing
+    changes, the answer names the entry."""
+    async with run_sim_engine(SimConfig(model="sim")) as sim:
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, [sim])
+        async with gateway_from(path) as gw:
+            await wait_ready(http, gw.url)
+            data = yaml.safe_load(path.read_text())
+            data["engines"].append({"url": sim.url + "/"})
+            path.write_text(yaml.safe_dump(data))
+            status, answer = await reload(http, gw)
+            assert status == 400 and "engines.1.url: duplicate engine" in answer["error"]["message"]
+            assert [r.id for r in gw.app[REPLICAS]] == [sim.url.split("://")[1]]
+            assert (await chat(http, gw, "sk-acme"))[0] == 200

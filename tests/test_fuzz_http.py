@@ -1,8 +1,10 @@
 """Fuzzing the real server on loopback: hypothesis builds request heads and bodies (methods, paths, header names
 and values, framing headers that lie, JSON that is almost right, bytes that are not JSON); each is sent raw over a
 socket to one running gateway. Every request must get an answer (or a clean close) within a bound, never a 5xx,
-and a good request right after it must succeed. The gateway runs on its own event loop in a thread, so the test
-itself is plain synchronous hypothesis (seeded: `derandomize=True`)."""
+and a good request right after it must succeed. Pipelined: good requests, then fuzzed ones and more good ones, all
+in one write on one connection: every good request before the first fuzzed one is answered, in order. The gateway
+runs on its own event loop in a thread, so the test itself is plain synchronous hypothesis (seeded:
+`derandomize=True`)."""
 
 from __future__ import annotations
 
@@ -84,6 +86,49 @@ def exchange(port: int, data: bytes) -> int | None:
         return answer.status
 
 
+def answers(port: int, data: bytes, count: int) -> list[tuple[int, str]]:
+    """Send `data` in one write and read `count` answers in order: (status, x-request-id) each; fewer when the
+    server closed first."""
+    done: list[tuple[int, str]] = []
+
+    class Reader(_Answer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.request_id = ""
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if name.lower() == b"x-request-id":
+                self.request_id = value.decode("latin-1")
+
+        def on_message_complete(self) -> None:
+            done.append((self.parser.get_status_code(), self.request_id))
+            self.request_id = ""
+
+    reader = Reader()
+    with socket.create_connection(("127.0.0.1", port), timeout=ANSWER_WITHIN_S) as sock:
+        try:
+            sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        while len(done) < count:
+            try:
+                chunk = sock.recv(65536)
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                break
+            try:
+                reader.parser.feed_data(chunk)
+            except httptools.HttpParserError:
+                pytest.fail(f"the server's answer is not HTTP: {chunk[:200]!r}")
+    return done[:count]
+
+
+def good_request(request_id: str) -> bytes:
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nx-request-id: {request_id}\r\n"
+    return f"{head}Content-Length: {len(GOOD)}\r\n\r\n".encode() + GOOD
+
+
 def good_request_succeeds(port: int) -> bool:
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(GOOD)}\r\n\r\n".encode()
     return exchange(port, head + GOOD) == 200
@@ -156,6 +201,25 @@ def test_no_input_gets_a_5xx_or_a_hang(
 ) -> None:
     status = exchange(port, raw_request(method, path, headers, body, framing))
     assert status is None or status < 500, (status, method, path, headers, body[:80], framing)
+    assert good_request_succeeds(port)
+
+
+fuzzed_request = st.builds(raw_request, method, path, st.lists(header, max_size=3), body, framing) | st.binary(
+    min_size=1, max_size=80
+)
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(0, 4), st.lists(st.none() | fuzzed_request, min_size=1, max_size=4))
+def test_good_requests_pipelined_before_a_bad_one_are_all_answered(
+    port: int, good_first: int, rest: list[bytes | None]
+) -> None:
+    """`good_first` good requests, then a fuzzed one, then fuzzed and good ones (None), in one write."""
+    rest = [b"GARBAGE\r\n\r\n" if rest[0] is None else rest[0], *rest[1:]]
+    later = [good_request(f"later{i}") if item is None else item for i, item in enumerate(rest)]
+    data = b"".join(good_request(f"good{i}") for i in range(good_first)) + b"".join(later)
+    got = answers(port, data, good_first)
+    assert got == [(200, f"good{i}") for i in range(good_first)], (got, rest)
     assert good_request_succeeds(port)
 
 

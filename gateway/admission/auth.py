@@ -4,7 +4,8 @@ Anthropic SDKs and Claude Code send) -> tenant, and the admin bearer check.
 Keys are stored as sha256 digests; the presented key is hashed and looked up by digest (O(1)), so the time taken
 never depends on how much of a stored clear key matched (there is none to match). The admin key is compared with
 `hmac.compare_digest`. When auth is off every request belongs to the anonymous tenant; with auth on, the tenant
-comes only from the key (no client header can choose it).
+comes only from the key (no client header can choose it). A key is compared as the bytes the client sent: a header
+that is not UTF-8 (aiohttp keeps its bytes as surrogates) is a key like any other, one that matches nothing (401).
 """
 
 from __future__ import annotations
@@ -82,5 +83,5 @@ def check_admin(headers: Mapping[str, str], admin_key: str | None) -> None:
     if not admin_key:
         raise NotFound("admin endpoints are disabled (set admin.key)", code="not_found")
     token = bearer(headers)
-    if token is None or not hmac.compare_digest(token.encode(), admin_key.encode()):
+    if token is None or not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), admin_key.encode()):
         raise Unauthorized("admin endpoint: missing or incorrect admin key", code="invalid_admin_key")

@@ -17,8 +17,9 @@ ANONYMOUS = "anonymous"
 
 
 def hash_key(key: str) -> str:
-    """The stored form of an API key: `sha256:` + hex digest of its UTF-8 bytes."""
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    """The stored form of an API key: `sha256:` + hex digest of its UTF-8 bytes. A key read from a header that was
+    not UTF-8 (aiohttp keeps such bytes as surrogates) is hashed as the bytes sent: it matches no stored key."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 class _Strict(BaseModel):

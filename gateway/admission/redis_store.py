@@ -14,10 +14,15 @@ restarted server fails once: that is not an outage); a second failure, or a comm
 the store down (metric, one warning log) and starts a reconnect task (PING with exponential backoff from
 reconnect_min_s to reconnect_max_s). While down, checks never touch Redis: policy "open" answers from an in-process
 `LocalQuotaStore` (each gateway enforces the limits alone), "closed" refuses (503).
-Recovery makes the shared counts exact again before the store is marked up: the releases of Redis leases that
-came while it was down (and the lease of a check whose outcome was lost) are applied, and the live leases granted
+Recovery makes the shared counts exact again as the store is marked up: the releases of Redis leases that came
+while it was down (and the lease of a check whose outcome was lost) are applied, and the live leases granted
 locally while it was down are adopted into Redis (slot, request and tokens counted there; later renewed and
-released there like any other). Memory: both tables are bounded by the requests in flight during the outage.
+released there like any other), each in one script call per pass. Under traffic every pass finds the leases
+granted (and released) during the one before, so the store is marked up after at most `_PASSES_BEFORE_UP` passes
+(checks go to Redis from then on, so no more are granted locally) and the passes continue until none is left:
+the counts miss at most the grants of one pass's round trip, for one more. (Waiting for a pass that finds nothing
+kept a busy gateway down, its gauge at 0, for as long as its traffic lasted.) Memory: both tables are bounded by
+the requests in flight during the outage.
 """
 
 from __future__ import annotations
@@ -77,14 +82,16 @@ _RELEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
-local base = ARGV[1] .. ':{' .. ARGV[2] .. '}:'
-redis.call('ZREM', base .. 'conc', ARGV[3])
-local delta = tonumber(ARGV[4])
-if delta ~= 0 then
-  for _, key in ipairs({base .. 'tok:' .. minute, base .. 'day:' .. day}) do
-    local ttl = (key == base .. 'tok:' .. minute) and 120000 or 172800000
-    if redis.call('INCRBY', key, delta) < 0 then redis.call('SET', key, 0) end
-    redis.call('PEXPIRE', key, ttl)
+for i = 2, #ARGV, 3 do
+  local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
+  redis.call('ZREM', base .. 'conc', ARGV[i + 1])
+  local delta = tonumber(ARGV[i + 2])
+  if delta ~= 0 then
+    for _, key in ipairs({base .. 'tok:' .. minute, base .. 'day:' .. day}) do
+      local ttl = (key == base .. 'tok:' .. minute) and 120000 or 172800000
+      if redis.call('INCRBY', key, delta) < 0 then redis.call('SET', key, 0) end
+      redis.call('PEXPIRE', key, ttl)
+    end
   end
 end
 return 1
@@ -123,6 +130,7 @@ return 1
 """
 
 _ERRORS = (RedisError, OSError, TimeoutError)
+_PASSES_BEFORE_UP = 3  # reconciliation passes before the store is marked up (see the module header)
 
 
 class RedisQuotaStore:
@@ -225,18 +233,24 @@ class RedisQuotaStore:
             self._unreleased[lease.lease_id] = (lease.tenant, delta)
             self._mark_down(exc)
 
-    async def _reconcile(self) -> None:
-        """Make Redis' counts what they would be had it never been down (see the module header); raises on a
-        Redis error (the reconnect loop tries again)."""
-        while self._unreleased:
-            lease_id, (tenant, delta) = next(iter(self._unreleased.items()))
+    async def _reconcile_pass(self) -> None:
+        """One pass making Redis' counts what they would be had it never been down (see the module header): the
+        releases recorded so far, then the local grants live now, one script call each; raises on a Redis error
+        (what it did not apply stays recorded)."""
+        releases = list(self._unreleased.items())
+        if releases:
+            args: list[str | int] = [self.config.key_prefix]
+            for lease_id, (tenant, delta) in releases:
+                args += [tenant, lease_id, delta]
             async with asyncio.timeout(self._call_timeout_s):
-                await self._release(args=[self.config.key_prefix, tenant, lease_id, delta])
-            del self._unreleased[lease_id]
+                await self._release(args=args)
+            for lease_id, entry in releases:
+                if self._unreleased.get(lease_id) is entry:  # not recorded again meanwhile
+                    del self._unreleased[lease_id]
         adopted = list(self._granted_locally.values())
         if not adopted:
             return
-        args: list[str | int] = [self.config.key_prefix, round(self.config.lease_s * 1000)]
+        args = [self.config.key_prefix, round(self.config.lease_s * 1000)]
         for lease in adopted:
             args += [lease.tenant, lease.lease_id, lease.charged_tokens]
         async with asyncio.timeout(self._call_timeout_s):
@@ -248,12 +262,19 @@ class RedisQuotaStore:
             await self.fallback.release(lease, lease.charged_tokens)  # the local slot is Redis' now
             lease.store = self.name
             self._leases[lease.lease_id] = lease.tenant
-        if self._unreleased or self._granted_locally:  # more came during the awaits: until none is left
-            await self._reconcile()
+
+    def _behind(self) -> bool:
+        """Whether Redis' counts still miss something recorded while it was down."""
+        return bool(self._unreleased or self._granted_locally)
 
     def _mark_down(self, exc: BaseException) -> None:
         if not self.up:
             return
+        self._set_down(exc)
+        if self._reconnect is None or self._reconnect.done():
+            self._reconnect = asyncio.create_task(self._reconnect_loop(), name="kvgate:redis-reconnect")
+
+    def _set_down(self, exc: BaseException) -> None:
         self.up = False
         self.metrics.store_up.labels("redis").set(0)
         self.metrics.store_transitions.labels("redis", "down").inc()
@@ -263,24 +284,39 @@ class RedisQuotaStore:
             exc,
             self.config.failure_policy,
         )
-        if self._reconnect is None or self._reconnect.done():
-            self._reconnect = asyncio.create_task(self._reconnect_loop(), name="kvgate:redis-reconnect")
+
+    def _set_up(self) -> None:
+        self.up = True
+        self.metrics.store_up.labels("redis").set(1)
+        self.metrics.store_transitions.labels("redis", "up").inc()
+        log.warning("quota store redis is reachable again; shared limits resume")
 
     async def _reconnect_loop(self) -> None:
+        """PING with backoff until Redis answers; reconcile (at most `_PASSES_BEFORE_UP` passes), mark the store up,
+        then reconcile what the last passes left. A failure on the way, or the store marked down again by a
+        request meanwhile, starts over."""
         backoff = Backoff(self.config.reconnect_min_s, self.config.reconnect_max_s)
         while True:
             await asyncio.sleep(backoff.next())
             try:
                 async with asyncio.timeout(self._call_timeout_s):
                     await self.client.ping()
-                await self._reconcile()
+                for _ in range(_PASSES_BEFORE_UP):
+                    await self._reconcile_pass()
+                    if not self._behind():
+                        break
             except _ERRORS:
                 continue
-            self.up = True
-            self.metrics.store_up.labels("redis").set(1)
-            self.metrics.store_transitions.labels("redis", "up").inc()
-            log.warning("quota store redis is reachable again; shared limits resume")
-            return
+            self._set_up()
+            try:
+                while self.up and self._behind():  # once up, no more local grants: this ends
+                    await self._reconcile_pass()
+            except _ERRORS as exc:
+                if self.up:
+                    self._set_down(exc)
+            if self.up:
+                return
+            backoff.reset()
 
     async def _renew_loop(self) -> None:
         period = self.config.lease_s / 3
