@@ -102,16 +102,21 @@ class LatencyGate:
 
     def judge(
         self, model: str, info: RequestInfo, prompt_tokens: int, max_tokens: int | None, targets: Targets
-    ) -> tuple[Verdict, dict[str, Prediction]]:
-        """The verdict on the model's routable replicas now, and each replica's prediction."""
+    ) -> Verdict:
+        """The verdict on the model's routable replicas now."""
         now = time.monotonic()
         replicas = [r for r in self.replicas.for_model(model) if r.routable(now) and r.role != "prefill"]
         cached = self.router.cached_tokens(info, [r.id for r in replicas])
-        predictions = {}
-        for r in replicas:
-            tokens = r.latency.held_tokens(prompt_tokens, max_tokens)
-            predictions[r.id] = predict(r.latency_view(), now, tokens, prompt_tokens - cached.get(r.id, 0))
-        return judge(list(predictions.values()), targets), predictions
+        predictions = [
+            predict(
+                r.latency_view(),
+                now,
+                r.latency.held_tokens(prompt_tokens, max_tokens),
+                prompt_tokens - cached.get(r.id, 0),
+            )
+            for r in replicas
+        ]
+        return judge(predictions, targets)
 
     def hold(
         self, ctx: RequestContext, replica: Replica, prediction: Prediction, prompt: int, max_tokens: int | None
