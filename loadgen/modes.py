@@ -253,17 +253,14 @@ def _apply_goodput(doc: Doc, args: argparse.Namespace) -> None:
             p["verdict"] = slo_verdict(p["verdict"], p["summary"]["slo_attainment"], args.slo_attainment)
     unit = "req/s" if doc["arrival"] == "poisson" else "concurrency"
     best = max(doc["points"], key=lambda p: p["summary"]["goodput_req_per_s"])
-    within = "the highest rate within targets" if unit == "req/s" else "goodput knee"
-    if (
-        knee.found
-        and knee.index == 0
-        and doc["points"]
-        and doc["points"][0]["summary"]["slo_attainment"] < args.slo_attainment
-    ):
-        within, knee_text = "no rate tested is within targets", ""
+    lowest = min(doc["points"], key=lambda p: p["load"])
+    if knee.found and lowest["summary"]["slo_attainment"] < args.slo_attainment:
+        head = "no load tested is within targets"
+    elif unit == "req/s":
+        head = f"the highest rate within targets: {unit} {knee.load:g}"
     else:
-        knee_text = f" {unit} {knee.load:g}"
-    text = (f"{within}{knee_text} ({knee.reason}; SLO {args.slo.describe()}, "
+        head = f"goodput knee at {unit} {knee.load:g}"
+    text = (f"{head} ({knee.reason}; SLO {args.slo.describe()}, "
             f"attainment >= {args.slo_attainment:g}); most goodput {best['summary']['goodput_req_per_s']:.2f} req/s "
             f"at {best['load']:g}")  # fmt: skip
     doc["goodput"] = {"slo": asdict(args.slo), "min_attainment": args.slo_attainment, "knee": knee.to_json(),
