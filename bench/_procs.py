@@ -42,18 +42,17 @@ def wait_http(url: str, timeout_s: float = 30.0) -> None:
 
 
 @contextmanager
-def child(
-    args: list[str], ready_url: str, env: dict[str, str] | None = None, source: Path | None = None
+def process(
+    argv: list[str], ready_url: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`kvgate <args>` as a child process, from `source` (another checkout, e.g. the previous release) if given."""
-    # a checkout from before the `kvgate` package had its command line in gateway.cli
-    entry = "gateway.cli" if source is not None and not (source / "kvgate").is_dir() else "kvgate"
+    """Any server as a child process in its own session: ready when `ready_url` answers 200, stopped with SIGTERM
+    (SIGKILL after 10 s)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", entry, *args],
+        argv,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {}), **({"PYTHONPATH": str(source)} if source else {})},
-        cwd=source,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
         start_new_session=True,
     )
     try:
@@ -66,6 +65,18 @@ def child(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextmanager
+def child(
+    args: list[str], ready_url: str, env: dict[str, str] | None = None, source: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`kvgate <args>` as a child process, from `source` (another checkout, e.g. the previous release) if given."""
+    # a checkout from before the `kvgate` package had its command line in gateway.cli
+    entry = "gateway.cli" if source is not None and not (source / "kvgate").is_dir() else "kvgate"
+    extra_env = {**(env or {}), **({"PYTHONPATH": str(source)} if source else {})}
+    with process([sys.executable, "-m", entry, *args], ready_url, extra_env, source) as proc:
+        yield proc
 
 
 @contextmanager

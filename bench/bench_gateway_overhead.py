@@ -23,9 +23,7 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -35,7 +33,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, free_port, kvgate, sim_engine_processes, wait_http
+from _procs import cpu_seconds, free_port, kvgate, process, sim_engine_processes
 
 
 def pct(values: list[float], p: float) -> float:
@@ -103,17 +101,8 @@ def sglang_router(python: str, engines: list[str]) -> Iterator[tuple[str, int]]:
     port = free_port()
     argv = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--worker-urls", *engines, "--policy", "cache_aware", "--log-level", "warn"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", 60)
+    with process(argv, f"http://127.0.0.1:{port}/health") as proc:
         yield f"http://127.0.0.1:{port}", proc.pid
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 async def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
