@@ -52,7 +52,7 @@ class RequestContext:
     hold: Held | None = None
     held_on: str | None = None
     prediction: Prediction | None = None
-    meeting: tuple[str, ...] = ()  # the replicas predicted to meet its targets (routed among them first)
+    prefer: tuple[str, ...] = ()  # where admission wants it routed first (policies.latency.judge; () = anywhere)
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
     # tracing (gateway.tracing): the ids of a sampled request, and when its stages ended (time.monotonic())
     trace: TraceIds | None = None

@@ -143,11 +143,11 @@ class UpstreamProxy:
         return replica, decision
 
     async def _choose(self, ex: Exchange, prefill: bool) -> tuple[Replica, Decision]:
-        """The router's choice; a first try only among the replicas admission predicted to meet the request's
-        latency targets (the others would keep it waiting past them), any replica if none of those can take it."""
-        meeting = ex.ctx.meeting
-        if not prefill and not ex.tried and meeting:
-            others = [r.id for r in self.replicas.for_model(ex.parsed.model) if r.id not in meeting]
+        """The router's choice; a first try among the replicas admission prefers (those with KV room when some have
+        none), any replica if none of those can take it."""
+        prefer = ex.ctx.prefer
+        if not prefill and not ex.tried and prefer:
+            others = [r.id for r in self.replicas.for_model(ex.parsed.model) if r.id not in prefer]
             if others:
                 try:
                     return await self.router.choose(ex.info, others, prefill=False)

@@ -78,7 +78,7 @@ class Verdict:
     reason: str  # within-target, no-wait, ttft-target, tpot-target, no-replica
     retry_after_s: float  # when refused: the predicted time until a replica has room
     best: Prediction | None  # the lowest predicted time to first token among the replicas that meet the targets
-    meeting: tuple[str, ...]  # the replicas predicted to meet the targets (or, with reason no-wait, to need no wait)
+    prefer: tuple[str, ...]  # where to route it first: () = anywhere (see `judge`)
 
 
 def room_wait(kv_tokens: int | None, held: Sequence[Held], tokens: int, now: float) -> float:
@@ -103,6 +103,17 @@ def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int) -> Predic
     return Prediction(r.replica, wait, ttft, r.step_s + r.step_per_seq_s * batch, batch, r.margin_s)
 
 
+def _prefer(
+    no_wait: Sequence[Prediction], meeting: Sequence[Prediction], predictions: Sequence[Prediction]
+) -> tuple[str, ...]:
+    """Where routing should look first: nowhere in particular while every replica has KV room (the routing policy
+    weighs cache against load); the replicas with room when some have none (what the policy does not see);
+    those that meet the targets when all must wait."""
+    if len(no_wait) == len(predictions):
+        return ()
+    return tuple(p.replica for p in (no_wait or meeting))
+
+
 def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
     """Admit or refuse a request given its predictions on the replicas that may serve it."""
     if not predictions:
@@ -110,13 +121,13 @@ def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
     # a replica with nothing else to decode is as fast as the engine gets: never a reason to refuse
     fast_enough = [p for p in predictions if targets.tpot_s is None or p.tpot_s <= targets.tpot_s or p.batch == 1]
     meeting = [p for p in fast_enough if targets.ttft_s is None or p.ttft_s <= targets.ttft_s]
+    no_wait = [p for p in fast_enough if p.wait_s == 0.0]
     if meeting:
         best = min(meeting, key=lambda p: p.ttft_s)
-        return Verdict(True, "within-target", 0.0, best, tuple(p.replica for p in meeting))
-    no_wait = [p for p in fast_enough if p.wait_s == 0.0]
+        return Verdict(True, "within-target", 0.0, best, _prefer(no_wait, meeting, predictions))
     if no_wait:  # its own prefill is longer than the target: nowhere better than where it starts at once
         best = min(no_wait, key=lambda p: p.ttft_s)
-        return Verdict(True, "no-wait", 0.0, best, tuple(p.replica for p in no_wait))
+        return Verdict(True, "no-wait", 0.0, best, _prefer(no_wait, no_wait, predictions))
     if not fast_enough:
         return Verdict(False, "tpot-target", 1.0, None, ())
     drain = min(p.wait_s for p in fast_enough)

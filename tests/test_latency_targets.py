@@ -61,7 +61,14 @@ def _p(name: str, wait: float, ttft: float, tpot: float = 0.03, batch: int = 2) 
 def test_verdict_admits_where_the_targets_are_met_best_first() -> None:
     v = judge([_p("a", 1.0, 1.5), _p("b", 0.0, 0.4), _p("c", 3.0, 3.2)], Targets(ttft_s=2.0))
     assert v.admit and v.reason == "within-target" and v.best is not None and v.best.replica == "b"
-    assert v.meeting == ("a", "b")
+    assert v.prefer == ("b",)  # the one with KV room: routing looks there first
+
+
+def test_while_every_replica_has_room_routing_is_left_to_the_policy() -> None:
+    v = judge([_p("a", 0.0, 0.5), _p("b", 0.0, 0.4)], Targets(ttft_s=2.0))
+    assert v.admit and v.prefer == ()
+    v = judge([_p("a", 0.5, 0.9), _p("b", 1.5, 1.9), _p("c", 3.0, 3.2)], Targets(ttft_s=2.0))
+    assert v.prefer == ("a", "b")  # all must wait: those that meet the targets
 
 
 def test_verdict_refuses_with_the_drain_when_every_replica_would_make_it_wait_too_long() -> None:
@@ -71,7 +78,7 @@ def test_verdict_refuses_with_the_drain_when_every_replica_would_make_it_wait_to
 
 def test_a_prompt_longer_than_its_target_is_served_where_it_need_not_wait() -> None:
     v = judge([_p("a", 0.0, 5.0), _p("b", 1.0, 6.0)], Targets(ttft_s=2.0))
-    assert v.admit and v.reason == "no-wait" and v.meeting == ("a",)
+    assert v.admit and v.reason == "no-wait" and v.prefer == ("a",)
 
 
 def test_time_per_token_target_but_an_idle_replica_is_never_too_slow() -> None:
@@ -79,7 +86,7 @@ def test_time_per_token_target_but_an_idle_replica_is_never_too_slow() -> None:
     assert judge(slow, Targets(ttft_s=2.0, tpot_s=0.1)).reason == "tpot-target"
     idle = [*slow, _p("c", 0.0, 0.1, tpot=0.12, batch=1)]
     v = judge(idle, Targets(ttft_s=2.0, tpot_s=0.1))
-    assert v.admit and v.meeting == ("c",)
+    assert v.admit and v.prefer == ("c",)
     assert judge([], Targets(ttft_s=1.0)).reason == "no-replica"
 
 

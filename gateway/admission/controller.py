@@ -357,7 +357,7 @@ class AdmissionController:
                 code="latency_target",
             )
         assert verdict.best is not None
-        ctx.meeting = verdict.meeting
+        ctx.prefer = verdict.prefer
         replica = self.replicas.get(verdict.best.replica)
         if replica is not None:
             latency.hold(ctx, replica, verdict.best, prompt_tokens, demand.max_tokens)
