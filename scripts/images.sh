@@ -91,9 +91,12 @@ else
   log "no Python 3.11 on x86-64 Linux here to download wheels with: the builds install from the index"
 fi
 
+# the packages pyproject.toml installs (its [tool.setuptools.packages.find] include line)
+PACKAGES=$(sed -n 's/^include = \[\(.*\)\]$/\1/p' pyproject.toml | tr -d '",*')
 source_hash() {  # the files an image is built from, and the base it is built on
   { sha256sum "$@" pyproject.toml README.md deploy/engine-cpu-entrypoint.sh
-    git ls-files -z -- gateway policies engine_pool loadgen simengine 2>/dev/null | xargs -0 sha256sum
+    # shellcheck disable=SC2086  # one word per package
+    git ls-files -z -- $PACKAGES 2>/dev/null | xargs -0 sha256sum
     echo "$BASE_ID"; } | sha256sum | cut -c1-32
 }
 

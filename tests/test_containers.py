@@ -109,7 +109,25 @@ class Containers:
         return int(podman("inspect", "--format", "{{.State.ExitCode}}", name))
 
     def logs(self, name: str) -> str:
-        return podman("logs", "--tail", "40", name, check=False)
+        """The container's state and its last lines (podman logs replays the container's stderr on its own)."""
+        state = podman(
+            "inspect", "--format", "{{.State.Status}} exit {{.State.ExitCode}} {{.State.Error}}", name, check=False
+        )
+        done = subprocess.run(
+            ["podman", "logs", "--tail", "60", name],
+            env=podman_env(), capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        return f"{name}: {state}\n{done.stdout}{done.stderr}"
+
+    async def wait(self, http: aiohttp.ClientSession, name: str, url: str, timeout_s: float) -> None:
+        """Until the container answers 200 at `url`; its state and logs as the failure once it has stopped running
+        or after `timeout_s`."""
+        end = asyncio.get_running_loop().time() + timeout_s
+        while await status_of(http, url) != 200:
+            running = await asyncio.to_thread(podman, "inspect", "--format", "{{.State.Running}}", name, check=False)
+            if running != "true" or asyncio.get_running_loop().time() > end:
+                raise AssertionError(f"{url} not 200 after up to {timeout_s} s; {self.logs(name)}")
+            await asyncio.sleep(0.5)
 
     def remove(self) -> None:
         for name in self.names:
@@ -185,7 +203,7 @@ async def status_of(http: aiohttp.ClientSession, url: str) -> int:
         return 0
 
 
-async def wait_status(http: aiohttp.ClientSession, url: str, timeout_s: float, what: str) -> None:
+async def wait_status(http: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
     async with asyncio.timeout(timeout_s):
         while True:
             if await status_of(http, url) == 200:
@@ -217,10 +235,7 @@ async def test_engine_and_two_gateways_in_containers_behind_haproxy(
         "kvgate-engine-cpu:latest",
         f"--port={engine['http']}", *ENGINE_ARGS, f"--kv-events-config={json.dumps(events)}",
     )  # fmt: skip
-    try:
-        await wait_status(http, f"http://127.0.0.1:{engine['http']}/health", 900, "engine healthy")
-    except TimeoutError:
-        raise AssertionError(containers.logs(engine_name)) from None
+    await containers.wait(http, engine_name, f"http://127.0.0.1:{engine['http']}/health", 900)
 
     gateways = []
     ports = [free_port(), free_port()]
@@ -240,12 +255,9 @@ async def test_engine_and_two_gateways_in_containers_behind_haproxy(
     stack = AsyncExitStack()
     try:
         for name, port in zip(gateways, ports, strict=True):
-            try:
-                await wait_status(http, f"http://127.0.0.1:{port}/ready", 120, "gateway ready")
-            except TimeoutError:
-                raise AssertionError(containers.logs(name)) from None
+            await containers.wait(http, name, f"http://127.0.0.1:{port}/ready", 120)
         entry = f"http://127.0.0.1:{entry_port}"
-        await wait_status(http, f"{entry}/ready", 60, "haproxy ready")
+        await wait_status(http, f"{entry}/ready", 60)
         # the image's own health check passes in the running container
         podman("healthcheck", "run", gateways[0])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +172,21 @@ def dockerfile(name: str) -> dict[str, Any]:
         elif keyword in ("HEALTHCHECK", "USER", "ENTRYPOINT"):
             found[keyword] = rest
     return found
+
+
+def test_the_images_take_every_package_pyproject_installs() -> None:
+    """Both Dockerfiles copy, and the build context lets through, each of the packages (a package added to
+    pyproject.toml alone made an image whose `kvgate` could not import itself)."""
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {p.rstrip("*") for p in found["include"]}
+    assert packages == {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} - {"tests", "bench"}
+    for name in ("Dockerfile", "Dockerfile.engine-cpu"):
+        copied = {
+            line.split()[1] for line in (ROOT / "deploy" / name).read_text().splitlines() if line.startswith("COPY ")
+        }
+        assert packages <= copied, name
+    unignored = {line[1:] for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert packages <= unignored
 
 
 @needs_kubectl
