@@ -1,11 +1,15 @@
 """`kvgate plan`: how many sequences fit and how fast they can decode, from first principles, before any traffic.
 
 From a model's HF `config.json`, a dtype, a target context and a device description:
-- weights = parameters x bytes per weight (dense; MoE: every expert is resident, only `experts_per_tok` are read per
-  token), split over `tp` devices;
-- KV bytes per token = layers x 2 (K and V) x KV heads x head dim x KV bytes per element (GQA: KV heads, not query
-  heads; MLA: one latent of kv_lora_rank + qk_rope_head_dim per layer instead of K and V); per sequence at the target
-  context (sliding-window layers hold at most their window), split over `tp` when KV heads >= tp;
+- weights = parameters x bytes per weight (dense; MoE: every expert is resident, only `experts_per_tok` and the
+  shared expert are read per token), split over `tp` devices;
+- KV bytes per token = attention layers x 2 (K and V) x KV heads x head dim x KV bytes per element (GQA: KV heads,
+  not query heads; MLA: one latent of kv_lora_rank + qk_rope_head_dim per layer instead of K and V); per sequence at
+  the target context (sliding-window layers hold at most their window), split over `tp` when KV heads >= tp;
+- hybrid models (`layer_types` / `full_attention_interval` / `layers_block_type` / `hybrid_override_pattern` naming
+  linear-attention or Mamba layers): only the attention layers hold KV per token; each linear-attention (Gated
+  DeltaNet) or Mamba layer holds a constant state per sequence (its recurrent state plus the convolution's last
+  kernel-1 inputs), which vLLM's hybrid allocator keeps in pages of the same pool: it counts in a sequence's blocks;
 - KV budget per device = memory x utilization - weights per device - engine reserve; KV blocks = budget / (block
   size x KV bytes per token per device) (what vLLM reports as num_gpu_blocks); sequences that fit = blocks /
   blocks per sequence (vLLM allocates whole blocks: ceil(KV per sequence / block bytes));
@@ -70,6 +74,11 @@ class Model:
     kv_latent: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim per layer; 0: ordinary attention
     sliding_window: int | None = None
     sliding_layers: int = 0  # layers that hold at most `sliding_window` tokens
+    shared_expert_intermediate: int = 0  # MoE: the shared expert(s), read for every token
+    kv_layers: int | None = None  # layers holding KV per token (hybrid models: the attention ones); None: all
+    state_layers: int = 0  # linear-attention or Mamba layers
+    state_layer_params: int = 0  # parameters of one such layer's mixer
+    state_elems: int = 0  # the constant state per sequence of one such layer
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Model:
@@ -80,7 +89,11 @@ class Model:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         layer_types = cfg.get("layer_types") or []
         sliding = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (layers if window else 0)
+        hybrid = _hybrid(cfg, layers)
         experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        expert_intermediate = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        shared = shared or int(cfg.get("n_shared_experts") or 0) * expert_intermediate
         latent = 0
         if cfg.get("kv_lora_rank"):  # MLA: one compressed latent and the rope part, per layer and token
             latent = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0)
@@ -95,10 +108,12 @@ class Model:
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             experts=experts,
             experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-            expert_intermediate=int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0),
+            expert_intermediate=expert_intermediate,
             kv_latent=latent,
             sliding_window=int(window) if window else None,
             sliding_layers=sliding if window else 0,
+            shared_expert_intermediate=shared if experts else 0,
+            **hybrid,
         )
 
     def params(self) -> tuple[float, float]:
@@ -107,20 +122,70 @@ class Model:
         attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
         if self.experts:
             expert = 3 * self.hidden * self.expert_intermediate
-            total_mlp, active_mlp = self.experts * expert, max(1, self.experts_per_tok) * expert
+            shared = 3 * self.hidden * self.shared_expert_intermediate
+            total_mlp, active_mlp = self.experts * expert + shared, max(1, self.experts_per_tok) * expert + shared
         else:
             total_mlp = active_mlp = 3 * self.hidden * self.intermediate  # gated MLP: gate, up, down
-        return embed + self.layers * (attn + total_mlp), embed + self.layers * (attn + active_mlp)
+        mixers = self.attention_layers * attn + self.state_layers * self.state_layer_params
+        return embed + mixers + self.layers * total_mlp, embed + mixers + self.layers * active_mlp
+
+    @property
+    def attention_layers(self) -> int:
+        return self.layers if self.kv_layers is None else self.kv_layers
 
     def kv_bytes_per_token(self, kv_bytes: float) -> float:
         per_layer = self.kv_latent if self.kv_latent else 2 * self.kv_heads * self.head_dim
-        return self.layers * per_layer * kv_bytes
+        return self.attention_layers * per_layer * kv_bytes
 
     def kv_bytes_per_sequence(self, context: int, kv_bytes: float) -> float:
+        """KV at `context` tokens plus the linear-attention and Mamba layers' constant state."""
         per_layer_token = (self.kv_latent if self.kv_latent else 2 * self.kv_heads * self.head_dim) * kv_bytes
-        full = self.layers - self.sliding_layers
+        full = self.attention_layers - self.sliding_layers
         windowed = min(context, self.sliding_window or context)
-        return per_layer_token * (full * context + self.sliding_layers * windowed)
+        state = self.state_layers * self.state_elems * kv_bytes
+        return per_layer_token * (full * context + self.sliding_layers * windowed) + state
+
+
+_ATTENTION = {"full_attention", "attention", "sliding_attention", "*"}
+_LINEAR = {"linear_attention"}
+_MAMBA = {"mamba", "mamba2", "M"}
+
+
+def _hybrid(cfg: dict[str, Any], layers: int) -> dict[str, int]:
+    """The Model fields of a hybrid model's layer mix ({} for a model of attention layers only): the attention
+    layers, the state layers, one state layer's parameters and its state per sequence. Layer kinds come from
+    `layer_types` (Qwen3-Next, Qwen3.5), `full_attention_interval` (every Nth layer is attention),
+    `layers_block_type` (Granite 4, Jamba) or `hybrid_override_pattern` (Nemotron-H: M, *, - and E per layer)."""
+    kinds: list[str] = list(cfg.get("layer_types") or cfg.get("layers_block_type") or "")
+    kinds = kinds or list(cfg.get("hybrid_override_pattern") or "")
+    if not kinds and cfg.get("full_attention_interval"):
+        every = int(cfg["full_attention_interval"])
+        kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    linear, mamba = sum(k in _LINEAR for k in kinds), sum(k in _MAMBA for k in kinds)
+    if not linear and not mamba:
+        return {}
+    hidden = int(cfg["hidden_size"])
+    if linear:  # Gated DeltaNet: a (value heads x key dim x value dim) state; conv over q, k and v
+        k_heads, v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+        k_dim, v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+        conv_width = 2 * k_heads * k_dim + v_heads * v_dim
+        state = v_heads * k_dim * v_dim + (int(cfg.get("linear_conv_kernel_dim") or 4) - 1) * conv_width
+        params = hidden * (conv_width + v_heads * v_dim) + v_heads * v_dim * hidden  # in (q, k, v, z), out
+    else:  # Mamba 2: heads x head dim x state size; conv over x, B and C
+        d_state = int(cfg.get("ssm_state_size") or cfg.get("mamba_d_state") or 128)
+        inner = int(cfg.get("mamba_expand") or 2) * hidden
+        heads = int(
+            cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads") or inner // int(cfg.get("mamba_head_dim") or 64)
+        )
+        groups = int(cfg.get("n_groups") or cfg.get("mamba_n_groups") or 1)
+        conv_width = inner + 2 * groups * d_state
+        state = (
+            heads * (inner // heads) * d_state
+            + (int(cfg.get("conv_kernel") or cfg.get("mamba_d_conv") or 4) - 1) * conv_width
+        )
+        params = hidden * (inner + conv_width + heads) + inner * hidden  # in (z, x, B, C, dt), out
+    attention = sum(k in _ATTENTION for k in kinds)
+    return {"kv_layers": attention, "state_layers": linear + mamba, "state_layer_params": params, "state_elems": state}
 
 
 @dataclass(frozen=True, slots=True)

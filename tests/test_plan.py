@@ -44,6 +44,44 @@ def test_kv_bytes_per_token_gqa_mla_and_sliding_windows() -> None:
     assert mixed.kv_bytes_per_sequence(8192, 2) == per_layer_token * (8192 + 1024)
 
 
+QWEN3_NEXT_80B = {  # Qwen3-Next-80B-A3B's config.json: 3 linear-attention (Gated DeltaNet) layers to 1 attention
+    "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+    "intermediate_size": 5120, "vocab_size": 151936, "tie_word_embeddings": False, "full_attention_interval": 4,
+    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+}  # fmt: skip
+
+
+def test_a_hybrid_model_holds_kv_in_its_attention_layers_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_NEXT_80B))
+    assert main([str(tmp_path), "--json", "--context", "4096", "--kv-cache-bytes", str(8 * GIB)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    # 12 attention layers (every 4th) x K and V x 2 KV heads x 256 x 2 bytes, not 48 layers' worth
+    kv_token = 12 * 2 * 2 * 256 * 2
+    assert got["kv_bytes_per_token"] == kv_token == 24576
+    # 36 Gated DeltaNet layers, each a 32 x 128 x 128 state and 3 inputs of the convolution over q, k and v
+    state = 36 * (32 * 128 * 128 + 3 * (2 * 16 * 128 + 32 * 128)) * 2
+    assert state == 39_518_208
+    per_sequence = kv_token * 4096 + state
+    assert got["kv_gib_per_sequence"] == pytest.approx(per_sequence / GIB)
+    block = 16 * kv_token
+    assert got["kv_blocks"] == 8 * GIB // block
+    assert got["sequences_that_fit"] == got["kv_blocks"] // -(-per_sequence // block) == 61
+    # counting every layer as attention would have planned 4 times the KV per token and under a third of the sequences
+    dense = plan(Model.from_config({**QWEN3_NEXT_80B, "full_attention_interval": None}), DEVICES["h200"], context=4096,
+                 kv_cache_bytes=8 * GIB)  # fmt: skip
+    assert dense.kv_bytes_per_token == 4 * kv_token and dense.sequences_that_fit < got["sequences_that_fit"] / 2.5
+    # the published sizes: 80B in total, about 3B active per token (10 routed experts and the shared one)
+    total, active = Model.from_config(QWEN3_NEXT_80B).params()
+    assert total == pytest.approx(80e9, rel=0.02)
+    expert, embed = 3 * 2048 * 512, 2 * 151936 * 2048
+    attention, linear = 2048 * 16 * 256 * 2 + 2048 * 2 * 256 * 2, 2048 * (2 * 16 * 128 + 2 * 32 * 128) + 32 * 128 * 2048
+    assert active == embed + 12 * attention + 36 * linear + 48 * 11 * expert
+
+
 def test_the_kv_budget_and_what_fits() -> None:
     # the tiny model with a fixed 64 MiB KV cache and 32-token blocks (what tests/test_cache_vllm.py checks against
     # vLLM's own num_gpu_blocks): 512 bytes per token
