@@ -64,6 +64,7 @@ class _Replica:
     tokenizer: str
     events_endpoint: str | None
     replay_endpoint: str | None
+    topic: str
     subscriber: KvEventSubscriber | None = None
 
 
@@ -202,9 +203,11 @@ class CacheAwareState:
         kv_events_endpoint: str | None,
         tokenizer: str | None,
         kv_events_replay_endpoint: str | None = None,
+        kv_events_topic: str | None = None,
     ) -> None:
         """Register a replica (re-registering one forgets what was known of its cache). `tokenizer`: a local HF
-        dir, "sim" or "chars" (config.tokenizers[model] wins)."""
+        dir, "sim" or "chars" (config.tokenizers[model] wins); `kv_events_topic`: its publisher's topic when known
+        (None: config.kv_events_topic)."""
         if replica_id in self._replicas:
             self.remove_replica(replica_id)
         spec = self.config.tokenizers.get(model) or tokenizer or "chars"
@@ -214,6 +217,7 @@ class CacheAwareState:
             tokenizer=spec,
             events_endpoint=kv_events_endpoint if self.config.kv_events and spec != "chars" else None,
             replay_endpoint=kv_events_replay_endpoint,
+            topic=self.config.kv_events_topic if kv_events_topic is None else kv_events_topic,
         )
         self._replicas[replica_id] = r
         if num_blocks is not None and num_blocks > 0:
@@ -260,7 +264,7 @@ class CacheAwareState:
             replica_id,
             r.events_endpoint,
             self,
-            topic=self.config.kv_events_topic,
+            topic=r.topic,
             replay_endpoint=r.replay_endpoint,
             replay_timeout_s=self.config.kv_events_replay_timeout_s,
         )

@@ -110,6 +110,9 @@ class Replica:
         self.metrics_url = metrics_url or f"{self.url}/metrics"
         self.kv_events_endpoint = kv_events_endpoint
         self.kv_events_replay_endpoint = kv_events_replay_endpoint
+        self.kv_events_topic: str | None = None  # the publisher's own (discovered); None: the configured one
+        # no endpoint given: asked of the engine (GET /kv_event_sources) each time it comes up
+        self.discovers_kv_events = kv_events_endpoint is None
         self.tokenizer = tokenizer
         self.max_concurrency = max_concurrency
         self.max_num_seqs = max_num_seqs  # the engine's batch slots, when configured

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from engine_pool.engine_metrics import parse_engine_metrics
 from engine_pool.http_client import UpstreamClient
+from engine_pool.kv_sources import kv_event_source
 from engine_pool.replica import Replica
 
 log = logging.getLogger("kvgate.replicas")
@@ -255,6 +256,24 @@ class ReplicaSet:
             self._forget_models()
             self._notify()
 
+    async def discover_kv_events(self, replica: Replica) -> None:
+        """The engine's KV-event publisher as it lists it (engine_pool/kv_sources.py); none when it lists none or
+        does not answer the route (older vLLM, other engines)."""
+        source = None
+        try:
+            status, raw = await self._client.fetch("GET", f"{replica.url}/kv_event_sources", timeout_s=self.timeout_s)
+            if status == 200:
+                answer = json.loads(raw)
+                source = kv_event_source(answer, replica.host)
+                if source is None and isinstance(answer, dict) and len(answer) > 1:
+                    log.warning("replica %s: %d data-parallel ranks publish KV events behind one URL; routed as one "
+                                "cache without them", replica.id, len(answer))  # fmt: skip
+        except (ConnectionError, TimeoutError, ValueError):
+            pass
+        replica.kv_events_endpoint = source.endpoint if source else None
+        replica.kv_events_replay_endpoint = source.replay_endpoint if source else None
+        replica.kv_events_topic = source.topic if source else None
+
     async def scrape_metrics(self, replica: Replica) -> bool:
         sent = time.monotonic()  # the engine's counts are as of about now
         try:
@@ -280,6 +299,8 @@ class ReplicaSet:
                 healthy = await self.probe_health(replica)
                 if healthy and not replica.healthy:
                     await self.scrape_metrics(replica)  # block size / capacity known before the first request
+                    if replica.discovers_kv_events:
+                        await self.discover_kv_events(replica)
                 self.set_health(replica, healthy)
                 next_health = time.monotonic() + self.interval_s
             elif replica.healthy:

@@ -40,6 +40,7 @@ class CacheReplicaListener:
             num_blocks=replica.metrics.num_blocks,
             kv_events_endpoint=replica.kv_events_endpoint,
             kv_events_replay_endpoint=replica.kv_events_replay_endpoint,
+            kv_events_topic=replica.kv_events_topic,
             tokenizer=replica.tokenizer,
         )
 

@@ -81,6 +81,7 @@ class RequestResult:
     completion_tokens: int = 0
     usage_present: bool = False
     finish_reason: str | None = None
+    refused: bool = False  # a 429 or 503 with Retry-After: the server shed it (admission), it did not fail it
     replica: str | None = None
     chunks: int = 0
     text: str = ""  # generated text; kept out of the JSON rows
@@ -94,6 +95,7 @@ class RequestResult:
             "start_s": round(self.start_s, 6),
             "ok": self.ok,
             "status": self.status,
+            "refused": self.refused,
             "error_type": self.error_type,
             "error": self.error,
             "ttft_s": self.ttft_s,
@@ -232,6 +234,7 @@ async def send_request(
             result.replica = resp.headers.get(REPLICA_HEADER)
             if resp.status != 200:
                 result.error_type, result.error = _error_of(await resp.read(), resp.status)
+                result.refused = resp.status in (429, 503) and "Retry-After" in resp.headers
             else:
                 done, pieces = await _consume_stream(resp, result, target.endpoint, t0)
                 result.text = "".join(pieces)

@@ -218,10 +218,16 @@ def _finish(doc: Doc, args: argparse.Namespace) -> None:
     print(f"wrote {path}, {out / 'report.html'}" + (f" and {len(charts)} charts" if charts else ""))
 
 
+def _answered(summary: dict[str, Any]) -> float:
+    """The knee rule's success rate: the share answered, successes and refusals with Retry-After alike."""
+    requests = summary["requests"]
+    return (summary["succeeded"] + summary.get("refused", 0)) / requests if requests else 0.0
+
+
 def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None:
     pts = [
         SweepPoint(p["load"], p["summary"]["ttft_s"]["p50"] or 0.0, p["summary"]["output_tok_per_s"],
-                   p["summary"]["success_rate"], p["summary"]["e2e_s"]["mean"] or 0.0)
+                   _answered(p["summary"]), p["summary"]["e2e_s"]["mean"] or 0.0)
         for p in doc["points"]
     ]  # fmt: skip
     rule = KneeRule(ttft_factor=args.knee_ttft_factor, min_gain=args.knee_min_gain, min_success=args.min_success)

@@ -67,7 +67,8 @@ def table_rows(doc: Doc) -> tuple[list[str], list[list[str]]]:
     with_slo = any(p["summary"].get("slo_attainment") is not None for p in points)
     with_preempt = any(_preemptions(p) is not None for p in points)
     head = [_load_head(doc), "out tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "ITL p50 ms",
-            "ITL p99 ms", "e2e p50 ms", "e2e p99 ms", "ok %", "cached %", "hit rate %"]  # fmt: skip
+            "ITL p99 ms", "e2e p50 ms", "e2e p99 ms", "ok %", "refused %", "cached %",
+            "hit rate %"]  # fmt: skip
     head += ["SLO met %", "goodput req/s"] if with_slo else []
     head += ["preempted seqs"] if with_preempt else []
     plan = doc.get("plan")
@@ -90,6 +91,7 @@ def table_rows(doc: Doc) -> tuple[list[str], list[list[str]]]:
             _ms(s["e2e_s"]["p50"]),
             _ms(s["e2e_s"]["p99"]),
             _pct(s["success_rate"]),
+            _pct(s.get("refused", 0) / s["requests"] if s["requests"] else None),
             _pct(s["cached_fraction"]),
             _pct((p.get("prefix_cache") or {}).get("hit_rate")),
         ]

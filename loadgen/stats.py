@@ -13,11 +13,13 @@ throughput r and success rate s. The baseline b is the TTFT p50 of the lowest-lo
     (b) r_i < (1 + min_gain) * r_{i-1}                        (throughput stopped rising),
     (c) max(r_j, j >= i) < (1 + min_gain) * r_{i-1}           (and it does not rise again at any higher load:
                                                                a single stalled setting is noise, not the knee),
-or when s_i < min_success (the endpoint fails requests). A rate sweep (open loop, `open_loop`) saturates on (a)
-alone: arrivals do not slow down when the server does, so measured throughput keeps rising with the offered rate
-while requests queue, and a sharp TTFT rise is the knee. The knee is the point just before the first saturated
-point; when no point saturates the knee is the highest load tested and `found` is False (the sweep did not reach
-it). Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99. O(points^2) at worst, for (c).
+or when s_i < min_success (the endpoint fails requests; a request refused with Retry-After, the server's admission
+shedding load, is answered, not failed: s counts it with the successes). A rate sweep (open loop, `open_loop`)
+saturates on (a) alone: arrivals do not slow down when the server does, so measured throughput keeps rising with the
+offered rate while requests queue, and a sharp TTFT rise is the knee. The knee is the point just before the first
+saturated point; when no point saturates the knee is the highest load tested and `found` is False (the sweep did not
+reach it). Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99. O(points^2) at worst, for
+(c).
 
 Verdicts (`verdict`), with ratio = t_i / b and the knee load k:
     success < min_success         -> "failing"
@@ -147,6 +149,7 @@ class Summary:
     errors: dict[str, int]
     slo_attainment: float | None = None  # good / all requests, with an SLO
     goodput_req_per_s: float | None = None  # good requests / wall time, with an SLO
+    refused: int = 0  # of the failed: shed by the server's admission (429 / 503 with Retry-After)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,6 +188,7 @@ def summarize(results: Iterable[RequestResult], wall_s: float, slo: Slo | None =
         errors=errors,
         slo_attainment=(good / len(rs) if rs else 0.0) if slo else None,
         goodput_req_per_s=good / wall if slo else None,
+        refused=sum(1 for r in rs if r.refused),
     )
 
 

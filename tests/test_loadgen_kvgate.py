@@ -38,3 +38,21 @@ async def test_sweep_through_kvgate(tmp_path: Path, http: aiohttp.ClientSession)
     assert doc["recommendation"]["replicas"] == 2
     assert gateway_metrics.get("kvgate_client_disconnects_total", 0.0) == 0.0
     assert gateway_metrics["kvgate_requests_total"] == 32
+
+
+async def test_a_sweep_counts_refusals_as_load_shed_not_as_failures(tmp_path: Path) -> None:
+    """A gateway whose gate refuses at once (no queue): the refused requests are counted as such, and the sweep's
+    knee and verdicts do not call a point where admission sheds load "failing"."""
+    gated = {"admission": {"replica_max_concurrency": 1, "queue": {"max_queued": 0}}}
+    slow = SimConfig(model="sim", block_size=16, overhead_ms=1, prefill_us_per_token=20, decode_ms=10)
+    async with gateway_over_sims([slow, slow], **gated) as (gw, _):
+        argv = ["sweep", "--url", gw.url, "--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "6",
+                "--system-len", "64", "--question-len", "16", "--output-len", "16", "--concurrencies", "1,6",
+                "--out", str(tmp_path), "--no-charts"]  # fmt: skip
+        assert await cli.amain(argv) == 0
+    low, high = json.loads((tmp_path / "result.json").read_text())["points"]
+    assert low["summary"]["refused"] == 0 and low["summary"]["succeeded"] == 12
+    refused = high["summary"]["refused"]
+    assert refused > 0 and high["summary"]["failed"] == refused  # every failure was a 503 with Retry-After
+    assert high["verdict"] != "failing" and low["verdict"] != "failing"
+    assert "refused %" in (tmp_path / "report.html").read_text()

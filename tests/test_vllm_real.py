@@ -1,9 +1,11 @@
 """The vLLM launch recipe. Pure argv/env checks run everywhere; the tests marked `vllm` start one real replica on the
 tiny model from `vllm_argv` (session fixture, start-up 25-90 s) and check completions, chat template parity between
-HF `apply_chat_template` and vLLM's `/tokenize`, KV events and their block hashes, metrics and errors."""
+HF `apply_chat_template` and vLLM's `/tokenize`, KV events and their block hashes, a gateway that finds the KV-event
+publisher from the engine's URL alone, metrics and errors."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.util
 import json
@@ -19,10 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from engine_pool.tiny_model import build_tiny_model
 from engine_pool.vllm_command import EngineLaunchSpec, detect_device, installed_vllm_flavour, vllm_argv, vllm_env
+from gateway.embedded import running_gateway
+from gateway.keys import REPLICAS
+from tests.conftest import gateway_config, wait_for
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 
@@ -331,6 +337,48 @@ def test_kv_events_carry_predictable_block_hashes(replica: Replica) -> None:
                 assert len(event["token_ids"]) == BLOCK_SIZE * len(event["block_hashes"])
                 stored.update(event["block_hashes"])
     assert set(predicted) <= stored
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(STARTUP_DEADLINE_S + 120)
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
+async def test_an_engine_given_by_its_url_alone_publishes_to_the_gateway(replica: Replica) -> None:
+    """`engines: [{url}]` with no KV-event settings: kvgate subscribes to what the engine lists at
+    /kv_event_sources, so the blocks the engine stores reach its index and its prediction is the engine's."""
+    config = gateway_config(
+        [],
+        engines=[{"url": replica.spec.base_url, "tokenizer": str(replica.model_dir)}],
+        routing={"policy": "cache-aware"},
+    )
+    messages = [{"role": "user", "content": "A heron counted the lanterns along the old canal. " * 10}]
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        (attached,) = gw.app[REPLICAS]
+        await wait_for(lambda: attached.routable(time.monotonic()), 60, "the engine routable")
+        assert attached.kv_events_endpoint is not None and attached.kv_events_endpoint.startswith("ipc://")
+
+        async def metric(name: str, label: str) -> float:
+            async with http.get(f"{gw.url}/metrics") as resp:
+                text = await resp.text()
+            return sum(
+                float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and label in line
+            )
+
+        async def chat() -> None:
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 2}
+            async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+
+        await chat()
+        end = time.monotonic() + 20
+        while await metric("kvgate_kv_events_total", 'type="BlockStored"') == 0:
+            assert time.monotonic() < end, "no BlockStored event reached the gateway"
+            await asyncio.sleep(0.1)
+        await chat()
+        status, tokens = _request(replica.spec, "/tokenize", {"model": MODEL_NAME, "messages": messages})
+        assert status == 200
+        full_blocks = len(tokens["tokens"]) // BLOCK_SIZE * BLOCK_SIZE
+        # the repeat's predicted cached tokens: every full block of its prompt, as the events told
+        assert await metric("kvgate_prefix_predicted_cached_tokens_total", "") == full_blocks
 
 
 @pytest.mark.vllm
