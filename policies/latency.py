@@ -3,10 +3,12 @@ literal snapshots (the learning is `engine_pool.latency`; the async shell is `ga
 
 Model (per replica):
 - time to first token = wait for KV room + overhead + prefill seconds per token x the request's uncached tokens;
-- wait for KV room: every request the gateway has on the replica holds `tokens` of KV (prompt + output) until its
-  predicted end; the new request's tokens fit when held + its own <= the replica's KV capacity (vLLM's scheduler runs
-  a request only when its blocks fit beside the running ones); otherwise it waits until enough of the held requests
-  have ended, taken in the order of their predicted ends. This is the knee: it moves with context length by itself;
+- wait for KV room: every request the gateway has on the replica holds `tokens` of KV (its uncached prompt there +
+  output: prompt blocks the replica already holds are shared, not allocated again, as vLLM's prefix cache and the
+  simulator do) until its predicted end; the new request's tokens fit when held + its own <= the replica's KV
+  capacity (vLLM's scheduler runs a request only when its blocks fit beside the running ones); otherwise it waits
+  until enough of the held requests have ended, taken in the order of their predicted ends. This is the knee: it
+  moves with context length by itself;
 - time per output token = the decode step at the batch the request joins: step + per-sequence cost x batch;
 - plus a margin: how late this replica's first tokens recently came against their predictions (what the model does
   not see: the gateway's own queueing, a busy machine, other gateways' requests), so admitted requests keep their
@@ -55,6 +57,7 @@ class Prediction:
     tpot_s: float
     batch: int  # the batch it would join, itself included
     margin_s: float = 0.0  # included in ttft_s: the replica's recent prediction error
+    tokens: int = 0  # the KV it would hold there
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +103,7 @@ def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int) -> Predic
     wait = room_wait(r.kv_tokens, r.held, tokens, now)
     ttft = wait + r.overhead_s + r.prefill_s_per_token * max(0, uncached) + r.margin_s
     batch = len(r.held) + 1
-    return Prediction(r.replica, wait, ttft, r.step_s + r.step_per_seq_s * batch, batch, r.margin_s)
+    return Prediction(r.replica, wait, ttft, r.step_s + r.step_per_seq_s * batch, batch, r.margin_s, tokens)
 
 
 def _prefer(

@@ -222,3 +222,20 @@ async def test_a_target_header_that_is_not_a_number_is_a_400(http: aiohttp.Clien
     async with gateway_over_sims([KV_SIM]) as (gw, _):
         status, info = await _post(http, gw.url, _body(1), **{"x-kvgate-slo-ttft-ms": "soon"})
         assert status == 400 and info["error"]["param"] == "x-kvgate-slo-ttft-ms"
+
+
+async def test_requests_sharing_a_prompt_prefix_hold_only_their_own_kv(http: aiohttp.ClientSession) -> None:
+    """Prompt blocks a replica already holds are shared, not allocated again (vLLM's prefix cache; the simulator's
+    KV cap): a burst sharing a long prefix fits many times more requests than one of distinct prompts, and the gate
+    admits it instead of predicting waits that would not happen."""
+    targets = {"default": {"ttft_s": 0.3, "tpot_s": 10.0}}
+    cache = {"routing": {"policy": "cache-aware"}, "cache": {"tokenizers": {"sim": "sim"}}}
+    async with gateway_over_sims([KV_SIM, KV_SIM], admission={"targets": targets}, **cache) as (gw, _):
+        for i in range(10):  # the model learns each replica's speed from answers
+            await asyncio.gather(*(_post(http, gw.url, _body(100 * i + j)) for j in range(2)))
+        shared = _body(0)
+        for _ in range(2):  # the prefix cached on the replica it is routed to
+            assert (await _post(http, gw.url, shared))[0] == 200
+        burst = [{**shared, "prompt": f"{shared['prompt']} question {i}"} for i in range(16)]
+        answers = await asyncio.gather(*(_post(http, gw.url, body) for body in burst))
+        assert [status for status, _ in answers] == [200] * 16

@@ -107,26 +107,19 @@ class LatencyGate:
         now = time.monotonic()
         replicas = [r for r in self.replicas.for_model(model) if r.routable(now) and r.role != "prefill"]
         cached = self.router.cached_tokens(info, [r.id for r in replicas])
+        uncached = {r.id: prompt_tokens - cached.get(r.id, 0) for r in replicas}
         predictions = [
-            predict(
-                r.latency_view(),
-                now,
-                r.latency.held_tokens(prompt_tokens, max_tokens),
-                prompt_tokens - cached.get(r.id, 0),
-            )
+            predict(r.latency_view(), now, r.latency.held_tokens(uncached[r.id], max_tokens), uncached[r.id])
             for r in replicas
         ]
         return judge(predictions, targets)
 
-    def hold(
-        self, ctx: RequestContext, replica: Replica, prediction: Prediction, prompt: int, max_tokens: int | None
-    ) -> None:
+    def hold(self, ctx: RequestContext, replica: Replica, prediction: Prediction, max_tokens: int | None) -> None:
         """The request's KV and predicted end, on the replica it is predicted best on (moved by `place`)."""
         view = replica.latency_view()
-        tokens = replica.latency.held_tokens(prompt, max_tokens)
-        output = tokens - prompt
+        output = replica.latency.held_tokens(0, max_tokens)
         end = time.monotonic() + prediction.ttft_s + output * (view.step_s + view.step_per_seq_s * prediction.batch)
-        ctx.hold, ctx.held_on, ctx.prediction = Held(tokens, end), replica.id, prediction
+        ctx.hold, ctx.held_on, ctx.prediction = Held(prediction.tokens, end), replica.id, prediction
         replica.held[id(ctx)] = ctx.hold
 
     def finish(self, ctx: RequestContext, identity: Identity, targets: Targets | None) -> None:
