@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from engine_pool.discovery import DnsTarget
 from engine_pool.replica import Replica, ReplicaSettings, build_replica
-from gateway.config import EngineConfig
 from gateway.engine_urls import replica_id
+from gateway.engines_config import EngineConfig
 
 
 def engine_settings(engine: EngineConfig) -> ReplicaSettings:

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from engine_pool.replica import Replica
-from gateway.config import DisaggregationConfig
+from gateway.engines_config import DisaggregationConfig
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.request_parse import ParsedRequest, encode, engine_fields

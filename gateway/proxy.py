@@ -32,8 +32,9 @@ from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.targets import place
 from gateway.answers import answer_id, upstream_error, usage_of
-from gateway.config import DisaggregationConfig, RetryConfig, TimeoutConfig
+from gateway.config import RetryConfig, TimeoutConfig
 from gateway.disagg import PrefillStep, transfer_params
+from gateway.engines_config import DisaggregationConfig
 from gateway.errors import (
     Exhausted,
     GatewayError,

@@ -26,7 +26,8 @@ from aiohttp import web
 from engine_pool.replica import Replica
 from gateway.attached import attached_replica
 from gateway.cache_ctx import CACHE_SWITCH
-from gateway.config import EngineConfig, GatewayConfig, load_config
+from gateway.config import GatewayConfig, load_config
+from gateway.engines_config import EngineConfig
 from gateway.keys import ADMISSION, COMPLETIONS, CONFIG, CONFIG_PATH, REPLICAS, ROUTER
 from policies.registry import build_policy
 
