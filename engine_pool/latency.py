@@ -8,9 +8,11 @@ at once (no wait for KV room) teach the prefill line, so queueing never reads as
 Estimator: a Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last `WINDOW`
 samples of each kind, refitted every `REFIT` samples: robust to the outliers a noisy engine gives (a pause, a
 preemption, a scrape that lagged) up to about 29% of the window, and it forgets an engine that changed within
-`WINDOW` answers. Until `MIN_SAMPLES` are in, the engine's own counters (`QueuePrice`, learned from its /metrics)
-are the prior where known, else 0: a model that knows nothing predicts no cost beyond the wait for KV room, so it
-never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or plus the mean output seen
+`WINDOW` answers. Until `MIN_SAMPLES` are in, the engine's own counters are the prior where known (`QueuePrice`,
+learned from its /metrics, for prefill and the per-sequence cost; the mean inter-token latency since the engine
+started, warm-up included, for the decode step: without it a first burst's requests would all be predicted to end
+at once), else 0: a model that knows nothing predicts no cost beyond the wait for KV room, so it never refuses on a
+guess. The KV a request holds: its prompt plus its max_tokens, or plus the mean output seen
 (`mean_output`, an exponentially weighted mean) when it gave none.
 The margin: the `MARGIN_QUANTILE` of how much later than predicted the last `WINDOW` first tokens came (0 while
 they came early), added to every prediction (`policies.latency`).
@@ -91,7 +93,10 @@ class LatencyLearner:
             self.mean_output += OUTPUT_WEIGHT * (output_tokens - self.mean_output)
 
     def terms(
-        self, prior_prefill_s_per_token: float | None, prior_step_per_seq_s: float | None
+        self,
+        prior_prefill_s_per_token: float | None,
+        prior_step_per_seq_s: float | None,
+        prior_step_s: float | None = None,
     ) -> tuple[float, float, float, float]:
         """(overhead, prefill per token, decode step of one, per further sequence), the priors until learned."""
         p, d = self._prefill, self._decode
@@ -102,7 +107,7 @@ class LatencyLearner:
         if d.slope is not None and d.intercept is not None:
             step, per_seq = d.intercept, d.slope
         else:
-            step, per_seq = 0.0, prior_step_per_seq_s or 0.0
+            step, per_seq = prior_step_s or 0.0, prior_step_per_seq_s or 0.0
         return overhead, prefill, step, per_seq
 
     def held_tokens(self, prompt_tokens: int, max_tokens: int | None) -> int:

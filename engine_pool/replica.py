@@ -194,7 +194,8 @@ class Replica:
         """What the latency model knows of this replica now (`policies.latency.predict`)."""
         m, price = self.metrics, self.queue_price
         kv = m.num_blocks * m.block_size if m.num_blocks and m.block_size else None
-        overhead, prefill, step, per_seq = self.latency.terms(price.prefill_s_per_token, price.slope())
+        itl = m.counters.itl_sum / m.counters.itl_count if m.counters.itl_count else None
+        overhead, prefill, step, per_seq = self.latency.terms(price.prefill_s_per_token, price.slope(), itl)
         held = tuple(self.held.values())
         return ReplicaLatency(self.id, kv, held, overhead, prefill, step, per_seq, self.latency.margin())
 

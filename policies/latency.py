@@ -7,8 +7,10 @@ Model (per replica):
   output: prompt blocks the replica already holds are shared, not allocated again, as vLLM's prefix cache and the
   simulator do) until its predicted end; the new request's tokens fit when held + its own <= the replica's KV
   capacity (vLLM's scheduler runs a request only when its blocks fit beside the running ones); otherwise it waits
-  until enough of the held requests have ended, taken in the order of their predicted ends. This is the knee: it
-  moves with context length by itself;
+  until enough of the held requests have ended, taken in the order of their predicted ends (one that has run `d`
+  past its predicted end is expected to need `d` more: a model that knows nothing yet, whose requests all look
+  overdue at once, still sees the KV fill during a first burst). This is the knee: it moves with context length by
+  itself;
 - time per output token = the decode step at the batch the request joins: step + per-sequence cost x batch;
 - plus a margin: how late this replica's first tokens recently came against their predictions (what the model does
   not see: the gateway's own queueing, a busy machine, other gateways' requests), so admitted requests keep their
@@ -84,6 +86,12 @@ class Verdict:
     prefer: tuple[str, ...]  # where to route it first: () = anywhere (see `judge`)
 
 
+def expected_end(h: Held, now: float) -> float:
+    """When a held request is expected to end: its predicted end, or, once it has run `d` past that (the model was
+    optimistic, or knew nothing yet), `d` from now: it is not over until it ends."""
+    return h.ends_at if h.ends_at > now else 2 * now - h.ends_at
+
+
 def room_wait(kv_tokens: int | None, held: Sequence[Held], tokens: int, now: float) -> float:
     """Seconds until `tokens` more fit beside `held` in `kv_tokens` of KV."""
     if kv_tokens is None:
@@ -91,10 +99,10 @@ def room_wait(kv_tokens: int | None, held: Sequence[Held], tokens: int, now: flo
     excess = sum(h.tokens for h in held) + min(tokens, kv_tokens) - kv_tokens
     if excess <= 0:
         return 0.0
-    for h in sorted(held, key=lambda h: h.ends_at):
-        excess -= h.tokens
+    for end, size in sorted((expected_end(h, now), h.tokens) for h in held):
+        excess -= size
         if excess <= 0:
-            return max(0.0, h.ends_at - now)
+            return max(0.0, end - now)
     return 0.0  # unreachable: the held requests' tokens cover the excess
 
 

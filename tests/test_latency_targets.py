@@ -48,6 +48,14 @@ def test_a_request_that_does_not_fit_waits_for_the_earliest_ends_that_make_room(
     assert room_wait(1000, held, 700, NOW) == pytest.approx(9.0)  # needs 700: only at 109
 
 
+def test_a_request_past_its_predicted_end_is_expected_to_need_as_long_again() -> None:
+    """A model that knew nothing predicted every request of a first burst to end at once: they are still held, so
+    the KV is still full (NOW is 100)."""
+    overdue = (Held(500, 98.0), Held(500, 99.5))  # 2 s and 0.5 s past their predicted ends
+    assert room_wait(1000, overdue, 400, NOW) == pytest.approx(0.5)  # the less overdue frees room first
+    assert room_wait(1000, (Held(500, 98.0), Held(500, 101.0)), 400, NOW) == pytest.approx(1.0)
+
+
 def test_prediction_is_wait_plus_prefill_and_the_decode_step_of_the_batch() -> None:
     p = predict(replica((Held(900, 103.0),)), NOW, 500, uncached=200)
     assert p.wait_s == pytest.approx(3.0) and p.ttft_s == pytest.approx(3.0 + 0.01 + 0.2)
@@ -134,6 +142,8 @@ def test_an_engine_that_changed_is_relearned_within_the_window() -> None:
 def test_until_enough_samples_the_engines_own_counters_are_the_prior() -> None:
     learner = LatencyLearner()
     assert learner.terms(0.003, 0.01) == (0.0, 0.003, 0.0, 0.01)
+    # the engine's mean inter-token latency since it started is the decode step until answers teach one
+    assert learner.terms(0.003, 0.01, 0.004) == (0.0, 0.003, 0.004, 0.01)
     assert learner.terms(None, None) == (0.0, 0.0, 0.0, 0.0)  # knowing nothing: no cost, never a refusal on a guess
     for tokens in range(MIN_SAMPLES - 1):
         learner.observe_first_token(100 * (tokens + 1), 0.1)

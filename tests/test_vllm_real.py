@@ -210,6 +210,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
         kv_events_ipc_path=str(root / "kv.sock"),
         cpu_threads_bind="nobind",
         cache_root=str(root / "cache"),
+        extra_args=("--enable-prompt-tokens-details",),  # cached tokens in usage (and Anthropic's cache_read)
     )
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -379,6 +380,58 @@ async def test_an_engine_given_by_its_url_alone_publishes_to_the_gateway(replica
         full_blocks = len(tokens["tokens"]) // BLOCK_SIZE * BLOCK_SIZE
         # the repeat's predicted cached tokens: every full block of its prompt, as the events told
         assert await metric("kvgate_prefix_predicted_cached_tokens_total", "") == full_blocks
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(STARTUP_DEADLINE_S + 120)
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
+async def test_anthropic_messages_through_the_gateway_are_predicted_as_the_engine_caches_them(
+    replica: Replica,
+) -> None:
+    """The anthropic SDK against kvgate in front of vLLM's own /v1/messages: kvgate's conversion of the request
+    (gateway/anthropic.py) hashes the prompt the engine renders, so its predicted cached tokens equal the
+    `cache_read_input_tokens` the engine reports, system prompt as blocks and a tool turn included."""
+    anthropic = pytest.importorskip("anthropic")
+    config = gateway_config(
+        [],
+        engines=[{"url": replica.spec.base_url, "tokenizer": str(replica.model_dir)}],
+        routing={"policy": "cache-aware"},
+    )
+    system = [{"type": "text", "text": "You sort the harbour's ledgers by tide and by name. " * 12}]
+    tools = [
+        {"name": "ledger", "description": "read a ledger", "input_schema": {"properties": {"n": {"type": "integer"}}}}
+    ]
+    turns = [
+        [{"role": "user", "content": "Which ledger first?"}],
+        [
+            {"role": "user", "content": "Which ledger first?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ledger", "input": {"n": 3}}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ledger three: 40 barrels"}],
+            },
+        ],
+    ]
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        (attached,) = gw.app[REPLICAS]
+        await wait_for(lambda: attached.routable(time.monotonic()), 60, "the engine routable")
+        client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="unused", max_retries=0)
+        engine_cached = []
+        for messages in [turns[0], turns[0], turns[1]]:
+            answer = await client.messages.create(
+                model=MODEL_NAME, max_tokens=2, system=system, tools=tools, messages=messages
+            )
+            engine_cached.append(answer.usage.cache_read_input_tokens or 0)
+        await client.close()
+        async with http.get(f"{gw.url}/metrics") as resp:
+            text = await resp.text()
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    assert engine_cached[1] >= BLOCK_SIZE and engine_cached[2] >= engine_cached[1]  # the engine reused the prefix
+    assert total("kvgate_prefix_reported_cached_tokens_total") == sum(engine_cached)
+    assert total("kvgate_prefix_predicted_cached_tokens_total") == sum(engine_cached)
 
 
 @pytest.mark.vllm
