@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -56,12 +57,34 @@ def group_cpu_seconds(pgid: int) -> float | None:
     return total / _CLOCK_TICKS
 
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in _EPHEMERAL.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (bind to 0, read it, close)."""
+    """A port that was free a moment ago, below the kernel's ephemeral range when it can: an engine binds its ports
+    seconds after they are chosen (its KV-event sockets once the model is loaded), and a port of the ephemeral range
+    may meanwhile become the source port of any outgoing connection on the machine (a health probe, a ZMQ
+    subscriber's reconnect): the engine then fails with `Address already in use` and every restart with it. 64 tries
+    at random below the range, else bind to 0."""
+    low, _ = _ephemeral_range()
+    if low > _LOWEST_PORT + 1000:
+        for _ in range(64):
+            port = _LOWEST_PORT + secrets.randbelow(low - _LOWEST_PORT)
+            if port_is_free(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def port_is_free(host: str, port: int) -> bool:
