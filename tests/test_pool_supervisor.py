@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from engine_pool.http_client import UpstreamClient
+from engine_pool.launcher import free_port, port_is_free
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from engine_pool.slots import SlotState
@@ -217,8 +218,6 @@ def test_engine_ports_are_chosen_below_the_ephemeral_range() -> None:
     """An outgoing connection takes its source port from the kernel's ephemeral range; an engine port chosen there
     could be taken before the engine binds it (seen: vLLM's KV-event socket, `Address already in use`, every
     restart)."""
-    from engine_pool.launcher import free_port, port_is_free
-
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = {free_port() for _ in range(20)}
     assert all(p < low for p in ports) and all(port_is_free("127.0.0.1", p) for p in ports)
