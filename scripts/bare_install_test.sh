@@ -55,7 +55,7 @@ EOF
 kill $(jobs -p) 2>/dev/null || true
 
 echo "[bare] the tests that need neither vLLM nor transformers, against the installed wheel" >&2
-"$WORK/venv/bin/python" -m pip install -q pytest pytest-asyncio pytest-timeout pytest-aiohttp hypothesis openai \
+"$WORK/venv/bin/python" -m pip install -q pytest pytest-asyncio pytest-timeout pytest-aiohttp hypothesis openai anthropic \
   psutil >&2
 cp -r tests bench deploy "$WORK/"  # bench/: the routing report's table code; deploy/: the kit the tests check
 .venv/bin/python - "$WORK/pytest.ini" <<'EOF'
