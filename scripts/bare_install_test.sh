@@ -2,8 +2,8 @@
 # A bare install, as `pip install kvgate` gives it: build the wheel, install it with no extras (no vLLM, no
 # transformers) into a fresh virtualenv, then (1) run `kvgate serve` in front of a simulated engine and send it a
 # chat completion, and (2) run every test that needs neither vLLM nor the tokenizer extra against the installed
-# wheel (a copy of tests/ and bench/ only, so nothing of the product is imported from the source tree; tests that
-# need transformers skip).
+# wheel (a copy of tests/, bench/ and the files the kit tests read, no package of the product, so nothing of it is
+# imported from the source tree; tests that need transformers skip).
 # Called by scripts/test.sh; about two minutes. Set KVGATE_SKIP_BARE=1 to skip it locally.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +57,9 @@ kill $(jobs -p) 2>/dev/null || true
 echo "[bare] the tests that need neither vLLM nor transformers, against the installed wheel" >&2
 "$WORK/venv/bin/python" -m pip install -q pytest pytest-asyncio pytest-timeout pytest-aiohttp hypothesis openai anthropic \
   psutil >&2
-cp -r tests bench deploy "$WORK/"  # bench/: the routing report's table code; deploy/: the kit the tests check
+# bench/: the routing report's table code; deploy/, scripts/images.sh, .dockerignore and pyproject.toml: what the kit
+# tests compare (the images take every package pyproject.toml installs)
+cp -r tests bench deploy scripts pyproject.toml .dockerignore "$WORK/"
 .venv/bin/python - "$WORK/pytest.ini" <<'EOF'
 import sys, tomllib
 opts = tomllib.load(open("pyproject.toml", "rb"))["tool"]["pytest"]["ini_options"]
@@ -70,4 +72,4 @@ for key, value in opts.items():
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")
 EOF
 cd "$WORK"
-exec venv/bin/python -m pytest -q -m "not vllm" -p no:cacheprovider tests
+exec venv/bin/python -m pytest -q -m "not vllm and not containers" -p no:cacheprovider tests
