@@ -2,7 +2,8 @@
 
 Samples are the gateway's own answers (`observe_first_token`, `observe_decode`): a stream's time to first token
 measured from when the gateway sent it, against the prompt tokens the engine computed (prompt less cached, from
-the answer's usage); and its decode seconds per token against the batch it ran in. Only requests predicted to start
+the answer's usage); and its decode seconds per token against the batch it ran in (answers of at least
+`MIN_DECODE_TOKENS` tokens). Only requests predicted to start
 at once (no wait for KV room) teach the prefill line, so queueing never reads as prefill.
 
 Estimator: a Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last `WINDOW`
@@ -31,6 +32,9 @@ MIN_SAMPLES = 4
 MARGIN_QUANTILE = 0.95
 OUTPUT_WEIGHT = 0.1  # of each answer in the mean output
 DEFAULT_OUTPUT = 256  # tokens a request without max_tokens is taken to produce until answers say otherwise
+# an answer shorter than this says little of the decode step (a whole answer's few tokens carry its HTTP and
+# scheduling noise, seconds spread over 4 tokens read as a slow engine): it teaches the mean output only
+MIN_DECODE_TOKENS = 16
 
 
 class _Line:
@@ -87,10 +91,14 @@ class LatencyLearner:
 
     def observe_decode(self, batch: int, s_per_token: float, output_tokens: int) -> None:
         """A finished request: its decode seconds per token, the batch it ran in, the tokens it produced."""
-        if s_per_token >= 0 and batch >= 1:
+        if s_per_token >= 0 and batch >= 1 and output_tokens >= MIN_DECODE_TOKENS:
             self._decode.add(float(batch), s_per_token)
         if output_tokens > 0:
             self.mean_output += OUTPUT_WEIGHT * (output_tokens - self.mean_output)
+
+    @property
+    def decode_learned(self) -> bool:
+        return self._decode.slope is not None
 
     def terms(
         self,

@@ -197,7 +197,9 @@ class Replica:
         itl = m.counters.itl_sum / m.counters.itl_count if m.counters.itl_count else None
         overhead, prefill, step, per_seq = self.latency.terms(price.prefill_s_per_token, price.slope(), itl)
         held = tuple(self.held.values())
-        return ReplicaLatency(self.id, kv, held, overhead, prefill, step, per_seq, self.latency.margin())
+        return ReplicaLatency(
+            self.id, kv, held, overhead, prefill, step, per_seq, self.latency.margin(), self.latency.decode_learned
+        )
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True when no request is in flight (drain finished) within timeout_s."""

@@ -49,6 +49,7 @@ class ReplicaLatency:
     step_s: float  # the fixed part of a decode step
     step_per_seq_s: float  # what each sequence in the batch adds to the step
     margin_s: float = 0.0  # how late this replica's first tokens came against their predictions (a high quantile)
+    decode_learned: bool = True  # False: the decode terms are a prior (the engine's counters), never a refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ class Prediction:
     batch: int  # the batch it would join, itself included
     margin_s: float = 0.0  # included in ttft_s: the replica's recent prediction error
     tokens: int = 0  # the KV it would hold there
+    tpot_learned: bool = True  # False: tpot_s is from a prior, not from this replica's answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +113,8 @@ def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int) -> Predic
     wait = room_wait(r.kv_tokens, r.held, tokens, now)
     ttft = wait + r.overhead_s + r.prefill_s_per_token * max(0, uncached) + r.margin_s
     batch = len(r.held) + 1
-    return Prediction(r.replica, wait, ttft, r.step_s + r.step_per_seq_s * batch, batch, r.margin_s, tokens)
+    tpot = r.step_s + r.step_per_seq_s * batch
+    return Prediction(r.replica, wait, ttft, tpot, batch, r.margin_s, tokens, r.decode_learned)
 
 
 def _prefer(
@@ -129,8 +132,13 @@ def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
     """Admit or refuse a request given its predictions on the replicas that may serve it."""
     if not predictions:
         return Verdict(False, "no-replica", 1.0, None, ())
-    # a replica with nothing else to decode is as fast as the engine gets: never a reason to refuse
-    fast_enough = [p for p in predictions if targets.tpot_s is None or p.tpot_s <= targets.tpot_s or p.batch == 1]
+    # a replica with nothing else to decode is as fast as the engine gets, and a decode speed not yet learned from
+    # answers is a guess: neither is a reason to refuse
+    fast_enough = [
+        p
+        for p in predictions
+        if targets.tpot_s is None or p.tpot_s <= targets.tpot_s or p.batch == 1 or not p.tpot_learned
+    ]
     meeting = [p for p in fast_enough if targets.ttft_s is None or p.ttft_s <= targets.ttft_s]
     no_wait = [p for p in fast_enough if p.wait_s == 0.0]
     if meeting:

@@ -283,7 +283,10 @@ async def test_engine_and_two_gateways_in_containers_behind_haproxy(
         workers = [asyncio.create_task(load(w)) for w in range(4)]
         await wait_for(lambda: len(done) >= 8, 120.0, "load running")
         podman("kill", "--signal", "KILL", gateways[1])
-        await asyncio.gather(*workers)
+        try:
+            await asyncio.gather(*workers)
+        except Exception as exc:  # the gateway's side of it
+            raise AssertionError(f"{exc}\n{containers.logs(gateways[0])}") from exc
         assert len(done) == 48 and all(n > 0 for n in done)
 
         # SIGTERM drains: a streamed answer in flight on the remaining gateway finishes, then the container exits 0

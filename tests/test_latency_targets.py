@@ -96,6 +96,10 @@ def test_time_per_token_target_but_an_idle_replica_is_never_too_slow() -> None:
     v = judge(idle, Targets(ttft_s=2.0, tpot_s=0.1))
     assert v.admit and v.prefer == ("c",)
     assert judge([], Targets(ttft_s=1.0)).reason == "no-replica"
+    # a decode speed that is still the engine's prior (its lifetime mean inter-token latency, first slow tokens
+    # included), not learned from answers, is a guess: never a refusal
+    guessed = Prediction("a", 0.0, 0.1, 0.2, 5, tpot_learned=False)
+    assert judge([guessed], Targets(ttft_s=2.0, tpot_s=0.1)).admit
 
 
 def test_a_request_may_ask_only_for_looser_targets() -> None:
@@ -162,6 +166,18 @@ def test_the_margin_is_how_late_first_tokens_came_at_a_high_quantile() -> None:
     assert early.margin() == 0.0  # predictions that were too pessimistic never lower a prediction
     view = replica(margin_s=0.25)
     assert predict(view, NOW, 100, uncached=100).ttft_s == pytest.approx(0.01 + 0.1 + 0.25)
+
+
+def test_short_answers_teach_no_decode_speed() -> None:
+    """A whole answer of 4 tokens that took 0.6 s is mostly its HTTP and scheduling time, not a 150 ms decode step:
+    it must not make the model refuse on a time-per-token target."""
+    learner = LatencyLearner()
+    for batch in (1, 2, 3, 4, 2, 3):
+        learner.observe_decode(batch, 0.15, 4)
+    assert not learner.decode_learned and learner.terms(None, None)[2:] == (0.0, 0.0)
+    for batch in (1, 2, 3, 4):
+        learner.observe_decode(batch, 0.01 * batch, 32)
+    assert learner.decode_learned and learner.terms(None, None)[3] == pytest.approx(0.01)
 
 
 def test_the_kv_a_request_holds_is_its_max_tokens_or_the_mean_output_seen() -> None:
