@@ -1,10 +1,10 @@
 """One replica's latency model, learned online; the predictions and the admission verdict are `policies.latency`.
 
 Samples are the gateway's own answers (`observe_first_token`, `observe_decode`): a stream's time to first token
-measured from when the gateway sent it, against the prompt tokens the engine computed (prompt less cached, from
-the answer's usage); and its decode seconds per token against the batch it ran in (answers of at least
-`MIN_DECODE_TOKENS` tokens). Only requests predicted to start
-at once (no wait for KV room) teach the prefill line, so queueing never reads as prefill.
+measured from when the gateway sent it, against the prompt tokens the engine computed (prompt less cached, from the
+answer's usage); and its decode seconds per token against the batch it ran in (answers of at least
+`MIN_DECODE_TOKENS` tokens). Only requests predicted to start at once (no wait for KV room) teach the prefill line,
+so queueing never reads as prefill.
 
 Estimator: a Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last `WINDOW`
 samples of each kind, refitted every `REFIT` samples: robust to the outliers a noisy engine gives (a pause, a

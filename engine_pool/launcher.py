@@ -61,12 +61,12 @@ _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT = 10000
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range."""
     try:
-        low, high = (int(v) for v in _EPHEMERAL.read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,7 +75,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     may meanwhile become the source port of any outgoing connection on the machine (a health probe, a ZMQ
     subscriber's reconnect): the engine then fails with `Address already in use` and every restart with it. 64 tries
     at random below the range, else bind to 0."""
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     if low > _LOWEST_PORT + 1000:
         for _ in range(64):
             port = _LOWEST_PORT + secrets.randbelow(low - _LOWEST_PORT)

@@ -61,7 +61,7 @@ class Prediction:
     batch: int  # the batch it would join, itself included
     margin_s: float = 0.0  # included in ttft_s: the replica's recent prediction error
     tokens: int = 0  # the KV it would hold there
-    tpot_learned: bool = True  # False: tpot_s is from a prior, not from this replica's answers
+    decode_learned: bool = True  # False: tpot_s comes from a prior, not from this replica's answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,7 @@ def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
     fast_enough = [
         p
         for p in predictions
-        if targets.tpot_s is None or p.tpot_s <= targets.tpot_s or p.batch == 1 or not p.tpot_learned
+        if targets.tpot_s is None or p.tpot_s <= targets.tpot_s or p.batch == 1 or not p.decode_learned
     ]
     meeting = [p for p in fast_enough if targets.ttft_s is None or p.ttft_s <= targets.ttft_s]
     no_wait = [p for p in fast_enough if p.wait_s == 0.0]

@@ -98,7 +98,7 @@ def test_time_per_token_target_but_an_idle_replica_is_never_too_slow() -> None:
     assert judge([], Targets(ttft_s=1.0)).reason == "no-replica"
     # a decode speed that is still the engine's prior (its lifetime mean inter-token latency, first slow tokens
     # included), not learned from answers, is a guess: never a refusal
-    guessed = Prediction("a", 0.0, 0.1, 0.2, 5, tpot_learned=False)
+    guessed = Prediction("a", 0.0, 0.1, 0.2, 5, decode_learned=False)
     assert judge([guessed], Targets(ttft_s=2.0, tpot_s=0.1)).admit
 
 
