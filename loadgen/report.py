@@ -238,7 +238,7 @@ def plot_cdf_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
         ax3.set_xscale("symlog", linthresh=1.0)  # stalls of seconds beside gaps of milliseconds
     for ax in (ax1, ax2, ax3):
         ax.grid(True, alpha=0.3)
-        if lines:
+        if ax.get_legend_handles_labels()[0]:  # a point whose requests all failed draws no line
             ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
