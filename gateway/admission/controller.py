@@ -285,7 +285,8 @@ class AdmissionController:
         return self._tenant_active.get(tenant, 0)
 
     def tenants_in_flight(self) -> Mapping[str, int]:
-        return self._tenant_active
+        """Every configured tenant (0 when idle: a gauge's series should not come and go) and any other active."""
+        return {**dict.fromkeys(self.config.tenants, 0), **self._tenant_active}
 
     # --- capacity and queue ------------------------------------------------------------------------------------
     def capacity(self, model: str) -> tuple[int, int]:
@@ -376,6 +377,7 @@ class AdmissionController:
     ) -> None:
         if self._free(model):
             self._take(model)
+            self.metrics.queue_wait.labels(identity.tenant).observe(0.0)  # admitted at once: waited nothing
             return
         qcfg, tenant = self.config.queue, identity.tenant
         reason = None
