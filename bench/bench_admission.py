@@ -193,7 +193,7 @@ async def rejection_cost(n: int = 20_000) -> tuple[float, float]:
         ctl = AdmissionController(cfg, replicas, router, LocalQuotaStore(), AdmissionMetrics(registry))
         ident = ctl.identify({})
         replica.in_flight = 1  # full: every request must be refused at once
-        ctl._active[MODEL] = 1
+        ctl.capacity_gate._active[MODEL] = 1
         times = []
         for i in range(n):
             ctx = RequestContext(request_id=str(i), endpoint="chat")

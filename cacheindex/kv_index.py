@@ -1,18 +1,13 @@
 """Per-replica index of the KV blocks each replica is believed to hold, keyed by kvgate's chained block hashes.
 
-Structure, per replica:
-- `blocks`: `OrderedDict[kvgate_hash, insert_seq]` in LRU order, bounded by the replica's capacity in blocks
-  (vLLM's `num_gpu_blocks`, or the online estimate below); inserting past capacity evicts the least recently used
-  entry. `insert_seq` is the replica's count of new blocks at the block's last use, so `inserts - insert_seq` is
-  how many new blocks the replica has taken since: the block's LRU age, which is what pushes it out.
-- `speculative`: `kvgate_hash -> expiry` for blocks recorded at routing time on a replica that publishes KV events;
-  if its events do not confirm them within `speculative_ttl_s` they stop counting (dropped lazily).
-- `recent`: `OrderedDict[kvgate_hash, last_routed_time]`, the blocks requests routed there used within
-  `hot_window_s`: the replica's hot footprint (its working set), which placement weighs against capacity.
-- `offloaded`: the blocks the replica's second tier holds (vLLM's KV offloading to CPU memory: KV events with
-  `medium="CPU"`), an LRU bounded by `max(8 x capacity, 65,536)`, with its own engine-hash map. Only KV events fill
-  it. vLLM looks a prompt up on the GPU first and asks the tier for the blocks after the GPU's leading run, so
-  `offloaded(...)` counts the blocks after that run that the tier holds: they are loaded, not recomputed.
+Per replica, a `ReplicaBlocks` (cacheindex.replica_blocks): `blocks`, the LRU of the blocks it is believed to hold,
+bounded by its capacity in blocks (vLLM's `num_gpu_blocks`, or the online estimate below), with each block's insert
+count (its LRU age); `speculative`, the expiries of blocks recorded at routing time on a replica that publishes KV
+events (unconfirmed within `speculative_ttl_s`, they stop counting); `recent`, the blocks routed there within
+`hot_window_s` (its hot footprint, which placement weighs against capacity); `offloaded`, the blocks its second
+tier holds (vLLM's KV offloading to CPU memory: KV events with `medium="CPU"`). Only KV events fill the tier. vLLM
+looks a prompt up on the GPU first and asks the tier for the blocks after the GPU's leading run, so
+`offloaded(...)` counts the blocks after that run that the tier holds: they are loaded, not recomputed.
 
 Sources:
 - approximate: `record_routed(replica, hashes)` when a request is sent there (the engine will cache its prompt);
@@ -49,95 +44,15 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import repeat, takewhile
 
 from cacheindex.hashing import chain_hashes
+from cacheindex.replica_blocks import EngineHash, ReplicaBlocks
 from policies.base import Footprint
 
-EngineHash = Hashable  # vLLM publishes int (low 64 bits) or bytes hashes
-
 _CONFIRMED = math.inf  # the expiry of a confirmed block
-
-
-@dataclass(slots=True)
-class _ReplicaBlocks:
-    capacity: int
-    capacity_known: bool  # from the engine (num_gpu_blocks); else estimated online from feedback
-    precise: bool  # the replica publishes KV events: routed inserts are speculative and expire
-    bound: int = 0  # the configured or default capacity: an estimate never exceeds it
-    blocks: OrderedDict[int, int] = field(default_factory=OrderedDict)
-    speculative: dict[int, float] = field(default_factory=dict)
-    recent: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    engine_to_kvgate: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
-    offloaded: OrderedDict[int, None] = field(default_factory=OrderedDict)  # the second tier (CPU), LRU
-    offload_map: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)  # its engine-hash map
-    inserts: int = 0  # new blocks taken so far (the LRU age clock)
-    age_estimate: float | None = None  # exponential mean of the LRU ages of blocks found evicted
-    oldest_hit_age: int = 0  # the largest LRU age seen still cached (a floor under the estimate)
-
-    def insert_all(self, hashes: Iterable[int], expiry: float | None) -> None:
-        """Insert or refresh each block in turn (the last one ends up most recent), evicting past capacity.
-        `expiry` None: confirmed; else speculative until then (a confirmed block stays confirmed).
-        The hot loop of routing: every block of every routed request passes here, hence the local names."""
-        blocks, move_to_end, capacity, spec = self.blocks, self.blocks.move_to_end, self.capacity, self.speculative
-        inserts = self.inserts
-        for h in hashes:
-            if h in blocks:
-                move_to_end(h)
-                if expiry is None:
-                    spec.pop(h, None)
-                elif h in spec and expiry > spec[h]:
-                    spec[h] = expiry
-            else:
-                inserts += 1
-                if expiry is not None:
-                    spec[h] = expiry
-                if len(blocks) >= capacity:
-                    spec.pop(blocks.popitem(last=False)[0], None)
-            blocks[h] = inserts
-        self.inserts = inserts
-
-    def drop(self, hashes: Iterable[int]) -> int:
-        n = 0
-        for h in hashes:
-            if self.blocks.pop(h, None) is not None:
-                self.speculative.pop(h, None)
-                n += 1
-        return n
-
-    def shrink_to(self, capacity: int) -> None:
-        self.capacity = capacity
-        while len(self.blocks) > capacity:
-            self.speculative.pop(self.blocks.popitem(last=False)[0], None)
-
-    def map_engine(self, engine_hash: EngineHash, h: int) -> None:
-        m = self.engine_to_kvgate
-        m[engine_hash] = h
-        m.move_to_end(engine_hash)
-        if len(m) > 2 * self.capacity:
-            m.popitem(last=False)
-
-    def kvgate_hash(self, engine_hash: EngineHash) -> int | None:
-        h = self.engine_to_kvgate.get(engine_hash)
-        return self.offload_map.get(engine_hash) if h is None else h
-
-    def offload(self, pairs: Iterable[tuple[EngineHash, int]]) -> int:
-        """Store blocks in the second tier (refreshing those it holds), evicting its LRU past its bound."""
-        tier, m, n = self.offloaded, self.offload_map, 0
-        bound = max(_OFFLOAD_FACTOR * self.capacity, _OFFLOAD_MIN)
-        for engine_hash, h in pairs:
-            tier[h] = None
-            tier.move_to_end(h)
-            m[engine_hash] = h
-            m.move_to_end(engine_hash)
-            n += 1
-        while len(tier) > bound:
-            tier.popitem(last=False)
-        while len(m) > bound:
-            m.popitem(last=False)
-        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +71,6 @@ _ESTIMATE_WEIGHT = 0.2
 _MIN_CAPACITY = 16
 # LRU ages remembered per routed request (its first blocks): enough to place any miss in the first 256 blocks.
 _MAX_AGES = 256
-# The second tier's bound: a multiple of the GPU capacity (hosts usually give offloading several times the GPU's KV).
-_OFFLOAD_FACTOR = 8
-_OFFLOAD_MIN = 65_536
 _MAX_ROOTS = 262_144  # first blocks remembered (hints of which replicas hold them)
 
 
@@ -173,7 +85,7 @@ class KvIndex:
         self._ttl = speculative_ttl_s if speculative_ttl_s and speculative_ttl_s > 0 else None
         self._hot_window_s = hot_window_s
         self._clock = clock
-        self._replicas: dict[str, _ReplicaBlocks] = {}
+        self._replicas: dict[str, ReplicaBlocks] = {}
         self._roots: OrderedDict[int, set[str]] = OrderedDict()
 
     # --- membership -------------------------------------------------------------------------------------------
@@ -184,7 +96,7 @@ class KvIndex:
         `capacity_known=False` that is a starting bound the index lowers from feedback (`observe`)."""
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
-        self._replicas[replica_id] = _ReplicaBlocks(
+        self._replicas[replica_id] = ReplicaBlocks(
             capacity=capacity_blocks, capacity_known=capacity_known, precise=precise, bound=capacity_blocks
         )
 
@@ -384,7 +296,7 @@ class KvIndex:
         return len(pairs)
 
     @staticmethod
-    def _translate(r: _ReplicaBlocks, event: StoredBlocks, root_seed: int) -> list[tuple[EngineHash, int]] | None:
+    def _translate(r: ReplicaBlocks, event: StoredBlocks, root_seed: int) -> list[tuple[EngineHash, int]] | None:
         """(engine hash, kvgate hash) of each stored block: re-hashed from the token ids in kvgate's chain, or,
         without them, the hashes the maps already hold."""
         if not event.token_ids:

@@ -1,10 +1,9 @@
 """`CacheAwareState`: the one object the gateway holds for cache-aware routing.
 
-Per request: `request_info` tokenizes the prompt as the target engine will (tokenizer chosen per model: config,
-else the replica's, else `chars`), cuts it into full blocks of the model's block size and hashes them in the cache
-context (model or LoRA adapter name + `cache_salt`). Prompts of at least `tokenizer_thread_min_chars` characters
-are tokenized in a small thread pool (an 8k-token HF chat prompt takes ~20 ms on this machine); shorter ones inline
-(pure-Python tokenizers, which hold the GIL, only from `python_tokenizer_thread_min_chars`).
+Per request: `request_info` chooses the tokenizer per model (config, else the replica's, else `chars`) and the
+model's block size; `tokenize_pool` (cacheindex.tokenize_pool: the tokenizers and their thread pool) tokenizes the
+prompt as the target engine will, cuts it into full blocks and hashes them in the cache context (model or LoRA
+adapter name + `cache_salt`).
 `overlap` / `session_replica` fill the `RoutingView`; `on_routed` records the speculative insert and binds the
 session, and hands both to `shared` (the other gateways, gateway.fleet, given at construction) when any;
 `apply_shared` learns theirs.
@@ -13,7 +12,7 @@ session, and hands both to `shared` (the other gateways, gateway.fleet, given at
 Replicas: `add_replica` registers a replica's block size and capacity and, when KV events are enabled and its
 tokenizer is exact, a ZMQ subscriber (started by `start`, or at once when already started). Events are re-hashed
 into kvgate's chain (kv_index). Every structure is bounded: index by replica capacity, sessions by config, pending
-predictions by `_MAX_PENDING`, tokenizers by `_MAX_TOKENIZERS`.
+predictions by `_MAX_PENDING`, tokenizers by tokenize_pool's LRU.
 """
 
 from __future__ import annotations
@@ -21,10 +20,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,21 +30,19 @@ from prometheus_client import CollectorRegistry
 
 from cacheindex.config import CacheConfig
 from cacheindex.event_sink import KvEventApplier
-from cacheindex.hashing import context_seed, prompt_block_hashes
-from cacheindex.incremental import ChatPrefixCache
 from cacheindex.kv_events import KvEvent, KvEventSubscriber
 from cacheindex.kv_index import KvIndex
 from cacheindex.metrics import PrefixMetrics
 from cacheindex.routed import Routed, RoutedRequests
 from cacheindex.sessions import SessionTable, session_digest
 from cacheindex.shared import EarlyDecisions, SharedRouting
-from cacheindex.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
+from cacheindex.tokenize_pool import TokenizePool
+from cacheindex.tokenizers import PromptTokenizer
 from policies.base import Decision, Footprint, RequestInfo
 
 log = logging.getLogger(__name__)
 
 _MAX_PENDING = 65_536  # routed requests awaiting on_finished (parity); oldest forgotten first
-_MAX_TOKENIZERS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,44 +63,6 @@ class _Replica:
     subscriber: KvEventSubscriber | None = None
 
 
-def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
-    """A cheap size estimate deciding inline vs thread-pool tokenization."""
-    if endpoint == "chat":
-        total = 0
-        for m in body.get("messages") or ():
-            content = m.get("content") if isinstance(m, Mapping) else None
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
-        return total
-    prompt = body.get("prompt")
-    return len(prompt) if isinstance(prompt, str | list) else 0
-
-
-def _chat_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
-    kwargs = dict(body.get("chat_template_kwargs") or {})
-    if body.get("continue_final_message"):
-        kwargs["continue_final_message"] = True
-    if body.get("tools"):
-        kwargs["tools"] = body["tools"]
-    return kwargs
-
-
-def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> list[int]:
-    if endpoint == "chat":
-        add_generation_prompt = body.get("add_generation_prompt", True)
-        return tok.tokenize_chat(body["messages"], bool(add_generation_prompt), _chat_kwargs(body))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # a batch: route by its first prompt
-    if isinstance(prompt, str):
-        return tok.tokenize_text(prompt, bool(body.get("add_special_tokens", True)))
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
-    raise ValueError("prompt must be a string, a list of strings or a list of token ids")
-
-
 class CacheAwareState:
     def __init__(
         self, config: CacheConfig, registry: CollectorRegistry, *, shared: SharedRouting | None = None
@@ -123,17 +80,10 @@ class CacheAwareState:
             sessions=lambda: len(self.sessions),
         )
         self._replicas: dict[str, _Replica] = {}
-        self._tokenizers: OrderedDict[str, PromptTokenizer] = OrderedDict()
-        self._tokenizer_locks: dict[str, asyncio.Lock] = {}
-        self._pool = self._new_pool()
-        self._pool_closed = False
+        self.tokenize_pool = TokenizePool(config, self.metrics)
         self._started = False  # between start and stop: KV event subscribers run, tokenizers preload
         self._ids = itertools.count(1)
         self.routed = RoutedRequests(_MAX_PENDING)
-        self.chat_prefixes = ChatPrefixCache(
-            config.chat_prefix_cache_bytes, on_outcome=lambda o: self.metrics.chat_prefix.labels(o).inc()
-        )
-        self._preloads: dict[str, asyncio.Task[PromptTokenizer]] = {}  # spec -> its load, while it runs
         self._last_overlap: tuple[int, dict[str, int]] = (0, {})
         self._parity: dict[str, deque[tuple[int, int]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
@@ -143,9 +93,6 @@ class CacheAwareState:
         self._early = EarlyDecisions()  # the others' decisions for replicas not registered here yet
 
     # --- lifecycle --------------------------------------------------------------------------------------------
-    def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
-
     @property
     def started(self) -> bool:
         return self._started
@@ -153,8 +100,7 @@ class CacheAwareState:
     async def start(self) -> None:
         """Subscribe to the registered replicas' KV events and preload their tokenizers. Registering replicas and
         learning other gateways' decisions work before (and after) it; `start` after `stop` starts again."""
-        if self._pool_closed:
-            self._pool, self._pool_closed = self._new_pool(), False
+        self.tokenize_pool.reopen()
         self._started = True
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
@@ -165,10 +111,7 @@ class CacheAwareState:
 
     async def stop(self) -> None:
         self._started = False
-        preloads = list(self._preloads.values())
-        for preload in preloads:
-            preload.cancel()
-        await asyncio.gather(*preloads, return_exceptions=True)
+        await self.tokenize_pool.cancel_preloads()
         for r in self._replicas.values():
             if r.subscriber is not None:
                 task = r.subscriber.cancel()
@@ -181,8 +124,7 @@ class CacheAwareState:
         if self._zmq is not None:
             self._zmq.term()
             self._zmq = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool_closed = True
+        self.tokenize_pool.close()
 
     # --- replicas ---------------------------------------------------------------------------------------------
     def _capacities(self) -> dict[str, tuple[int, bool, int]]:
@@ -234,16 +176,13 @@ class CacheAwareState:
             self.apply_shared(replica_id, hashes, session, past=past)
 
     def _preload(self, spec: str) -> None:
-        """Load a tokenizer (and chat template) now, in the background, so no request waits for it."""
-        if spec in self._tokenizers or spec in self._preloads or not self._started:
-            return
-        task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
-        self._preloads[spec] = task
-        task.add_done_callback(lambda _: self._preloads.pop(spec, None))
+        """Load a tokenizer (and chat template) now, in the background, while started (tokenize_pool)."""
+        if self._started:
+            self.tokenize_pool.preload(spec)
 
     def tokenizers_loading(self) -> list[str]:
         """The tokenizer specs being loaded now (a request for their models would wait)."""
-        return sorted(self._preloads)
+        return self.tokenize_pool.loading()
 
     def remove_replica(self, replica_id: str) -> None:
         r = self._replicas.pop(replica_id, None)
@@ -287,28 +226,8 @@ class CacheAwareState:
         return "chars"
 
     async def tokenizer(self, spec: str) -> PromptTokenizer:
-        """The tokenizer for `spec`, loaded once in the thread pool. A spec that fails to load falls back to
-        `chars` (logged as an error: overlaps become approximate and KV events cannot match)."""
-        tok = self._tokenizers.get(spec)
-        if tok is not None:
-            return tok
-        lock = self._tokenizer_locks.setdefault(spec, asyncio.Lock())
-        async with lock:
-            tok = self._tokenizers.get(spec)
-            if tok is None:
-                loop = asyncio.get_running_loop()
-                try:
-                    tok = await loop.run_in_executor(
-                        self._pool, lambda: build_tokenizer(spec, chunk_chars=self.config.char_chunk_size)
-                    )
-                except (OSError, ValueError, ImportError) as exc:
-                    log.error("tokenizer %r failed to load (%s); using approximate 'chars' tokens", spec, exc)
-                    tok = CharsPromptTokenizer(self.config.char_chunk_size)
-                self._tokenizers[spec] = tok
-                while len(self._tokenizers) > _MAX_TOKENIZERS:
-                    self._tokenizers.popitem(last=False)
-        self._tokenizer_locks.pop(spec, None)
-        return tok
+        """The tokenizer for `spec`, loaded once (tokenize_pool); `chars` when it fails to load."""
+        return await self.tokenize_pool.tokenizer(spec)
 
     async def request_info(
         self,
@@ -328,31 +247,9 @@ class CacheAwareState:
         block_size = self._block_size(base_model or model)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
-
-        def work() -> tuple[int, list[int]]:
-            if endpoint == "chat" and isinstance(tok, HfPromptTokenizer):  # exact, and only the new tokens encoded
-                add_generation_prompt = bool(body.get("add_generation_prompt", True))
-                return self.chat_prefixes.tokens_and_hashes(
-                    tok, body["messages"], add_generation_prompt, _chat_kwargs(body),
-                    block_size=block_size, seed=context_seed(model, None, salt),
-                )  # fmt: skip
-            tokens = _tokenize(tok, endpoint, body)
-            return len(tokens), prompt_block_hashes(tokens, block_size, model=model, cache_salt=salt)
-
-        started = time.perf_counter()
-        try:
-            cfg = self.config
-            min_chars = cfg.python_tokenizer_thread_min_chars if tok.pure_python else cfg.tokenizer_thread_min_chars
-            if _prompt_chars(endpoint, body) >= min_chars:
-                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(self._pool, work)
-            else:
-                n_tokens, hashes = work()
-        except Exception as exc:  # the router's prediction must never fail the request; the engine validates
-            log.debug("could not tokenize a %s request for %s: %r", endpoint, model, exc)
-            self.metrics.tokenize_errors.labels(tok.kind).inc()
-            n_tokens, hashes = 0, []
-        self.metrics.tokenize_seconds.labels(tok.kind).observe(time.perf_counter() - started)
-        self.metrics.requests.labels(tok.kind, "true" if tok.approximate else "false").inc()
+        n_tokens, hashes = await self.tokenize_pool.tokens_and_hashes(
+            tok, model=model, endpoint=endpoint, body=body, block_size=block_size, salt=salt
+        )
         if session_key is None and self.config.session_from_user:
             user = body.get("user")
             session_key = user if isinstance(user, str) and user else None

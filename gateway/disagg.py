@@ -8,9 +8,10 @@ Per chat or completions request of a model some of whose replicas have role `pre
    `stream_options` / `min_tokens`, and vLLM's `kv_transfer_params` asking for a remote decode (NixlConnector's
    protocol; ExampleConnector and LMCache find the KV by the prompt and ignore it). It goes to the prefill replica
    the routing policy picks among the prefill replicas (cache-aware: prefix reuse matters most there), through the
-   proxy's `send` (same timeouts, connections and breaker accounting as any attempt). A connect error, timeout or
-   5xx is retried on another prefill replica (at most `retry.max_attempts` in all); a 4xx is the request's own
-   error and is the client's answer. With no prefill replica left the request runs whole (reason prefill-failed).
+   proxy's attempts (their `gateway.upstream_send.send`: same timeouts, connections and breaker accounting as any
+   attempt). A connect error, timeout or 5xx is retried on another prefill replica (at most `retry.max_attempts` in
+   all); a 4xx is the request's own error and is the client's answer. With no prefill replica left the request runs
+   whole (reason prefill-failed).
 3. The prefill answer's `kv_transfer_params` (NixlConnector: the remote engine, block ids, host, port) are added to
    the body the decode replica gets; the proxy then routes, retries and relays it as any request.
 Cost: for a split request, two JSON round trips of the body and one extra engine round trip; nothing for a model

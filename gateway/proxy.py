@@ -5,8 +5,9 @@ Everything the request carries is one `Exchange` (gateway.exchange); every try i
 (gateway.migration) and the prefill step of a split model (gateway.disagg) all go through it; what differs is only
 the loop around it and what is done with the engine's answer (the relay).
 1. Route (excluding the replicas already tried); 503 when there is none.
-2. Send the body; wait for the response headers within `first_byte_s` for a stream, the total deadline otherwise
-   (connect within `connect_s`).
+2. Send the body (gateway.upstream_send: the request's headers, the send, a whole answer's read, the client's
+   response headers); wait for the response headers within `first_byte_s` for a stream, the total deadline
+   otherwise (connect within `connect_s`).
 3. Connection refused / reset, timeout, or a 5xx before any byte went to the client: count the failure on the
    replica (its breaker may open; a 5xx only once another replica answered the same request: two replicas refusing
    it means the request is at fault) and try another replica, at most `max_attempts` attempts in all. A 4xx is the
@@ -49,18 +50,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.migration import continuation
 from gateway.relay import ClientEvents, SseSplitter
 from gateway.router import Router
+from gateway.upstream_send import read_answer, response_headers, send
 from policies.base import Decision
 
 T = TypeVar("T")
-# engine response headers the client does not get: hop by hop (RFC 9110 7.6.1), framing, and what the gateway's own
-# server writes (lower case, as compared)
-_NOT_RELAYED = frozenset(
-    {
-        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-        b"proxy-authenticate", b"proxy-authorization", b"content-length", b"content-type",
-        b"date", b"server", b"x-request-id",
-    }
-)  # fmt: skip
 Relay = Callable[[Exchange, UpstreamResponse, Replica, Decision], Awaitable[T]]
 
 
@@ -161,7 +154,7 @@ class UpstreamProxy:
         client is `Retryable`, a 4xx the client's error (raised as it is)."""
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         try:
-            upstream = await self.send(replica, ex)
+            upstream = await send(self.client, self.settings.timeouts, replica, ex)
             try:
                 if upstream.status >= 500:
                     raise Retryable(f"http_{upstream.status}", await upstream_error(upstream)) from None
@@ -204,76 +197,13 @@ class UpstreamProxy:
     def _headers(
         self, ex: Exchange, replica: Replica, decision: Decision, upstream: UpstreamResponse
     ) -> dict[str, str]:
-        """The client's response headers: the engine's own (rate limits, timings, tracing, custom ones), less the
-        hop-by-hop ones and those the gateway writes itself, which replace the engine's: framing and type,
-        `x-request-id`, the route headers and what admission adds (`x-ratelimit-*`)."""
-        headers = {
-            name.decode("latin-1"): value.decode("latin-1")
-            for name, value in upstream.headers
-            if name.lower() not in _NOT_RELAYED and not name.lower().startswith(b"x-kvgate-")
-        }
-        headers["x-request-id"] = ex.ctx.request_id
-        headers.update(ex.ctx.extra_headers)
-        if self.settings.route_headers:
-            headers["x-kvgate-replica"] = replica.id
-            headers["x-kvgate-route-reason"] = decision.reason
-        return headers
-
-    @staticmethod
-    def _ask_headers(ex: Exchange) -> dict[str, str]:
-        ctx = ex.ctx
-        headers = {**ex.forward, "Content-Type": ex.parsed.content_type, "x-request-id": ctx.request_id}
-        if ctx.trace is not None:  # the engine's spans join the request's trace under kvgate.upstream
-            headers["traceparent"] = ctx.trace.upstream_traceparent()
-            ctx.sent_at = time.monotonic()
-        elif ctx.client_traceparent is not None:
-            headers["traceparent"] = ctx.client_traceparent
-        return headers
-
-    async def send(self, replica: Replica, ex: Exchange) -> UpstreamResponse:
-        """Send and wait for the response headers; a kept-alive connection that turns out stale is replaced once.
-        A stream's headers come with its first event: waited for `first_byte_s`, then retried elsewhere. A whole
-        answer's headers come only when the generation is done: waited for until the total deadline, and a timeout
-        then is not retried (the engine took the request; running it again elsewhere would only repeat the work)."""
-        timeouts = self.settings.timeouts
-        pool = self.client.pool(replica.host, replica.port, replica.use_tls)
-        headers = self._ask_headers(ex)
-        url = replica.base_path + ex.path
-        for fresh_retry in (False, True):
-            upstream: UpstreamResponse | None = None
-            left = ex.deadline - time.monotonic()
-            budget = min(timeouts.first_byte_s, left) if ex.stream else left
-            try:
-                started = time.monotonic()  # on an idle kept-alive connection (the common case) nothing waits
-                upstream = await pool.request(
-                    ex.method, url, ex.data, headers, connect_timeout_s=min(timeouts.connect_s, budget)
-                )
-                # one timer on the response (the client's DeadlineWatch), not a task timeout around the wait
-                upstream.set_timeout(budget - (time.monotonic() - started))
-                await upstream.headers_ready
-                return upstream
-            except TimeoutError:
-                if upstream is not None:
-                    upstream.close()
-                if not ex.stream:
-                    raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
-                raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
-            except UpstreamConnectionError as exc:
-                if upstream is not None:
-                    upstream.close()
-                    if upstream.reused and not fresh_retry:
-                        continue
-                raise Retryable("connect", UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}")) from None
-            except BaseException:  # cancelled (the client left) while the engine works: abort the engine request
-                if upstream is not None:
-                    upstream.close()
-                raise
-        raise AssertionError("unreachable")
+        """The client's response headers (gateway.upstream_send), with the route headers when configured."""
+        return response_headers(ex, replica, decision, upstream, route_headers=self.settings.route_headers)
 
     async def _relay(self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision) -> int:
         if ex.stream:
             return await self._relay_stream(ex, upstream, replica, decision)
-        raw = await self.read_answer(upstream, replica, ex.deadline)
+        raw = await read_answer(upstream, replica, ex.deadline)
         ctx = ex.ctx
         ctx.ttft_s = time.monotonic() - ctx.started
         try:
@@ -288,20 +218,6 @@ class UpstreamProxy:
                 ctx.answer_id = answer_id(raw)
         ctx.answered = True
         return upstream.status
-
-    @staticmethod
-    async def read_answer(upstream: UpstreamResponse, replica: Replica, deadline: float) -> bytes:
-        """A whole answer's body, within the deadline; a connection lost on the way is `Retryable`."""
-        if not upstream.complete:  # usually the whole body came with the headers
-            upstream.set_timeout(deadline - time.monotonic())
-        try:
-            raw = await upstream.read()
-        except TimeoutError:  # the total deadline: nothing left to retry with
-            raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
-        except ConnectionError as exc:
-            raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
-        replica.record_success()
-        return raw
 
     async def _relay_stream(
         self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
@@ -429,4 +345,4 @@ class UpstreamProxy:
     async def _prefill_answer(
         self, step: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
     ) -> tuple[Replica, dict[str, Any]]:
-        return replica, transfer_params(await self.read_answer(upstream, replica, step.deadline))
+        return replica, transfer_params(await read_answer(upstream, replica, step.deadline))

@@ -1,4 +1,4 @@
-"""The simulated engine's scheduler and cost model, without HTTP (the aiohttp layer is `simengine.server`).
+"""The simulated engine's scheduler and cost model, without HTTP (the aiohttp layer: `simengine.server`, `generation`).
 
 A request is admitted FCFS (a strict FIFO: the head blocks the queue, like vLLM's default scheduler) when a sequence
 slot is free (``running < max_num_seqs``) and its blocks fit in the KV cache next to the pinned ones

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
+import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -105,11 +108,12 @@ async def open_page(path: Path, width: int = 1280, height: int = 900) -> AsyncIt
     """Chromium showing the file at `path` (absolute; loaded: its load event fired), closed on exit."""
     if CHROMIUM is None:
         raise RuntimeError("no chromium on PATH")
-    with tempfile.TemporaryDirectory(prefix="kvgate-chromium-") as profile:
+    # its helper processes may still write to the profile as they exit: removal best-effort
+    with tempfile.TemporaryDirectory(prefix="kvgate-chromium-", ignore_cleanup_errors=True) as profile:
         argv = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
                 "--disable-extensions", "--disable-background-networking", "--remote-debugging-port=0",
                 f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"]  # fmt: skip
-        process = await asyncio.create_subprocess_exec(*argv, stdout=DEVNULL, stderr=DEVNULL)
+        process = await asyncio.create_subprocess_exec(*argv, stdout=DEVNULL, stderr=DEVNULL, start_new_session=True)
         try:
             port = await _devtools_port(Path(profile), process)
             async with aiohttp.ClientSession() as http:
@@ -126,12 +130,19 @@ async def open_page(path: Path, width: int = 1280, height: int = 900) -> AsyncIt
                     finally:
                         await page.close()
         finally:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+            await _stop(process)
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    """Chromium and its helper processes (its own process group), SIGTERM then SIGKILL after 10 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            await asyncio.wait_for(process.wait(), 10)
+            return
+        except TimeoutError:
+            continue
 
 
 async def _screenshot(report: Path, out: Path) -> None:

@@ -174,9 +174,9 @@ async def test_overload_3x_fails_fast_and_never_overfills() -> None:
 
         async def monitor() -> None:
             while not done.is_set():
-                peak["queued"] = max(peak["queued"], adm.queued())
+                peak["queued"] = max(peak["queued"], adm.capacity_gate.queued())
                 peak["engine_waiting"] = max([peak["engine_waiting"], *(s.engine.waiting for s in servers)])
-                peak["active"] = max(peak["active"], adm._active.get(MODEL, 0))
+                peak["active"] = max(peak["active"], adm.capacity_gate._active.get(MODEL, 0))
                 await asyncio.sleep(0.002)
 
         results: list[tuple[int, dict[str, str]]] = []
@@ -195,7 +195,7 @@ async def test_overload_3x_fails_fast_and_never_overfills() -> None:
         assert statuses <= {200, 429, 503} and 200 in statuses and 503 in statuses
         assert all(int(h["Retry-After"]) >= 1 for s, h in results if s != 200)
         assert peak["queued"] <= 6 and peak["active"] <= 8 and peak["engine_waiting"] == 0
-        assert adm.queued() == 0 and adm._active.get(MODEL, 0) == 0  # nothing left behind
+        assert adm.capacity_gate.queued() == 0 and adm.capacity_gate._active.get(MODEL, 0) == 0  # nothing left behind
         reg = gw.app[REGISTRY]
         assert reg.get_sample_value(
             "kvgate_admission_rejections_total", {"tenant": "anonymous", "reason": "queue_full"}
@@ -219,7 +219,7 @@ async def test_fairness_light_tenant_is_not_starved() -> None:
                 flood_status.append((await post(session, gw.url, chat(max_tokens=6), key="sk-flood"))[0])
 
         async def light() -> None:
-            await wait_for(lambda: gw.app[ADMISSION].queued_for("flood") >= 10, 30.0, "flood queued")
+            await wait_for(lambda: gw.app[ADMISSION].capacity_gate.queued_for("flood") >= 10, 30.0, "flood queued")
             for _ in range(6):
                 light_status.append((await post(session, gw.url, chat(max_tokens=6), key="sk-light"))[0])
 

@@ -1,0 +1,181 @@
+"""`TokenizePool`: the prompt tokenizers of the cache state (cacheindex.state) and the small thread pool they run in.
+
+Tokenizers: one per spec (a local HF dir, "sim" or "chars"), loaded once in the pool by `tokenizer` (one lock per
+spec while it loads), kept in an LRU of `_MAX_TOKENIZERS`; a spec that fails to load falls back to `chars`. While
+the state is started, `preload` loads a spec in the background so that no request waits for it.
+Per request, `tokens_and_hashes` tokenizes the prompt as the target engine will (chat: its chat template, through
+`ChatPrefixCache` for an exact HF tokenizer so only a conversation's new tokens are encoded; completions: the text,
+the first prompt of a batch, or the token ids as given) and hashes its full blocks in the cache context. Prompts of
+at least `tokenizer_thread_min_chars` characters are tokenized in the pool (an 8k-token HF chat prompt takes ~20 ms
+on this machine); shorter ones inline (pure-Python tokenizers, which hold the GIL, only from
+`python_tokenizer_thread_min_chars`). It never raises: a prompt it cannot tokenize carries no blocks (counted).
+Cost: O(prompt) per request, and an O(messages) size estimate that decides inline or pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from cacheindex.config import CacheConfig
+from cacheindex.hashing import context_seed, prompt_block_hashes
+from cacheindex.incremental import ChatPrefixCache
+from cacheindex.metrics import PrefixMetrics
+from cacheindex.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
+
+log = logging.getLogger(__name__)
+
+_MAX_TOKENIZERS = 32
+
+
+def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
+    """A cheap size estimate deciding inline vs thread-pool tokenization."""
+    if endpoint == "chat":
+        total = 0
+        for m in body.get("messages") or ():
+            content = m.get("content") if isinstance(m, Mapping) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(p.get("text") or "") for p in content if isinstance(p, Mapping))
+        return total
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str | list) else 0
+
+
+def _chat_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    if body.get("continue_final_message"):
+        kwargs["continue_final_message"] = True
+    if body.get("tools"):
+        kwargs["tools"] = body["tools"]
+    return kwargs
+
+
+def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> list[int]:
+    if endpoint == "chat":
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        return tok.tokenize_chat(body["messages"], bool(add_generation_prompt), _chat_kwargs(body))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, str):
+        return tok.tokenize_text(prompt, bool(body.get("add_special_tokens", True)))
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    raise ValueError("prompt must be a string, a list of strings or a list of token ids")
+
+
+class TokenizePool:
+    def __init__(self, config: CacheConfig, metrics: PrefixMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._tokenizers: OrderedDict[str, PromptTokenizer] = OrderedDict()
+        self._tokenizer_locks: dict[str, asyncio.Lock] = {}
+        self._pool = self._new_pool()
+        self._pool_closed = False
+        self._preloads: dict[str, asyncio.Task[PromptTokenizer]] = {}  # spec -> its load, while it runs
+        self.chat_prefixes = ChatPrefixCache(
+            config.chat_prefix_cache_bytes, on_outcome=lambda o: self.metrics.chat_prefix.labels(o).inc()
+        )
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="kvgate-tokenize")
+
+    def reopen(self) -> None:
+        """A new thread pool after `close` (the state started again)."""
+        if self._pool_closed:
+            self._pool, self._pool_closed = self._new_pool(), False
+
+    async def cancel_preloads(self) -> None:
+        preloads = list(self._preloads.values())
+        for preload in preloads:
+            preload.cancel()
+        await asyncio.gather(*preloads, return_exceptions=True)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool_closed = True
+
+    # --- tokenizers -------------------------------------------------------------------------------------------
+    def preload(self, spec: str) -> None:
+        """Load a tokenizer (and chat template) now, in the background, so no request waits for it."""
+        if spec in self._tokenizers or spec in self._preloads:
+            return
+        task = asyncio.get_running_loop().create_task(self.tokenizer(spec), name=f"tokenizer:{spec}")
+        self._preloads[spec] = task
+        task.add_done_callback(lambda _: self._preloads.pop(spec, None))
+
+    def loading(self) -> list[str]:
+        """The tokenizer specs being loaded now (a request for their models would wait)."""
+        return sorted(self._preloads)
+
+    async def tokenizer(self, spec: str) -> PromptTokenizer:
+        """The tokenizer for `spec`, loaded once in the thread pool. A spec that fails to load falls back to
+        `chars` (logged as an error: overlaps become approximate and KV events cannot match)."""
+        tok = self._tokenizers.get(spec)
+        if tok is not None:
+            return tok
+        lock = self._tokenizer_locks.setdefault(spec, asyncio.Lock())
+        async with lock:
+            tok = self._tokenizers.get(spec)
+            if tok is None:
+                loop = asyncio.get_running_loop()
+                try:
+                    tok = await loop.run_in_executor(
+                        self._pool, lambda: build_tokenizer(spec, chunk_chars=self.config.char_chunk_size)
+                    )
+                except (OSError, ValueError, ImportError) as exc:
+                    log.error("tokenizer %r failed to load (%s); using approximate 'chars' tokens", spec, exc)
+                    tok = CharsPromptTokenizer(self.config.char_chunk_size)
+                self._tokenizers[spec] = tok
+                while len(self._tokenizers) > _MAX_TOKENIZERS:
+                    self._tokenizers.popitem(last=False)
+        self._tokenizer_locks.pop(spec, None)
+        return tok
+
+    # --- per request ------------------------------------------------------------------------------------------
+    async def tokens_and_hashes(
+        self,
+        tok: PromptTokenizer,
+        *,
+        model: str,
+        endpoint: Literal["chat", "completions"],
+        body: Mapping[str, Any],
+        block_size: int,
+        salt: str | None,
+    ) -> tuple[int, list[int]]:
+        """The prompt's token count and block hashes (seeded with `model` and `salt`); (0, []) when it cannot be
+        tokenized (`kvgate_prefix_tokenize_errors_total`)."""
+
+        def work() -> tuple[int, list[int]]:
+            if endpoint == "chat" and isinstance(tok, HfPromptTokenizer):  # exact, and only the new tokens encoded
+                add_generation_prompt = bool(body.get("add_generation_prompt", True))
+                return self.chat_prefixes.tokens_and_hashes(
+                    tok, body["messages"], add_generation_prompt, _chat_kwargs(body),
+                    block_size=block_size, seed=context_seed(model, None, salt),
+                )  # fmt: skip
+            tokens = _tokenize(tok, endpoint, body)
+            return len(tokens), prompt_block_hashes(tokens, block_size, model=model, cache_salt=salt)
+
+        started = time.perf_counter()
+        try:
+            cfg = self.config
+            min_chars = cfg.python_tokenizer_thread_min_chars if tok.pure_python else cfg.tokenizer_thread_min_chars
+            if _prompt_chars(endpoint, body) >= min_chars:
+                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(self._pool, work)
+            else:
+                n_tokens, hashes = work()
+        except Exception as exc:  # the router's prediction must never fail the request; the engine validates
+            log.debug("could not tokenize a %s request for %s: %r", endpoint, model, exc)
+            self.metrics.tokenize_errors.labels(tok.kind).inc()
+            n_tokens, hashes = 0, []
+        self.metrics.tokenize_seconds.labels(tok.kind).observe(time.perf_counter() - started)
+        self.metrics.requests.labels(tok.kind, "true" if tok.approximate else "false").inc()
+        return n_tokens, hashes

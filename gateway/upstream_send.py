@@ -1,0 +1,118 @@
+"""One engine round trip of the proxy (gateway.proxy): the request's headers, the send, a whole answer's read, and the
+headers of the client's response.
+
+`send`: the body goes to the replica on a kept-alive connection of the one HTTP client (engine_pool.http_client),
+with the request's forwarded headers, its `x-request-id` and its trace context; then the response headers are
+waited for: a stream's come with its first event (waited for `first_byte_s`, then `Retryable`: the proxy tries
+another replica), a whole answer's only when the generation is done (waited for until the total deadline; a timeout
+then is not retried). A kept-alive connection that turns out stale is replaced once; connect failures are
+`Retryable`; a cancelled wait (the client left) aborts the engine request. `read_answer`: a whole answer's body,
+within the deadline. `response_headers`: the engine's headers the client gets, less the hop-by-hop ones and those
+the gateway writes itself (`_NOT_RELAYED`, `x-kvgate-*`), plus the request id, what admission adds and the route
+headers. Cost: one engine round trip per `send`; O(headers) for the header sets.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
+from engine_pool.replica import Replica
+from gateway.config import TimeoutConfig
+from gateway.errors import Retryable, UpstreamTimeout, UpstreamUnavailable
+from gateway.exchange import Exchange
+from policies.base import Decision
+
+# engine response headers the client does not get: hop by hop (RFC 9110 7.6.1), framing, and what the gateway's own
+# server writes (lower case, as compared)
+_NOT_RELAYED = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+        b"proxy-authenticate", b"proxy-authorization", b"content-length", b"content-type",
+        b"date", b"server", b"x-request-id",
+    }
+)  # fmt: skip
+
+
+def response_headers(
+    ex: Exchange, replica: Replica, decision: Decision, upstream: UpstreamResponse, *, route_headers: bool
+) -> dict[str, str]:
+    """The client's response headers: the engine's own (rate limits, timings, tracing, custom ones), less the
+    hop-by-hop ones and those the gateway writes itself, which replace the engine's: framing and type,
+    `x-request-id`, the route headers and what admission adds (`x-ratelimit-*`)."""
+    headers = {
+        name.decode("latin-1"): value.decode("latin-1")
+        for name, value in upstream.headers
+        if name.lower() not in _NOT_RELAYED and not name.lower().startswith(b"x-kvgate-")
+    }
+    headers["x-request-id"] = ex.ctx.request_id
+    headers.update(ex.ctx.extra_headers)
+    if route_headers:
+        headers["x-kvgate-replica"] = replica.id
+        headers["x-kvgate-route-reason"] = decision.reason
+    return headers
+
+
+def _ask_headers(ex: Exchange) -> dict[str, str]:
+    ctx = ex.ctx
+    headers = {**ex.forward, "Content-Type": ex.parsed.content_type, "x-request-id": ctx.request_id}
+    if ctx.trace is not None:  # the engine's spans join the request's trace under kvgate.upstream
+        headers["traceparent"] = ctx.trace.upstream_traceparent()
+        ctx.sent_at = time.monotonic()
+    elif ctx.client_traceparent is not None:
+        headers["traceparent"] = ctx.client_traceparent
+    return headers
+
+
+async def send(client: UpstreamClient, timeouts: TimeoutConfig, replica: Replica, ex: Exchange) -> UpstreamResponse:
+    """Send and wait for the response headers; a kept-alive connection that turns out stale is replaced once.
+    A stream's headers come with its first event: waited for `first_byte_s`, then retried elsewhere. A whole
+    answer's headers come only when the generation is done: waited for until the total deadline, and a timeout
+    then is not retried (the engine took the request; running it again elsewhere would only repeat the work)."""
+    pool = client.pool(replica.host, replica.port, replica.use_tls)
+    headers = _ask_headers(ex)
+    url = replica.base_path + ex.path
+    for fresh_retry in (False, True):
+        upstream: UpstreamResponse | None = None
+        left = ex.deadline - time.monotonic()
+        budget = min(timeouts.first_byte_s, left) if ex.stream else left
+        try:
+            started = time.monotonic()  # on an idle kept-alive connection (the common case) nothing waits
+            upstream = await pool.request(
+                ex.method, url, ex.data, headers, connect_timeout_s=min(timeouts.connect_s, budget)
+            )
+            # one timer on the response (the client's DeadlineWatch), not a task timeout around the wait
+            upstream.set_timeout(budget - (time.monotonic() - started))
+            await upstream.headers_ready
+            return upstream
+        except TimeoutError:
+            if upstream is not None:
+                upstream.close()
+            if not ex.stream:
+                raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
+            raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
+        except UpstreamConnectionError as exc:
+            if upstream is not None:
+                upstream.close()
+                if upstream.reused and not fresh_retry:
+                    continue
+            raise Retryable("connect", UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}")) from None
+        except BaseException:  # cancelled (the client left) while the engine works: abort the engine request
+            if upstream is not None:
+                upstream.close()
+            raise
+    raise AssertionError("unreachable")
+
+
+async def read_answer(upstream: UpstreamResponse, replica: Replica, deadline: float) -> bytes:
+    """A whole answer's body, within the deadline; a connection lost on the way is `Retryable`."""
+    if not upstream.complete:  # usually the whole body came with the headers
+        upstream.set_timeout(deadline - time.monotonic())
+    try:
+        raw = await upstream.read()
+    except TimeoutError:  # the total deadline: nothing left to retry with
+        raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
+    except ConnectionError as exc:
+        raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed mid-response: {exc}")) from None
+    replica.record_success()
+    return raw
