@@ -34,9 +34,10 @@ fi
 # Test-only system packages (Debian): Redis is optional at run time (the embedded default needs none) and the tests
 # use a real server when present; dnsmasq is the real DNS server of the engine-discovery tests; promtool (in the
 # prometheus package) checks the alert rules and dashboard queries of deploy/observability; haproxy is the load
-# balancer in front of several gateways in the fleet test; podman (with runc: deploy/podman/containers.conf),
-# podman-compose and mmdebstrap build and run the deploy/ images (tests/test_containers.py, a base image made here
-# where no registry is reachable); chromium opens the loadgen HTML report headless. Tests skip without them.
+# balancer in front of several gateways in the fleet test; podman (with runc: deploy/podman/containers.conf) and
+# mmdebstrap build and run the deploy/ images (tests/test_containers.py and, with the dev extra's podman-compose,
+# tests/test_compose.py; a base image made here where no registry is reachable); chromium opens the loadgen HTML
+# report headless (tests/test_report_browser.py). Tests skip without them.
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v dnsmasq >/dev/null 2>&1 || missing+=(dnsmasq-base)
@@ -44,7 +45,6 @@ command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v haproxy >/dev/null 2>&1 || missing+=(haproxy)
 command -v podman >/dev/null 2>&1 || missing+=(podman)
 command -v runc >/dev/null 2>&1 || missing+=(runc)
-command -v podman-compose >/dev/null 2>&1 || missing+=(podman-compose)
 command -v mmdebstrap >/dev/null 2>&1 || missing+=(mmdebstrap)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && [ "${KVGATE_NO_APT:-0}" != 1 ]; then

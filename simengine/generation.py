@@ -185,10 +185,6 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def _ignore(words: Sequence[str], cached: int) -> None:
-    return None
-
-
 async def stored_response(request: web.Request) -> web.Response:
     answer = request.app[RESPONSES].get(request.match_info["response_id"])
     if answer is None:

@@ -150,7 +150,20 @@ COMPOSE_ENGINE = yaml.safe_load((ROOT / "deploy" / "compose" / "compose.yaml").r
 ENGINE_ARGS = [a for a in COMPOSE_ENGINE["command"] if not a.startswith(("--port=", "--kv-events-config="))]
 
 
-def gateway_yaml(engine: dict[str, int], redis_url: str) -> dict[str, Any]:
+def engine_ports() -> dict[str, int]:
+    return {"http": free_port(), "events": free_port(), "replay": free_port()}
+
+
+def engine_command(engine: dict[str, int]) -> list[str]:
+    """compose.yaml's engine command line on the engine's loopback ports."""
+    events = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+        "endpoint": f"tcp://*:{engine['events']}", "replay_endpoint": f"tcp://*:{engine['replay']}",
+    }  # fmt: skip
+    return [f"--port={engine['http']}", *ENGINE_ARGS, f"--kv-events-config={json.dumps(events)}"]
+
+
+def gateway_yaml(engines: list[dict[str, int]], redis_url: str) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "metrics_access": "public", "shutdown_grace_s": 30},  # port: environment
         "routing": {"policy": "cache-aware"},
@@ -161,6 +174,7 @@ def gateway_yaml(engine: dict[str, int], redis_url: str) -> dict[str, Any]:
                 "kv_events_endpoint": f"tcp://127.0.0.1:{engine['events']}",
                 "kv_events_replay_endpoint": f"tcp://127.0.0.1:{engine['replay']}",
             }
+            for engine in engines
         ],
         "cache": {"tokenizers": {MODEL: "/models/tiny-llama"}},
         "admission": {"replica_max_concurrency": 16, "redis": {"url": redis_url}},
@@ -225,22 +239,17 @@ async def test_engine_and_two_gateways_in_containers_behind_haproxy(
     tmp_path: Path,
 ) -> None:
     await redis_server.start()
-    engine = {"http": free_port(), "events": free_port(), "replay": free_port()}
-    events = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
-        "endpoint": f"tcp://*:{engine['events']}", "replay_endpoint": f"tcp://*:{engine['replay']}",
-    }  # fmt: skip
+    engine = engine_ports()
     engine_name = containers.run(
         "engine", f"--shm-size={COMPOSE_ENGINE['shm_size']}", "-v", f"{containers.volume}:/models",
-        "kvgate-engine-cpu:latest",
-        f"--port={engine['http']}", *ENGINE_ARGS, f"--kv-events-config={json.dumps(events)}",
+        "kvgate-engine-cpu:latest", *engine_command(engine),
     )  # fmt: skip
     await containers.wait(http, engine_name, f"http://127.0.0.1:{engine['http']}/health", 900)
 
     gateways = []
     ports = [free_port(), free_port()]
     for i, port in enumerate(ports):
-        (tmp_path / f"gw{i}.yaml").write_text(yaml.safe_dump(gateway_yaml(engine, redis_server.url)))
+        (tmp_path / f"gw{i}.yaml").write_text(yaml.safe_dump(gateway_yaml([engine], redis_server.url)))
         gateways.append(
             containers.run(
                 f"gw{i}", "-e", f"KVGATE__SERVER__PORT={port}",
