@@ -52,3 +52,19 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && [ "${KVGATE_NO_APT:-0}" != 
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") >/dev/null 2>&1 \
     || echo "[setup] could not install ${missing[*]}; the tests that need them will be skipped" >&2
 fi
+
+# The coding agents' CLIs that tests/test_agent_clis.py drives: Claude Code and the Codex CLI from npm, pinned, into
+# .kvgate/agents (nothing global; a stamp names the versions). Skipped without npm; their tests skip without them.
+AGENTS=.kvgate/agents
+AGENT_CLIS="@anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0"
+AGENT_STAMP="$AGENTS/.stamp-$(echo "$AGENT_CLIS" | sha256sum | cut -c1-16)"
+if command -v npm >/dev/null 2>&1 && [ ! -f "$AGENT_STAMP" ]; then
+  echo "[setup] installing the agent CLIs ($AGENT_CLIS) into $AGENTS" >&2
+  mkdir -p "$AGENTS"
+  # shellcheck disable=SC2086  # one word per package
+  if (cd "$AGENTS" && npm install --silent --no-audit --no-fund $AGENT_CLIS) >/dev/null 2>&1; then
+    rm -f "$AGENTS"/.stamp-*; touch "$AGENT_STAMP"
+  else
+    echo "[setup] could not install the agent CLIs from npm; their tests will be skipped" >&2
+  fi
+fi

@@ -16,6 +16,7 @@ overload 503. Cost: O(prompt + answer) per request besides the simulated compute
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -131,7 +132,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API as vLLM serves it: `instructions` and `input` (a string or message items) rendered
     by the chat template after the conversation of `previous_response_id` (stored here: 404 when this engine does
     not hold it), prefix-cached as chat is; the answer is stored here, as vLLM stores it where it ran. Streamed as
-    `response.created`, `response.output_text.delta` per token and `response.completed` events."""
+    vLLM 0.32 streams it (`entrypoints/openai/responses/streaming_events.py`): `response.created`,
+    `response.in_progress`, the message item and its text part added, `response.output_text.delta` per token, the
+    text, part and item done, `response.completed`; every event numbered (`sequence_number`)."""
     engine, body, model = await json_object(request)
     stored = request.app[RESPONSES]
     previous = body.get("previous_response_id")
@@ -148,16 +151,30 @@ async def responses(request: web.Request) -> web.StreamResponse:
     stream = body.get("stream") is True
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
+    numbers = itertools.count()
+    item_id = engine.new_id("msg")
+    part = {"output_index": 0, "item_id": item_id, "content_index": 0}
+
     def event(kind: str, payload: dict[str, Any]) -> bytes:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode()
+        data = json.dumps({"type": kind, "sequence_number": next(numbers), **payload})
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def item(status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
     async def emit(new: Sequence[str], cached: int) -> None:
         words.extend(new)
         if stream:
             if not resp.prepared:
                 await resp.prepare(request)
-                await resp.write(event("response.created", {"response": {"id": rid, "status": "in_progress"}}))
-            await resp.write(b"".join(event("response.output_text.delta", {"delta": w}) for w in new))
+                started = {"response": {"id": rid, "object": "response", "model": model, "status": "in_progress"}}
+                await resp.write(
+                    event("response.created", started)
+                    + event("response.in_progress", started)
+                    + event("response.output_item.added", {"output_index": 0, "item": item("in_progress", [])})
+                    + event("response.content_part.added", {**part, "part": text_part("")})
+                )
+            await resp.write(b"".join(event("response.output_text.delta", {**part, "delta": w}) for w in new))
 
     try:
         res = await engine.generate(tokens, engine.cache.block_hashes(tokens), max_tokens, emit)
@@ -168,7 +185,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     text = "".join(words)
     answer = {
         "id": rid, "object": "response", "model": model, "status": "completed",
-        "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}],
+        "output": [{"id": item_id, "type": "message", "role": "assistant", "status": "completed",
+                    "content": [text_part(text)]}],
         "usage": {
             "input_tokens": res.prompt_tokens, "output_tokens": res.completion_tokens,
             "total_tokens": res.prompt_tokens + res.completion_tokens,
@@ -180,9 +198,19 @@ async def responses(request: web.Request) -> web.StreamResponse:
         stored.pop(next(iter(stored)))
     if not stream:
         return json_reply(answer)
-    await resp.write(event("response.completed", {"response": answer}))
+    done = text_part(text)
+    await resp.write(
+        event("response.output_text.done", {**part, "text": text})
+        + event("response.content_part.done", {**part, "part": done})
+        + event("response.output_item.done", {"output_index": 0, "item": item("completed", [done])})
+        + event("response.completed", {"response": answer})
+    )
     await resp.write_eof()
     return resp
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
 
 
 async def stored_response(request: web.Request) -> web.Response:
