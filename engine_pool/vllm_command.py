@@ -180,6 +180,8 @@ def vllm_argv(spec: EngineLaunchSpec) -> list[str]:
     argv.append("--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching")
     if spec.enable_prefix_caching and spec.prefix_caching_hash_algo is not None:
         argv += ["--prefix-caching-hash-algo", spec.prefix_caching_hash_algo]
+    if spec.enable_prefix_caching:  # usage's cached tokens: hit rate, quotas' cached weight, the parity check
+        argv.append("--enable-prompt-tokens-details")
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     events = kv_events_config(spec)

@@ -64,6 +64,33 @@ def assert_one_session_on_one_replica(calls: list[dict[str, Any]], output: str) 
     assert all(c["route_reason"] == "session" for c in calls[1:]), calls
 
 
+def claude_env(url: str, home: Path) -> dict[str, str]:
+    return {
+        "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-unused",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "16",  # the random model never stops by itself
+        "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    }  # fmt: skip
+
+
+async def codex_turn_and_resume(codex: str, url: str, model: str, tmp_path: Path) -> str:
+    """`codex exec` of a turn, then `resume --last` of its session, with kvgate as its provider; each exits 0
+    having finished its turn. Returns both outputs."""
+    home = tmp_path / "codex"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "kvgate"\n\n[model_providers.kvgate]\nname = "kvgate"\n'
+        f'base_url = "{url}/v1"\nenv_key = "KVGATE_API_KEY"\nwire_api = "responses"\n'
+    )
+    env = {"HOME": str(tmp_path), "CODEX_HOME": str(home), "KVGATE_API_KEY": "sk-unused"}
+    outputs = []
+    for turn in (["say hi"], ["resume", "--last", "and then?"]):
+        rc, output = await run_cli([codex, "exec", "--skip-git-repo-check", *turn], env, tmp_path)
+        assert rc == 0 and "tokens used" in output, output[-3000:]
+        assert "ERROR" not in output, output[-3000:]  # e.g. a text delta outside an output item
+        outputs.append(output)
+    return "\n".join(outputs)
+
+
 @pytest.fixture
 def access_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     caplog.set_level(logging.INFO, logger="kvgate.access")
@@ -74,12 +101,7 @@ def access_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 async def test_claude_code_finishes_a_turn_through_kvgate(tmp_path: Path, access_log: pytest.LogCaptureFixture) -> None:
     assert CLAUDE is not None
     async with gateway_over_sims([SIM, SIM], server={"access_log": "json"}) as (gw, _):
-        env = {
-            "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": gw.url, "ANTHROPIC_API_KEY": "sk-unused",
-            "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "16",  # the random model never stops by itself
-            "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        }  # fmt: skip
-        rc, output = await run_cli([CLAUDE, "-p", "say hi", "--model", MODEL], env, tmp_path)
+        rc, output = await run_cli([CLAUDE, "-p", "say hi", "--model", MODEL], claude_env(gw.url, tmp_path), tmp_path)
     calls = answered(access_log, "messages")
     assert_one_session_on_one_replica(calls, output)
     # it finished its turn: with an answer, or (the random model never stops by itself) with the model's outcome at
@@ -92,23 +114,9 @@ async def test_codex_finishes_a_turn_and_resumes_its_session_through_kvgate(
     tmp_path: Path, access_log: pytest.LogCaptureFixture
 ) -> None:
     assert CODEX is not None
-    home = tmp_path / "codex"
-    home.mkdir()
     async with gateway_over_sims([SIM, SIM], server={"access_log": "json"}) as (gw, _):
-        (home / "config.toml").write_text(
-            f'model = "{MODEL}"\nmodel_provider = "kvgate"\n\n[model_providers.kvgate]\nname = "kvgate"\n'
-            f'base_url = "{gw.url}/v1"\nenv_key = "KVGATE_API_KEY"\nwire_api = "responses"\n'
-        )
-        env = {"HOME": str(tmp_path), "CODEX_HOME": str(home), "KVGATE_API_KEY": "sk-unused"}
-        turns = [["exec", "--skip-git-repo-check", "say hi"],
-                 ["exec", "--skip-git-repo-check", "resume", "--last", "and then?"]]  # fmt: skip
-        outputs = []
-        for turn in turns:
-            rc, output = await run_cli([CODEX, *turn], env, tmp_path)
-            assert rc == 0 and "tokens used" in output, output[-3000:]
-            assert "ERROR" not in output, output[-3000:]  # e.g. a text delta outside an output item
-            outputs.append(output)
+        output = await codex_turn_and_resume(CODEX, gw.url, MODEL, tmp_path)
     calls = answered(access_log, "responses")
     assert len(calls) == 2, calls
-    assert_one_session_on_one_replica(calls, "\n".join(outputs))
+    assert_one_session_on_one_replica(calls, output)
     assert calls[1]["cached_tokens"] > 0  # the resumed session found its prefix where it left it

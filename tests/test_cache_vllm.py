@@ -76,7 +76,6 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "dtype": "bfloat16",
         "kv_events": True,
         "env": {"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
-        "extra_args": ["--enable-prompt-tokens-details"],  # usage.prompt_tokens_details.cached_tokens
         "startup_deadline_s": READY_S,
     }
     tmp = tmp_path_factory.mktemp("vllm-cache")

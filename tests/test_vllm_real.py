@@ -67,6 +67,7 @@ def test_cpu_argv_and_env() -> None:
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
     assert argv[argv.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
     assert "--enforce-eager" in argv and "--enable-prefix-caching" in argv
+    assert "--enable-prompt-tokens-details" in argv  # the engine reports cached tokens in usage
     assert "--gpu-memory-utilization" not in argv and "--tensor-parallel-size" not in argv
     assert argv[-2:] == ["--max-num-batched-tokens", "4096"]
     events = json.loads(argv[argv.index("--kv-events-config") + 1])
@@ -118,6 +119,7 @@ def test_gpu_argv_and_env_and_tcp_events() -> None:
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert "--no-enable-prefix-caching" in argv and "--prefix-caching-hash-algo" not in argv
+    assert "--enable-prompt-tokens-details" not in argv
     assert "--enforce-eager" not in argv
     assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:9100"
     assert spec.kv_events_endpoint == "tcp://127.0.0.1:9100"

@@ -32,14 +32,15 @@ def pool_gateway(
     admin_key: str,
     model: dict[str, Any] | None = None,
     pool_models: list[dict[str, Any]] | None = None,
+    access_log: str = "off",
     **sections: Any,
 ) -> Iterator[Gateway]:
-    """`model`: the pool model entry (name, replicas, devices, ...), or `pool_models` several; `sections`: extra
-    top-level config sections."""
+    """`model`: the pool model entry (name, replicas, devices, ...), or `pool_models` several; `access_log`: its
+    format, in the gateway's log; `sections`: extra top-level config sections."""
     port = free_port()
     model_dir = tmp / "model"
     config = {
-        "server": {"port": port, "access_log": "off", "shutdown_grace_s": 60},
+        "server": {"port": port, "access_log": access_log, "shutdown_grace_s": 60},
         "admin": {"key": admin_key},
         "health": {"interval_s": 0.5, "metrics_interval_s": 0.5},
         **sections,
