@@ -147,8 +147,8 @@ class CompletionService:
             ctx.model, ctx.stream = parsed.model, parsed.stream
             salted = endpoint.body != "multipart" and admission.apply_cache_salt(identity, parsed.body)
             kind, routed_body = endpoint.body, parsed.body  # what routing reads: a chat view where there is one
-            if endpoint.chat_view is not None and (chat := endpoint.chat_view(parsed.body)) is not None:
-                kind, routed_body = "chat", chat
+            if endpoint.view is not None and (view := endpoint.view(parsed.body)) is not None:
+                kind, routed_body = endpoint.view_kind, view
             for i, model in enumerate(chain):
                 if i:  # the previous model had no capacity: its fallback, as if asked for
                     self.metrics.fallbacks.labels(chain[0], model).inc()

@@ -6,8 +6,8 @@ cancellation, metrics (labelled with `name`) and the access log. `body` says how
 - "chat" / "completions": validated as OpenAI's chat and completions requests, prefix-hashed for cache-aware
   routing, streams relayed event by event and required to end with `[DONE]`;
 - "json": any JSON object with a `model` (optional where `model_optional`: the pool's only model is meant then),
-  routed by load, a `"stream": true` answer relayed as it comes; with a `chat_view` (responses) routed cache-aware
-  as the chat request it stands for;
+  routed by load, a `"stream": true` answer relayed as it comes; with a `view` routed cache-aware as the chat
+  request (responses, messages) or the completions prompt (generate's token ids) it stands for;
 - "multipart": a multipart/form-data body (audio), read whole up to `server.max_body_bytes` and forwarded as the
   client sent it; only its `model` and `stream` fields are read;
 - "held": a call about a stored response (`{response_id}` in the path): sent to the replica that created it
@@ -27,7 +27,7 @@ from typing import Any
 
 from gateway.anthropic import messages_as_chat
 from gateway.errors import ApiShape
-from gateway.request_parse import BodyKind, responses_as_chat
+from gateway.request_parse import BodyKind, generate_as_prompt, responses_as_chat
 
 ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 
@@ -40,8 +40,10 @@ class Endpoint:
     model_optional: bool = False
     method: str = "POST"
     records_id: bool = False  # the answer's `id` names state the replica keeps (vLLM's stored responses)
-    # the body as a chat request, for cache-aware routing of an endpoint whose prompt hits the prefix cache
-    chat_view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+    # the body as the chat request or completions prompt (`view_kind`) it stands for, for cache-aware routing of an
+    # endpoint whose prompt hits the prefix cache; None from the view: routed by load
+    view: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+    view_kind: BodyKind = "chat"
     api: ApiShape = "openai"
     forward_headers: tuple[str, ...] = ()
 
@@ -49,7 +51,7 @@ class Endpoint:
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("chat", "/v1/chat/completions", "chat"),
     Endpoint("completions", "/v1/completions", "completions"),
-    Endpoint("responses", "/v1/responses", "json", records_id=True, chat_view=responses_as_chat),
+    Endpoint("responses", "/v1/responses", "json", records_id=True, view=responses_as_chat),
     Endpoint("responses", "/v1/responses/{response_id}", "held", method="GET"),
     Endpoint("responses", "/v1/responses/{response_id}/cancel", "held"),
     # the Messages API: routed cache-aware as the chat request vLLM turns it into; counting tokens computes no KV
@@ -58,12 +60,35 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "messages",
         "/v1/messages",
         "json",
-        chat_view=messages_as_chat,
+        view=messages_as_chat,
         api="anthropic",
         forward_headers=ANTHROPIC_HEADERS,
     ),
     Endpoint("count_tokens", "/v1/messages/count_tokens", "json", api="anthropic", forward_headers=ANTHROPIC_HEADERS),
+    # vLLM's token-in, token-out route (`--enable-scale-out`; RL rollout frameworks drive it): cache-aware on the
+    # token ids it carries
+    Endpoint(
+        "generate",
+        "/inference/v1/generate",
+        "json",
+        model_optional=True,
+        view=generate_as_prompt,
+        view_kind="completions",
+    ),
+    Endpoint("chat_batch", "/v1/chat/completions/batch", "json"),
+    Endpoint("cohere_chat", "/cohere/v2/chat", "json"),
+    Endpoint("generative_scoring", "/generative_scoring", "json"),
+    # rendering a prompt (and its inverse) computes no KV: routed by load
+    Endpoint("render", "/v1/chat/completions/render", "json"),
+    Endpoint("render", "/v1/completions/render", "json"),
+    Endpoint("render", "/v1/responses/render", "json"),
+    Endpoint("render", "/v1/messages/render", "json", api="anthropic", forward_headers=ANTHROPIC_HEADERS),
+    Endpoint("render", "/cohere/v2/chat/render", "json"),
+    Endpoint("derender", "/v1/chat/completions/derender", "json", model_optional=True),
+    Endpoint("derender", "/v1/completions/derender", "json", model_optional=True),
     Endpoint("embeddings", "/v1/embeddings", "json"),
+    Endpoint("embeddings", "/v2/embed", "json"),
+    Endpoint("invocations", "/invocations", "json", model_optional=True),
     Endpoint("tokenize", "/tokenize", "json", model_optional=True),
     Endpoint("detokenize", "/detokenize", "json", model_optional=True),
     Endpoint("pooling", "/pooling", "json"),

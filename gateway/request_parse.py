@@ -191,6 +191,15 @@ def parse_request(kind: BodyKind, raw: bytes, *, model_optional: bool = False) -
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
+def generate_as_prompt(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A `/inference/v1/generate` body as the completions prompt of its `token_ids` (hashed as they are, with its
+    `cache_salt`); None when they are not a list of token ids (the engine answers 400)."""
+    tokens = body.get("token_ids")
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+        return None
+    return {"prompt": tokens, "cache_salt": body.get("cache_salt")}
+
+
 def responses_as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
     """A Responses API body as the chat request vLLM renders it (for prefix hashing): `instructions` as the system
     message, then `input` (a string, or message items with string or text-part content, parts as chat's text

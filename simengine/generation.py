@@ -33,8 +33,10 @@ from simengine.protocol import (
     chat_tokens,
     parse_generation,
     responses_messages,
+    token_list,
     usage,
 )
+from simengine.tokenize import tokenize_text
 from simengine.web_common import ENGINE_KEY, error_reply, json_object, json_reply, read_body
 
 _DONE = b"data: [DONE]\n\n"
@@ -220,3 +222,42 @@ async def stored_response(request: web.Request) -> web.Response:
     if request.path.endswith("/cancel"):
         answer["status"] = "cancelled"
     return json_reply({k: v for k, v in answer.items() if k != "_messages"})
+
+
+async def generate_tokens(request: web.Request) -> web.Response:
+    """vLLM's token-in, token-out route (`POST /inference/v1/generate`, served with `--enable-scale-out`): the
+    prompt as `token_ids`, `sampling_params.max_tokens` (16 when unset), answered whole in the `tokens` output mode
+    (the choice's `token_ids`, `usage` with the cached prompt tokens), prefix-cached as completions are; a streamed
+    answer is not simulated (400)."""
+    engine, body, model = await json_object(request)
+    tokens = body.get("token_ids")
+    if not isinstance(tokens, list) or not tokens:
+        raise bad_request("'token_ids' must be a non-empty list of token ids", "token_ids")
+    tokens = token_list(tokens, "token_ids")
+    if body.get("stream"):
+        raise bad_request("a streamed generate answer is not simulated", "stream")
+    params = body.get("sampling_params") or {}
+    max_tokens = params.get("max_tokens", 16) if isinstance(params, dict) else None
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise bad_request("'sampling_params.max_tokens' must be a positive integer", "sampling_params")
+    words: list[str] = []
+
+    async def collect(new: Sequence[str], cached: int) -> None:
+        words.extend(new)
+
+    engine.in_flight += 1
+    try:
+        res = await engine.generate(tokens, engine.cache.block_hashes(tokens), max_tokens, collect)
+    except SimFaultError as exc:
+        return error_reply(500, f"simulated engine failure: {exc}", "InternalServerError")
+    except OverloadedError as exc:
+        return error_reply(503, str(exc), "ServiceUnavailableError")
+    finally:
+        engine.in_flight -= 1
+    out = [t for w in words for t in tokenize_text(w)[:1]]
+    finish = "length" if res.completion_tokens >= max_tokens else "stop"
+    return json_reply({
+        "request_id": body.get("request_id") or engine.new_id("gen"), "model": model, "output_mode": "tokens",
+        "choices": [{"index": 0, "token_ids": out, "finish_reason": finish}],
+        "usage": usage(res.prompt_tokens, res.completion_tokens, res.cached_tokens),
+    })  # fmt: skip

@@ -73,7 +73,7 @@ def _int_field(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
-def _token_list(value: list[Any], param: str) -> list[int]:
+def token_list(value: list[Any], param: str) -> list[int]:
     for t in value:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
             raise bad_request(f"token ids must be integers in [0, {MAX_TOKEN_ID}]", param)
@@ -88,7 +88,7 @@ def prompt_tokens(body: Mapping[str, Any], *, allow_ids: bool = True) -> list[in
     if isinstance(prompt, str):
         return tokenize_text(prompt)
     if allow_ids and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return _token_list(prompt, "prompt")
+        return token_list(prompt, "prompt")
     if isinstance(prompt, list):
         raise bad_request("batched prompts are not supported by the simulator: send one prompt", "prompt")
     raise bad_request("'prompt' must be a string or a list of token ids", "prompt")

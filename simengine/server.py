@@ -28,7 +28,14 @@ from pydantic import ValidationError
 from simengine import messages
 from simengine.config import Faults, SimConfig
 from simengine.engine import SimEngine
-from simengine.generation import RESPONSES, chat_completions, completions, responses, stored_response
+from simengine.generation import (
+    RESPONSES,
+    chat_completions,
+    completions,
+    generate_tokens,
+    responses,
+    stored_response,
+)
 from simengine.kv_events import KVEventPublisher
 from simengine.protocol import OpenAIError, bad_request, chat_tokens, check_model, prompt_tokens
 from simengine.tokenize import detokenize, tokenize_text
@@ -246,6 +253,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.cleanup_ctx.append(_kv_events_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/inference/v1/generate", generate_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -175,3 +175,49 @@ async def test_responses_are_routed_by_their_prompt_streamed_and_continued_where
                     model="sim", input=f"and then {i}", previous_response_id=first_id
                 )
                 assert raw.headers["x-kvgate-replica"] == first_holder and raw.parse().status == "completed"
+
+
+async def test_generate_is_routed_by_the_token_ids_it_carries(http: aiohttp.ClientSession) -> None:
+    """vLLM's token-in, token-out route: requests sharing a long token-id prefix stay on the replica holding it
+    (hashed as a completions prompt of those ids), the engine reports it cached, usage is counted; a body whose
+    `token_ids` are not ids is routed by load and gets the engine's 400."""
+    prefix = list(range(1000, 1400))
+    async with gateway_over_sims([SIM, SIM, SIM], routing={"policy": "cache-aware"}) as (gw, _):
+        routed, cached = set(), []
+        for i in range(4):
+            body = {"token_ids": [*prefix, 7, i], "sampling_params": {"max_tokens": 4}, "request_id": f"rollout-{i}"}
+            async with http.post(gw.url + "/inference/v1/generate", json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+                routed.add(resp.headers["x-kvgate-replica"])
+            assert answer["request_id"] == f"rollout-{i}" and len(answer["choices"][0]["token_ids"]) == 4
+            cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert len(routed) == 1 and min(cached[1:]) >= 384  # the prefix's full blocks, cached where they are
+        async with http.post(gw.url + "/inference/v1/generate", json={"token_ids": ["x"]}) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "token_ids"
+        async with http.get(gw.url + "/metrics") as resp:
+            assert token_totals(await resp.text(), "sim")["prompt"] >= 4 * 402
+        counted = await requests_total(http, gw.url)
+        assert counted[("generate", "200")] == 4 and counted[("generate", "400")] == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/chat/completions/render", {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}),
+     ("/v1/messages/render", {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+     ("/v2/embed", {"model": "sim", "texts": ["hi"]}),
+     ("/cohere/v2/chat", {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}),
+     ("/generative_scoring", {"model": "sim", "query": "q", "items": ["a"]}),
+     ("/v1/chat/completions/batch", {"model": "sim", "messages": [[{"role": "user", "content": "hi"}]]}),
+     ("/invocations", {"messages": [{"role": "user", "content": "hi"}]})],
+)  # fmt: skip
+async def test_the_rest_of_vllms_serving_routes_reach_the_engine(
+    path: str, body: dict[str, object], http: aiohttp.ClientSession
+) -> None:
+    """Routes the simulator does not serve: the request crossed kvgate (routed, counted under the route's name)
+    and the engine's own 404 came back, in the route's API shape."""
+    async with gateway_over_sims([SIM]) as (gw, _):
+        async with http.post(gw.url + path, json=body) as resp:
+            answer = await resp.json()
+            assert resp.status == 404 and resp.headers["x-kvgate-replica"], answer
+        assert ("error" in answer) and sum((await requests_total(http, gw.url)).values()) == 1

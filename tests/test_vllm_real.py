@@ -212,7 +212,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replica]:
         kv_events_ipc_path=str(root / "kv.sock"),
         cpu_threads_bind="nobind",
         cache_root=str(root / "cache"),
-        extra_args=("--enable-prompt-tokens-details",),  # cached tokens in usage (and Anthropic's cache_read)
+        extra_args=("--enable-scale-out",),  # the render routes and /inference/v1/generate
     )
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -450,3 +450,56 @@ def test_metrics_and_errors(replica: Replica) -> None:
     status, body = _request(replica.spec, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 1})
     assert status == 404
     assert set(body["error"]) >= {"message", "type", "param", "code"}
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(STARTUP_DEADLINE_S + 120)
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
+async def test_render_and_generate_through_the_gateway(replica: Replica) -> None:
+    """vLLM's render of a Messages request (through kvgate) is the token sequence kvgate hashes for it (its chat view
+    under the engine's own chat template: system blocks, a tool turn); those ids sent to /inference/v1/generate
+    through kvgate are answered, the engine reports their prefix cached on the second request, and kvgate predicted
+    exactly that."""
+    from cacheindex.tokenizers import build_tokenizer
+    from gateway.anthropic import messages_as_chat
+
+    config = gateway_config(
+        [],
+        engines=[{"url": replica.spec.base_url, "tokenizer": str(replica.model_dir)}],
+        routing={"policy": "cache-aware"},
+    )
+    body = {
+        "model": MODEL_NAME, "max_tokens": 4,
+        "system": [{"type": "text", "text": "You render the lighthouse keeper's logs, one line a night. " * 12}],
+        "messages": [  # a prompt no other test sends: the module's engine has not cached it
+            {"role": "user", "content": "Which night first?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ledger", "input": {"n": 3}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ledger three"}]},
+        ],
+    }  # fmt: skip
+    chat = messages_as_chat(body)
+    assert chat is not None
+    predicted_ids = build_tokenizer(str(replica.model_dir)).tokenize_chat(chat["messages"], True, {})
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        (attached,) = gw.app[REPLICAS]
+        await wait_for(lambda: attached.routable(time.monotonic()), 60, "the engine routable")
+        async with http.post(f"{gw.url}/v1/messages/render", json=body) as resp:
+            rendered = await resp.json()
+            assert resp.status == 200, rendered
+        assert rendered["token_ids"] == predicted_ids
+        cached = []
+        for tail in ([11], [12, 13]):
+            generate = {"model": MODEL_NAME, "token_ids": predicted_ids + tail, "sampling_params": {"max_tokens": 2}}
+            async with http.post(f"{gw.url}/inference/v1/generate", json=generate) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+        async with http.get(f"{gw.url}/metrics") as resp:
+            text = await resp.text()
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    assert cached[1] >= BLOCK_SIZE * (len(predicted_ids) // BLOCK_SIZE) - BLOCK_SIZE
+    assert total("kvgate_prefix_predicted_cached_tokens_total") == total("kvgate_prefix_reported_cached_tokens_total")
+    assert total("kvgate_prefix_reported_cached_tokens_total") == sum(cached)
