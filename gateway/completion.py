@@ -206,7 +206,8 @@ class CompletionService:
         relayed = None
         if retry.migrate_streams and parsed.stream and migratable(parsed):
             relayed = Relayed(retry.migration_buffer_bytes)
-        data = engine_body(parsed, raw, salted=salted, usage_stats=relayed is not None)
+        # the running usage a migration counts from: chat's and completions' (a Messages stream counts its deltas)
+        data = engine_body(parsed, raw, salted=salted, usage_stats=relayed is not None and parsed.kind != "json")
         deadline = time.monotonic() + self.config.timeouts.total_s
         ex = Exchange(out, request.method, request.raw_path, parsed, info, ctx, data, deadline, holder, relayed)
         for name in endpoint.forward_headers:

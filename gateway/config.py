@@ -110,10 +110,11 @@ class RetryConfig(StrictModel):
     breaker_cooldown_s: float = Field(5.0, gt=0, description="open time before trial traffic may close the breaker")
     migrate_streams: bool = Field(
         True,
-        description="a chat or completions stream whose engine fails after the first token (reset, stalled past "
-        "timeouts.stream_idle_s, cut short) continues on another replica in the same client stream: the request is "
-        "re-sent with the answer so far (completions: appended to the prompt; chat: the assistant message continued) "
-        "and max_tokens less what was delivered; counted in kvgate_stream_migrations_total",
+        description="a chat, completions or Messages stream whose engine fails after the first token (reset, stalled "
+        "past timeouts.stream_idle_s, cut short) continues on another replica in the same client stream: the request "
+        "is re-sent with the answer so far (completions: appended to the prompt; chat, and Messages through chat: the "
+        "assistant message continued) and max_tokens less what was delivered; counted in "
+        "kvgate_stream_migrations_total",
     )
     max_migrations: int = Field(2, ge=1, le=10, description="continuations of one stream at most")
     migration_buffer_bytes: int = Field(

@@ -14,6 +14,12 @@ The continuation's opening role is dropped from its first chat events (`without_
 which may carry the first token too), and its usage is told as the whole answer's: the tokens delivered move from
 its prompt to the completion (`whole_usage`). Requests that cannot be continued
 exactly are not migrated: n > 1, tools, echo, suffix, batched or token-id prompts, logprobs of the prompt.
+A Messages API stream (`/v1/messages`) is continued through chat: vLLM's Messages route cannot continue an assistant
+turn (it renders a trailing assistant message with a new generation prompt), so the continuation is the chat
+request vLLM renders for the body (`gateway.anthropic.messages_as_chat`) with the text delivered as the assistant's
+message continued, sent to `/v1/chat/completions`, and its events are told to the client in Anthropic's shape
+(`MessagesSeam`: text deltas into the open text block, then the block's stop, `message_delta` with the whole
+answer's output tokens and `message_stop`).
 Cost: one list append per relayed event; O(delivered bytes) once per migration.
 """
 
@@ -24,7 +30,53 @@ from typing import Any
 
 import orjson
 
+from gateway.anthropic import messages_as_chat
+from gateway.errors import BadRequest
 from gateway.request_parse import ParsedRequest, encode, engine_fields
+
+CHAT_PATH = "/v1/chat/completions"  # where a Messages stream continues
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}  # chat's finish_reason as Anthropic's stop_reason
+
+
+def _sse(kind: str, payload: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **payload}) + b"\n\n"
+
+
+@dataclass(slots=True)
+class MessagesSeam:
+    """A Messages stream continued through chat: the continuation's chat events as the client's Anthropic ones."""
+
+    index: int  # the client's open text block
+    stop_reason: str | None = None
+    completion: int = 0  # the continuation's own output tokens (its usage)
+
+    def translate(self, event: bytes, tokens_before: int) -> tuple[list[bytes], dict[str, Any] | None]:
+        """The Anthropic events for one chat event, and the usage it carried (None if none)."""
+        if event.startswith(b"data: [DONE]"):
+            end = {
+                "delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": tokens_before + self.completion},
+            }
+            stop = _sse("content_block_stop", {"index": self.index})
+            return [stop, _sse("message_delta", end), _sse("message_stop", {})], None
+        try:
+            payload = orjson.loads(event[event.index(b"{") :])
+        except ValueError:
+            return [], None
+        usage = payload.get("usage") if isinstance(payload, dict) else None
+        out: list[bytes] = []
+        for choice in payload.get("choices") or () if isinstance(payload, dict) else ():
+            chunk = choice.get("delta") if isinstance(choice, dict) else None
+            text = chunk.get("content") if isinstance(chunk, dict) else None
+            if isinstance(text, str) and text:
+                text_delta = {"index": self.index, "delta": {"type": "text_delta", "text": text}}
+                out.append(_sse("content_block_delta", text_delta))
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                self.stop_reason = _STOP_REASONS.get(choice["finish_reason"], "end_turn")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.completion = usage["completion_tokens"]
+            return out, usage
+        return out, None
 
 
 @dataclass(slots=True)
@@ -38,6 +90,7 @@ class Relayed:
     migrations: int = 0
     usage: bytes | None = None  # the current engine's last usage object sent with a token (JSON, not parsed)
     text_before: str = ""  # the text delivered by earlier engines of this stream
+    seam: MessagesSeam | None = None  # a Messages stream continued through chat
 
     def add(self, events: list[bytes], size: int) -> None:
         """Keep `events` (`size` bytes in all) while within the bound."""
@@ -53,6 +106,17 @@ class Relayed:
 def migratable(parsed: ParsedRequest) -> bool:
     """Whether a request's stream can be continued exactly on another engine."""
     body = parsed.body
+    if parsed.api == "anthropic":  # the Messages API: text answers, continued through chat (see the module's doc)
+        messages = body.get("messages")
+        if body.get("tools") or not isinstance(messages, list) or not messages:
+            return False
+        last = messages[-1]
+        if not isinstance(last, dict) or last.get("role") == "assistant":  # the client's own prefill
+            return False
+        try:
+            return messages_as_chat(body) is not None
+        except BadRequest:
+            return False
     if parsed.kind not in ("chat", "completions") or body.get("n") not in (None, 1) or body.get("prompt_logprobs"):
         return False
     if parsed.kind == "chat":
@@ -84,6 +148,26 @@ def _delivered_text(kind: str, events: list[bytes]) -> tuple[str, int, bool]:
     return "".join(parts), len(parts), finished
 
 
+def _delivered_messages_text(events: list[bytes]) -> tuple[str, int, bool, int]:
+    """A Messages stream's text, its count of text deltas, whether the answer had finished (its text block or the
+    message stopped) and the index of its text block."""
+    parts: list[str] = []
+    finished, index = False, 0
+    for event in events:
+        if event.startswith((b"event: content_block_stop", b"event: message_delta", b"event: message_stop")):
+            finished = True
+        elif event.startswith(b"event: content_block_delta"):
+            try:
+                payload = orjson.loads(event[event.index(b"{") :])
+                delta, index = payload["delta"], payload.get("index", index)
+                text = delta.get("text") if delta.get("type") == "text_delta" else None
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            if isinstance(text, str) and text:
+                parts.append(text)
+    return "".join(parts), len(parts), finished, index
+
+
 def _engine_tokens(usage: bytes | None) -> int | None:
     try:
         count = orjson.loads(usage)["completion_tokens"] if usage is not None else None
@@ -96,7 +180,11 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
     """The body that continues the answer from everything relayed so far, built from the client's request as the
     gateway sends it (`engine_fields`); None when nothing is left to generate (the answer finished, or max_tokens
     reached). Moves this engine's text and tokens into `relayed`'s totals."""
-    text, events, finished = _delivered_text(parsed.kind, relayed.events)
+    index = 0
+    if parsed.api == "anthropic":  # what the client got is in Anthropic's shape, continuations' events included
+        text, events, finished, index = _delivered_messages_text(relayed.events)
+    else:
+        text, events, finished = _delivered_text(parsed.kind, relayed.events)
     if finished:
         return None
     reported = _engine_tokens(relayed.usage)
@@ -104,6 +192,8 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
     relayed.text_before += text
     relayed.events.clear()
     relayed.size, relayed.usage = 0, None
+    if parsed.api == "anthropic":
+        return _messages_continuation(parsed, relayed, index)
     body = engine_fields(parsed, usage_stats=True)
     limit_key = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
     if limit_key is not None:
@@ -124,6 +214,30 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
         body["messages"] = messages
         body["continue_final_message"], body["add_generation_prompt"] = True, False
     return encode(body, parsed)
+
+
+def _messages_continuation(parsed: ParsedRequest, relayed: Relayed, index: int) -> bytes | None:
+    """The chat request that continues a Messages answer (its body's chat view, the text delivered as the assistant
+    message continued, the sampling fields it names), with the seam that tells its events in Anthropic's shape."""
+    body = parsed.body
+    chat = messages_as_chat(body)
+    left = int(body["max_tokens"]) - relayed.tokens_before
+    if chat is None or left < 1:
+        return None
+    out: dict[str, Any] = {
+        "model": parsed.model,
+        "messages": [*chat["messages"], {"role": "assistant", "content": relayed.text_before}],
+        "max_tokens": left, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "continue_final_message": True, "add_generation_prompt": False,
+    }  # fmt: skip
+    for name, chat_name in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                            ("stop_sequences", "stop"), ("cache_salt", "cache_salt")):  # fmt: skip
+        if body.get(name) is not None:
+            out[chat_name] = body[name]
+    if relayed.seam is None:
+        relayed.seam = MessagesSeam(index)
+    return encode(out, parsed)
 
 
 def without_role(event: bytes) -> bytes:

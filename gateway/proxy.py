@@ -47,7 +47,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.migration import continuation
+from gateway.migration import CHAT_PATH, continuation
 from gateway.relay import ClientEvents, SseSplitter
 from gateway.router import Router
 from gateway.upstream_send import read_answer, response_headers, send
@@ -310,6 +310,8 @@ class UpstreamProxy:
             if data is None:
                 break
             ex.data = data
+            if relayed.seam is not None:  # a Messages stream continues through chat (gateway.migration)
+                ex.path = CHAT_PATH
             try:
                 replica, decision = await self._route(ex, migrated=True)
             except GatewayError:

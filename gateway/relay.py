@@ -4,7 +4,8 @@ The proxy (`gateway.proxy`) reads chunks from the engine, splits them into whole
 them into what the client gets, and writes those. `ClientEvents` records what the request learns on the way (usage,
 a stored response's id, the end of the answer) and, for a stream that may continue elsewhere, what was relayed
 (`gateway.migration.Relayed`). A continuation's events go into the client's started stream without the assistant
-role the client already has, its usage told as the whole answer's. A stream is complete with its API's last event
+role the client already has, its usage told as the whole answer's; a Messages stream's continuation (chat events)
+is told in Anthropic's shape (`gateway.migration.MessagesSeam`). A stream is complete with its API's last event
 (`end_marker`): `data: [DONE]` for chat and completions, `message_stop` for the Messages API (whose `error` event
 from the engine ends it too, as failed); other streams end with their body.
 
@@ -21,7 +22,7 @@ from typing import Protocol
 
 from gateway.answers import answer_id, usage_event
 from gateway.exchange import Exchange
-from gateway.migration import split_usage, without_role
+from gateway.migration import Relayed, split_usage, whole_usage, without_role
 from gateway.request_parse import ParsedRequest
 
 DONE = b"data: [DONE]"
@@ -81,8 +82,11 @@ class ClientEvents:
         out: list[bytes] = []
         before = relayed.tokens_before if relayed is not None else 0
         for event in events:
+            if relayed is not None and relayed.seam is not None:  # a Messages stream continued through chat
+                out.extend(self._from_chat(event, relayed))
+                continue
             if b'"usage"' in event and not event.startswith(DONE):
-                cut = split_usage(event) if relayed is not None else None
+                cut = split_usage(event) if relayed is not None and ex.parsed.kind != "json" else None
                 if cut is not None and relayed is not None:  # the engine's running count, asked for by the gateway
                     relayed.usage = cut[1]
                     if not ex.parsed.continuous_usage:  # ... and not by the client
@@ -100,6 +104,18 @@ class ClientEvents:
         if out:
             self._continuing = False
         return out
+
+    def _from_chat(self, event: bytes, relayed: Relayed) -> list[bytes]:
+        """A chat continuation's event as the Anthropic events the client gets; its usage recorded as the whole
+        answer's (`MessagesSeam`)."""
+        assert relayed.seam is not None
+        cut = split_usage(event)
+        if cut is not None:  # the running count: what a further migration starts from
+            event, relayed.usage = cut
+        translated, usage = relayed.seam.translate(event, relayed.tokens_before)
+        if usage is not None:
+            self._ex.ctx.set_usage(whole_usage(usage, relayed.tokens_before))
+        return translated
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
         """The client's response begins (unless a continuation joins a stream already begun)."""

@@ -122,3 +122,35 @@ async def test_the_seam_loses_no_token_whatever_the_engine_puts_in_an_event(
         assert text == reference
         assert usage.completion_tokens == TOKENS
         assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+
+
+async def test_a_messages_stream_whose_engine_fails_continues_through_chat(http: aiohttp.ClientSession) -> None:
+    """The Messages API (anthropic SDK): the engine is cut after five text deltas; the answer continues on the other
+    replica through its chat route and reaches the client as the same Anthropic stream, token for token the
+    undisturbed answer, with the whole answer's output tokens and stop reason."""
+    anthropic = pytest.importorskip("anthropic")
+    async with gateway_over_sims([SIM, SIM]) as (gw, sims):
+        async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="x", max_retries=0) as client:
+
+            async def answer(after: int | None = None) -> tuple[str, Any]:
+                parts: list[str] = []
+                async with client.messages.stream(
+                    model="sim", max_tokens=TOKENS, system=MESSAGES[0]["content"],
+                    messages=[MESSAGES[1]],
+                ) as stream:  # fmt: skip
+                    replica = stream.response.headers["x-kvgate-replica"]
+                    async for text in stream.text_stream:
+                        parts.append(text)
+                        if len(parts) == after:
+                            port = next(r.port for r in gw.app[REPLICAS] if r.id == replica)
+                            sim = next(s for s in sims if s.port == port)
+                            async with http.post(f"{sim.url}/sim/faults", json={"cut_after_tokens": 1}) as resp:
+                                assert resp.status == 200
+                    return "".join(parts), await stream.get_final_message()
+
+            reference, undisturbed = await answer()
+            assert len(reference.split()) == TOKENS
+            text, final = await answer(after=5)
+        assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+    assert text == reference  # token for token the undisturbed answer
+    assert final.usage.output_tokens == TOKENS and final.stop_reason == undisturbed.stop_reason == "max_tokens"

@@ -223,6 +223,41 @@ async def test_a_stream_survives_kill_9_of_its_engine(gateway: Gateway) -> None:
     assert f'kvgate_stream_migrations_total{{model="{MODEL}",outcome="resumed"}} 1.0' in metrics
 
 
+def resumed(metrics: str) -> float:
+    line = f'kvgate_stream_migrations_total{{model="{MODEL}",outcome="resumed"}} '
+    return sum(float(x.removeprefix(line)) for x in metrics.splitlines() if x.startswith(line))
+
+
+@pytest.mark.timeout(600)
+async def test_a_messages_stream_survives_kill_9_of_its_engine(gateway: Gateway) -> None:
+    """The same for the Messages API (anthropic SDK): the engine is killed after ten text deltas; the answer goes on
+    from the other replica (through its chat route: vLLM's Messages route cannot continue a turn) and the client's
+    Anthropic stream ends as asked, `max_tokens`, with the whole answer's output tokens."""
+    anthropic = pytest.importorskip("anthropic")
+    async with aiohttp.ClientSession() as session:
+        await wait_all_ready(session, gateway, 420)
+        async with session.get(f"{gateway.url}/metrics") as resp:
+            before = resumed(await resp.text())
+        async with anthropic.AsyncAnthropic(base_url=gateway.url, api_key="x", max_retries=0, timeout=300) as client:
+            stream = await client.messages.create(
+                model=MODEL, max_tokens=60, stream=True, extra_body={"temperature": 0},
+                messages=[{"role": "user", "content": "Tell me a long story about routers."}],
+            )  # fmt: skip
+            victim = (await replicas(session, gateway))[stream.response.headers["x-kvgate-replica"]]
+            deltas, stop, output = 0, None, None
+            async for event in stream:
+                if event.type == "content_block_delta":
+                    deltas += 1
+                    if deltas == 10:
+                        os.kill(victim["pid"], signal.SIGKILL)
+                elif event.type == "message_delta":
+                    stop, output = event.delta.stop_reason, event.usage.output_tokens
+        async with session.get(f"{gateway.url}/metrics") as resp:
+            after = resumed(await resp.text())
+    assert deltas > 10 and stop == "max_tokens" and output is not None and output >= 60
+    assert after == before + 1
+
+
 @pytest.mark.timeout(900)
 async def test_rolling_restart_under_steady_load(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as session, oai(gateway) as client:
