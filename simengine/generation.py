@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from simengine.engine import OverloadedError, SimEngine, SimFaultError
+from simengine.engine import GenResult, OverloadedError, SimEngine, SimFaultError
 from simengine.protocol import (
     GenRequest,
     Kind,
@@ -57,22 +57,33 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         if req.stream:
             return await _stream(request, engine, req, hashes, writer)
-        parts: list[str] = []
-
-        async def collect(words: Sequence[str], cached: int) -> None:
-            parts.extend(words)
-
-        res = await engine.generate(req.tokens, hashes, req.max_tokens, collect, save_kv=req.remote_decode)
+        parts, res = await _whole(engine, req.tokens, hashes, req.max_tokens, save_kv=req.remote_decode)
         answer = writer.full("".join(parts), usage(res.prompt_tokens, res.completion_tokens, res.cached_tokens))
         if req.remote_decode and engine.transfer is not None:  # as vLLM's connector answers a prefill step
             answer["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": engine.config.model}
         return json_reply(answer)
-    except SimFaultError as exc:
-        return error_reply(500, f"simulated engine failure: {exc}", "InternalServerError")
-    except OverloadedError as exc:
-        return error_reply(503, str(exc), "ServiceUnavailableError")
+    except (SimFaultError, OverloadedError) as exc:
+        return _engine_error(exc)
     finally:
         engine.in_flight -= 1
+
+
+async def _whole(
+    engine: SimEngine, tokens: Sequence[int], hashes: Sequence[int], max_tokens: int, *, save_kv: bool = False
+) -> tuple[list[str], GenResult]:
+    """Run a request to its end: its words and result (the engine's faults and overload raised)."""
+    words: list[str] = []
+
+    async def collect(new: Sequence[str], cached: int) -> None:
+        words.extend(new)
+
+    return words, await engine.generate(tokens, hashes, max_tokens, collect, save_kv=save_kv)
+
+
+def _engine_error(exc: SimFaultError | OverloadedError) -> web.Response:
+    if isinstance(exc, SimFaultError):
+        return error_reply(500, f"simulated engine failure: {exc}", "InternalServerError")
+    return error_reply(503, str(exc), "ServiceUnavailableError")
 
 
 async def _stream(
@@ -180,10 +191,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
     try:
         res = await engine.generate(tokens, engine.cache.block_hashes(tokens), max_tokens, emit)
-    except SimFaultError as exc:
-        return error_reply(500, f"simulated engine failure: {exc}", "InternalServerError")
-    except OverloadedError as exc:
-        return error_reply(503, str(exc), "ServiceUnavailableError")
+    except (SimFaultError, OverloadedError) as exc:
+        return _engine_error(exc)
     text = "".join(words)
     answer = {
         "id": rid, "object": "response", "model": model, "status": "completed",
@@ -240,18 +249,11 @@ async def generate_tokens(request: web.Request) -> web.Response:
     max_tokens = params.get("max_tokens", 16) if isinstance(params, dict) else None
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise bad_request("'sampling_params.max_tokens' must be a positive integer", "sampling_params")
-    words: list[str] = []
-
-    async def collect(new: Sequence[str], cached: int) -> None:
-        words.extend(new)
-
     engine.in_flight += 1
     try:
-        res = await engine.generate(tokens, engine.cache.block_hashes(tokens), max_tokens, collect)
-    except SimFaultError as exc:
-        return error_reply(500, f"simulated engine failure: {exc}", "InternalServerError")
-    except OverloadedError as exc:
-        return error_reply(503, str(exc), "ServiceUnavailableError")
+        words, res = await _whole(engine, tokens, engine.cache.block_hashes(tokens), max_tokens)
+    except (SimFaultError, OverloadedError) as exc:
+        return _engine_error(exc)
     finally:
         engine.in_flight -= 1
     out = [t for w in words for t in tokenize_text(w)[:1]]

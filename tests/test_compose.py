@@ -30,7 +30,6 @@ import pytest
 import yaml
 from openai import AsyncOpenAI
 
-from tests.conftest import wait_for
 from tests.test_admission_redis import free_port
 from tests.test_containers import (  # noqa: F401 (fixtures)
     GRACE_S,
@@ -42,6 +41,7 @@ from tests.test_containers import (  # noqa: F401 (fixtures)
     gateway_yaml,
     http,
     images,
+    load_while_killing,
     podman,
     podman_env,
     status_of,
@@ -235,23 +235,8 @@ async def test_the_compose_fleet_under_podman_compose(
     assert {"KvgateNoReadyReplica", "KvgateHighRejectionRate", "KvgateCrashLoop"} <= rules
 
     # a gateway container killed under load: haproxy retries what it held, every request is answered
-    done: list[int] = []
     async with AsyncOpenAI(base_url=f"{entry}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-
-        async def load(w: int) -> None:
-            for i in range(10):
-                r = await client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"worker {w} request {i} " * 8}], max_tokens=4
-                )
-                done.append(r.usage.completion_tokens if r.usage else 0)
-
-        workers = [asyncio.create_task(load(w)) for w in range(4)]
-        await wait_for(lambda: len(done) >= 8, 120.0, "load running")
-        podman("kill", "--signal", "KILL", compose.container("gateway-2"))
-        try:
-            await asyncio.gather(*workers)
-        except Exception as exc:
-            raise AssertionError(f"{exc}\n{compose.logs('gateway')}") from exc
+        done = await load_while_killing(client, compose.container("gateway-2"), 10, lambda: compose.logs("gateway"))
     assert len(done) == 40 and all(n > 0 for n in done)
 
     # everything stops within the grace period: exit status 0, no SIGKILL (137) but the one the test sent

@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -225,6 +225,30 @@ async def wait_status(http: aiohttp.ClientSession, url: str, timeout_s: float) -
             await asyncio.sleep(0.5)
 
 
+async def load_while_killing(
+    client: AsyncOpenAI, container: str, per_worker: int, logs: Callable[[], str]
+) -> list[int]:
+    """Four workers sending chat requests in turn through `client`; once eight are answered, `container` is killed
+    with SIGKILL. The completion tokens of every answer (a failed request fails it, with `logs()` shown)."""
+    done: list[int] = []
+
+    async def load(w: int) -> None:
+        for i in range(per_worker):
+            r = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"worker {w} request {i} " * 8}], max_tokens=4
+            )
+            done.append(r.usage.completion_tokens if r.usage else 0)
+
+    workers = [asyncio.create_task(load(w)) for w in range(4)]
+    await wait_for(lambda: len(done) >= 8, 120.0, "load running")
+    podman("kill", "--signal", "KILL", container)
+    try:
+        await asyncio.gather(*workers)
+    except Exception as exc:  # the gateway's side of it
+        raise AssertionError(f"{exc}\n{logs()}") from exc
+    return done
+
+
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
@@ -280,22 +304,7 @@ async def test_engine_and_two_gateways_in_containers_behind_haproxy(
         assert resp.choices[0].message.content and resp.usage is not None and resp.usage.completion_tokens > 0
 
         # kill -9 one gateway container under load: haproxy retries what it held; every request succeeds
-        done: list[int] = []
-
-        async def load(w: int) -> None:
-            for i in range(12):
-                r = await client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"worker {w} request {i} " * 8}], max_tokens=4
-                )
-                done.append(r.usage.completion_tokens if r.usage else 0)
-
-        workers = [asyncio.create_task(load(w)) for w in range(4)]
-        await wait_for(lambda: len(done) >= 8, 120.0, "load running")
-        podman("kill", "--signal", "KILL", gateways[1])
-        try:
-            await asyncio.gather(*workers)
-        except Exception as exc:  # the gateway's side of it
-            raise AssertionError(f"{exc}\n{containers.logs(gateways[0])}") from exc
+        done = await load_while_killing(client, gateways[1], 12, lambda: containers.logs(gateways[0]))
         assert len(done) == 48 and all(n > 0 for n in done)
 
         # SIGTERM drains: a streamed answer in flight on the remaining gateway finishes, then the container exits 0
