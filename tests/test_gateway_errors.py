@@ -230,7 +230,10 @@ async def test_a_model_asked_for_before_its_engine_answered_is_503_not_404(http:
             assert resp.status == 503 and resp.headers["Retry-After"]
             assert (await resp.json())["error"]["code"] == "engines_not_discovered"
         async with run_sim_engine(SIM.model_copy(update={"port": port})):
-            await wait_for(lambda: bool(gw.app[REPLICAS].for_model("sim")), what="the model discovered")
+            replicas = gw.app[REPLICAS]  # discovered, then routable (healthy): a first check may lag the discovery
+            await wait_for(
+                lambda: any(r.routable(time.monotonic()) for r in replicas.for_model("sim")), what="the model routable"
+            )
             async with http.post(gw.url + COMP, json=body) as resp:
                 assert resp.status == 200
             async with http.post(gw.url + COMP, json={**body, "model": "other"}) as resp:
