@@ -31,7 +31,6 @@ from typing import Any
 import orjson
 
 from gateway.anthropic import messages_as_chat
-from gateway.errors import BadRequest
 from gateway.request_parse import ParsedRequest, encode, engine_fields
 
 CHAT_PATH = "/v1/chat/completions"  # where a Messages stream continues
@@ -111,12 +110,9 @@ def migratable(parsed: ParsedRequest) -> bool:
         if body.get("tools") or not isinstance(messages, list) or not messages:
             return False
         last = messages[-1]
-        if not isinstance(last, dict) or last.get("role") == "assistant":  # the client's own prefill
-            return False
-        try:
-            return messages_as_chat(body) is not None
-        except BadRequest:
-            return False
+        # the client's own prefill is not continued; a body without a chat view (routed by load) makes no
+        # continuation (`continuation` returns None): the stream then ends with an error event
+        return isinstance(last, dict) and last.get("role") != "assistant"
     if parsed.kind not in ("chat", "completions") or body.get("n") not in (None, 1) or body.get("prompt_logprobs"):
         return False
     if parsed.kind == "chat":
