@@ -11,7 +11,9 @@ wall time. Side by side, the same seeded workload through:
 - static gates (`replica_max_concurrency` in `--gates`, the shipped queue: up to 30 s), the best of them per rate;
 - latency targets only (the shipped default path: cache-aware, `admission.targets` = the SLO, no gate).
 Then a context shift: one run at `--shift-rate` x capacity whose prompts double in length half way through (the
-knee moves: half as many fit), through the static gates and the targets.
+knee moves: half as many fit), through the static gates and the targets; and the per-phase oracle: each phase run
+alone through every static gate, the best gate of each phase taken (good requests of both phases over both phases'
+time), which is what a sweep per phase would set if someone reset the gate at the very moment the prompts changed.
 
     python bench/bench_goodput.py [--repeat 3] [--json docs/bench/goodput.json]
 """
@@ -105,6 +107,8 @@ async def measure(
         "ttft_p50": summary.ttft_s["p50"],
         "ttft_p99": summary.ttft_s["p99"],
         "refusal_p99_ms": percentile([r.e2e_s for r in refused], 99) * 1e3 if refused else None,
+        "good": round((summary.goodput_req_per_s or 0.0) * res.wall_s),
+        "run_s": res.wall_s,
         "wall_s": time.monotonic() - started,
     }
 
@@ -158,10 +162,38 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         row = await measure(http, gateways[name], shift, args.shift_rate * cap, 2000 + repeat, slo)
                         doc["shift"].setdefault(name, []).append(row)
                         print(f"repeat {repeat} shift {name}: {_line(row)}", flush=True)
+                    await oracle(http, gateways, args, repeat, slo, doc)
     finally:
         for path in paths:
             os.unlink(path)
     return doc
+
+
+async def oracle(
+    http: aiohttp.ClientSession,
+    gateways: dict[str, str],
+    args: argparse.Namespace,
+    repeat: int,
+    slo: Slo,
+    doc: dict[str, Any],
+) -> None:
+    """The context shift's two phases, each alone through every static gate: the per-phase best gate's goodput."""
+    half = args.requests // 2
+    phases = {"short": workload(args.prompt, args.output, half), "long": workload(2 * args.prompt, args.output, half)}
+    rate = args.shift_rate * doc["capacity_req_per_s"]
+    best: dict[str, dict[str, Any]] = {}
+    for phase, factory in phases.items():
+        for name in (n for n in gateways if n.startswith("gate ")):
+            row = await measure(http, gateways[name], factory, rate, 3000 + repeat, slo)
+            print(f"repeat {repeat} oracle {phase} {name}: {_line(row)}", flush=True)
+            if phase not in best or row["goodput"] > best[phase]["goodput"]:
+                best[phase] = {**row, "gate": name}
+    if len(best) == 2:
+        wall = sum(r["run_s"] for r in best.values())
+        good = sum(r["good"] for r in best.values())
+        row = {"goodput": good / wall, "phases": best}
+        doc.setdefault("oracle", []).append(row)
+        print(f"repeat {repeat} per-phase oracle: goodput {row['goodput']:.2f} req/s", flush=True)
 
 
 def merged(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -170,6 +202,8 @@ def merged(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     for rate, by_name in new["rates"].items():
         out["rates"].setdefault(rate, {}).update(by_name)
     out["shift"].update(new["shift"])
+    if new.get("oracle"):
+        out["oracle"] = new["oracle"]
     out.setdefault("reruns", []).append(
         {"configs": list(new["settings"]["configs"] or []), "capacity": new["capacity_req_per_s"]}
     )
@@ -202,6 +236,8 @@ def table(doc: dict[str, Any], gates: list[int]) -> str:
         shift = doc["shift"]
         best = max((shift[f"gate {g}"] for g in gates), key=lambda rs: statistics.median(_g(rs)))
         lines.append(f"| context shift | - | - | - | {_cell(best)} | {_cell(shift['targets'])} |")
+    if doc.get("oracle"):
+        lines.append(f"\nper-phase oracle gate (context shift): {statistics.median(_g(doc['oracle'])):.2f} req/s")
     return "\n".join(lines)
 
 
@@ -227,7 +263,7 @@ def main() -> None:
     p.add_argument("--decode-ms-per-seq", type=float, default=1.0)
     p.add_argument("--ttft", type=float, default=1.0, help="time-to-first-token target, seconds")
     p.add_argument("--tpot", type=float, default=0.04, help="time-per-output-token target, seconds")
-    p.add_argument("--scales", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0], help="rates x capacity")
+    p.add_argument("--scales", type=float, nargs="*", default=[0.5, 1.0, 2.0, 3.0], help="rates x capacity")
     p.add_argument("--shift-rate", type=float, default=1.0, help="context-shift run's rate x capacity")
     p.add_argument("--gates", type=int, nargs="+", default=[4, 8, 12])
     p.add_argument("--requests", type=int, default=150, help="requests per rate")

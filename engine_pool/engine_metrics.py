@@ -3,6 +3,9 @@ every `health.metrics_interval_s`; the degradation watcher reads the result).
 
 Only the few families below are read, with the project's one Prometheus text reader (`kvcommon.promtext`: lines of
 other families are skipped without building objects, O(lines) string checks per page), and summed over label sets.
+A data-parallel engine (`--data-parallel-size N`) reports one series per rank, labelled `engine="<rank>"`: the
+replica of one rank reads only its own (`rank`), and every parse counts the ranks it saw (how the replica set finds
+that one URL holds several caches).
 """
 
 from __future__ import annotations
@@ -45,13 +48,18 @@ _COUNTERS = {
 }
 
 
-def parse_engine_metrics(text: str, *, now: float | None = None) -> EngineMetrics:
-    """Sum over label sets (data-parallel engines report one series each)."""
+def parse_engine_metrics(text: str, *, now: float | None = None, rank: int | None = None) -> EngineMetrics:
+    """Sum over label sets; with `rank`, only that data-parallel rank's series (label `engine`)."""
     m = EngineMetrics(scraped_at=time.monotonic() if now is None else now)
     running = waiting = 0.0
     usage: list[float] = []
     counters = dict.fromkeys(_COUNTERS.values(), 0.0)
+    own, ranks = None if rank is None else str(rank), set[str | None]()
     for name, labels, value in samples(text, _WANTED):
+        engine = labels.get("engine")
+        ranks.add(engine)
+        if own is not None and engine != own:
+            continue
         if name == "vllm:num_requests_running":
             running += value
         elif name == "vllm:num_requests_waiting":
@@ -77,4 +85,5 @@ def parse_engine_metrics(text: str, *, now: float | None = None) -> EngineMetric
     m.counters = EngineCounters(running=running, **counters)
     m.waiting = int(waiting)
     m.kv_usage = max(usage) if usage else 0.0
+    m.ranks = tuple(sorted(int(r) for r in ranks if r is not None and r.isdigit()))
     return m

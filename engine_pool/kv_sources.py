@@ -5,9 +5,9 @@
 
 The endpoints are the engine's bind addresses: a wildcard host (`*`, `0.0.0.0`, `::`) is the engine's own host as
 kvgate reaches it; a loopback host or an `ipc://` path is usable only when the engine is on this machine (its URL's
-host is loopback), and dropped otherwise. An engine with several ranks has several caches behind one URL, which
-kvgate does not yet tell apart: no source is taken from it (its events merged into one replica's index would
-mislead routing). Pure: O(ranks).
+host is loopback), and dropped otherwise. An engine with several ranks has several caches behind one URL, one
+replica per rank here, each taking its own rank's publisher; a replica that is not a rank takes the source only of
+an engine with one (several ranks' events merged into one index would mislead routing). Pure: O(ranks).
 """
 
 from __future__ import annotations
@@ -53,12 +53,13 @@ def reachable(endpoint: object, engine_host: str) -> str | None:
     return endpoint if local or not _loopback(host) else None
 
 
-def kv_event_source(answer: Any, engine_host: str) -> KvEventSource | None:
-    """The publisher of a single-rank engine's `/kv_event_sources` answer, or None (no events, several ranks,
-    an endpoint kvgate cannot reach, an answer of another shape)."""
-    if not isinstance(answer, dict) or len(answer) != 1:
+def kv_event_source(answer: Any, engine_host: str, rank: int | None = None) -> KvEventSource | None:
+    """The publisher of data-parallel rank `rank` in a `/kv_event_sources` answer, or with no rank of a
+    single-rank engine's; None when there is none (no events, several ranks and no rank asked, an endpoint kvgate
+    cannot reach, an answer of another shape)."""
+    if not isinstance(answer, dict) or (rank is None and len(answer) != 1):
         return None
-    (config,) = answer.values()
+    config = next(iter(answer.values())) if rank is None else answer.get(str(rank))
     if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or config.get("publisher") != "zmq":
         return None
     endpoint = reachable(config.get("endpoint"), engine_host)

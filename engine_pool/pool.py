@@ -229,8 +229,9 @@ class EnginePool:
         self._next_index[m.name] = index + 1
         host = self.config.host
         port = free_port(host)
-        kv_port = free_port(host) if m.kv_events else None
-        replay_port = free_port(host) if m.kv_events else None
+        # a data-parallel engine's rank r publishes on port + r: the whole span free
+        kv_port = free_port(host, span=m.data_parallel_size) if m.kv_events else None
+        replay_port = free_port(host, span=m.data_parallel_size) if m.kv_events else None
         slot_id = f"{m.name}-{index}"
         tokenizer = m.tokenizer or ("sim" if m.kind == "sim" else self._model_paths.get(m.name))
         settings = ReplicaSettings(
@@ -298,6 +299,7 @@ class EnginePool:
             cpu_threads_bind=assign.cpu_bind if device == "cpu" else None,
             cuda_visible_devices=assign.cuda_visible_devices if device == "gpu" else None,
             tensor_parallel_size=m.tensor_parallel_size,
+            data_parallel_size=m.data_parallel_size,
             enforce_eager=m.enforce_eager,
             dtype=m.dtype,
             cache_root=str(Path(self.config.cache_root).resolve()) if self.config.cache_root else None,

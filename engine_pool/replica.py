@@ -3,6 +3,12 @@
 Breaker: `breaker_failures` consecutive request failures open it for `breaker_cooldown_s`; after that the replica
 is routable again on a trial basis (half-open): one more failure re-opens it at once, one success closes it. A
 failed health probe takes the replica out of routing immediately; a passing one brings it back.
+
+Data parallelism: an engine started with `--data-parallel-size N` serves N engine cores, each with its own KV cache,
+behind one URL. It is N replicas here: the one configured (rank 0, or the engine's lowest rank) and one per other
+rank (`<id>@dp<rank>`, in `ranks`), each with its own index, load, admission and metrics, sent the rank it was
+chosen for in vLLM's `X-data-parallel-rank` header. The replica set makes them when the engine's metrics show the
+ranks (engine_pool.replica_set).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class EngineMetrics:
     prefix_hits: float = 0.0
     ttft_sum: float = 0.0  # vllm:time_to_first_token_seconds_sum (cumulative)
     ttft_count: float = 0.0
+    ranks: tuple[int, ...] = ()  # the data-parallel ranks the page reported (its `engine` labels)
     counters: EngineCounters = field(default_factory=EngineCounters)  # decode and prefill timing (QueuePrice)
     scraped_at: float = -math.inf  # time.monotonic()
 
@@ -80,6 +87,11 @@ def build_replica(
         role=settings.role,
         pooling=settings.pooling,
     )
+
+
+def rank_headers(replica: Replica, headers: dict[str, str]) -> dict[str, str]:
+    """`headers` with vLLM's `X-data-parallel-rank` when the replica is one rank of a data-parallel engine."""
+    return headers if replica.dp_rank is None else {**headers, "X-data-parallel-rank": str(replica.dp_rank)}
 
 
 class Replica:
@@ -138,6 +150,8 @@ class Replica:
         self.queue_price = QueuePrice()  # learned from the scrapes: what one more request here costs
         self.latency = LatencyLearner()  # learned from the gateway's answers: policies.latency's terms
         self.held: dict[int, Held] = {}  # admitted requests placed here: the KV each holds, its predicted end
+        self.dp_rank: int | None = None  # the data-parallel rank this replica is (None: the engine has one)
+        self.ranks: list[Replica] = []  # on the first rank: the engine's other ranks
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -201,10 +215,24 @@ class Replica:
             self.id, kv, held, overhead, prefill, step, per_seq, self.latency.margin(), self.latency.decode_learned
         )
 
+    def for_rank(self, rank: int) -> Replica:
+        """The replica of another data-parallel rank of this engine: the same URL and settings, its KV events
+        asked of the engine (`/kv_event_sources` lists each rank's publisher), warm when this one is."""
+        other = Replica(
+            f"{self.id}@dp{rank}", self.url, self.model, metrics_url=self.metrics_url, tokenizer=self.tokenizer,
+            max_concurrency=self.max_concurrency, max_num_seqs=self.max_num_seqs, role=self.role,
+            pooling=self.pooling,
+        )  # fmt: skip
+        other.dp_rank, other.warm, other.draining, other.managed = rank, self.warm, self.draining, self.managed
+        return other
+
     async def wait_idle(self, timeout_s: float) -> bool:
-        """True when no request is in flight (drain finished) within timeout_s."""
+        """True when no request is in flight here and on the engine's other ranks (drain finished) within
+        timeout_s."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                for replica in (self, *self.ranks):
+                    await replica._idle.wait()
         except TimeoutError:
             return False
         return True

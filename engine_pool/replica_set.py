@@ -6,6 +6,10 @@ unhealthy at once (out of routing); a passing one marks it healthy. Listeners he
 again when its KV layout (block size, capacity in blocks) first becomes known or changes, when it goes down, and when
 it is removed. Attached engines without a configured model name get it from `/v1/models`. `warm_up` is the one real
 completion a new engine must answer before it is routed to (launched engines and engines found by DNS pass it).
+
+A data-parallel engine is found by its first scrape (one `engine` label per rank): the replica becomes its first
+rank and the set adds one replica per other rank (`Replica.for_rank`), removed, warmed and drained with it. Each
+probes and scrapes on its own (the same pages; each reads its rank's series).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Protocol
 from engine_pool.engine_metrics import parse_engine_metrics
 from engine_pool.http_client import UpstreamClient
 from engine_pool.kv_sources import kv_event_source
-from engine_pool.replica import Replica
+from engine_pool.replica import Replica, rank_headers
 
 log = logging.getLogger("kvgate.replicas")
 _JSON = {"Content-Type": "application/json"}
@@ -69,6 +73,8 @@ class ReplicaSet:
 
     async def remove(self, replica_id: str) -> Replica | None:
         replica = self._replicas.pop(replica_id, None)
+        for rank in replica.ranks if replica is not None else ():
+            await self.remove(rank.id)
         self._forget_models()
         task = self._tasks.pop(replica_id, None)
         if task is not None:
@@ -155,14 +161,17 @@ class ReplicaSet:
         self._notify()
 
     def set_warm(self, replica: Replica, warm: bool) -> None:
-        if warm != replica.warm:
-            replica.warm = warm
+        """Warm (routable once healthy) or not; the engine's other data-parallel ranks with it."""
+        if any(warm != r.warm for r in (replica, *replica.ranks)):
+            for r in (replica, *replica.ranks):
+                r.warm = warm
             self._notify()
 
     def set_draining(self, replica: Replica, draining: bool) -> None:
-        """A draining replica takes no new requests; those in flight finish."""
-        if draining != replica.draining:
-            replica.draining = draining
+        """A draining replica takes no new requests; those in flight finish. The engine's other ranks with it."""
+        if any(draining != r.draining for r in (replica, *replica.ranks)):
+            for r in (replica, *replica.ranks):
+                r.draining = draining
             self._notify()
 
     async def wait_changed(self, timeout_s: float) -> None:
@@ -184,7 +193,11 @@ class ReplicaSet:
             body = {"model": model, "input": [prompt] if path == "/classify" else prompt}
         try:
             status, raw = await self._client.fetch(
-                "POST", f"{replica.url}{path}", json.dumps(body).encode(), _JSON, timeout_s=timeout_s
+                "POST",
+                f"{replica.url}{path}",
+                json.dumps(body).encode(),
+                rank_headers(replica, _JSON),
+                timeout_s=timeout_s,
             )
             data = json.loads(raw)
         except (ConnectionError, TimeoutError, ValueError) as exc:
@@ -257,15 +270,15 @@ class ReplicaSet:
             self._notify()
 
     async def discover_kv_events(self, replica: Replica) -> None:
-        """The engine's KV-event publisher as it lists it (engine_pool/kv_sources.py); none when it lists none or
-        does not answer the route (older vLLM, other engines)."""
+        """The engine's KV-event publisher as it lists it (engine_pool/kv_sources.py), the replica's own rank's on
+        a data-parallel engine; none when it lists none or does not answer the route (older vLLM, other engines)."""
         source = None
         try:
             status, raw = await self._client.fetch("GET", f"{replica.url}/kv_event_sources", timeout_s=self.timeout_s)
             if status == 200:
                 answer = json.loads(raw)
-                source = kv_event_source(answer, replica.host)
-                if source is None and isinstance(answer, dict) and len(answer) > 1:
+                source = kv_event_source(answer, replica.host, replica.dp_rank)
+                if replica.dp_rank is None and isinstance(answer, dict) and len(answer) > 1:
                     log.warning("replica %s: %d data-parallel ranks publish KV events behind one URL; routed as one "
                                 "cache without them", replica.id, len(answer))  # fmt: skip
         except (ConnectionError, TimeoutError, ValueError):
@@ -273,6 +286,17 @@ class ReplicaSet:
         replica.kv_events_endpoint = source.endpoint if source else None
         replica.kv_events_replay_endpoint = source.replay_endpoint if source else None
         replica.kv_events_topic = source.topic if source else None
+
+    async def split_ranks(self, replica: Replica) -> None:
+        """A data-parallel engine's scrape showed several ranks: this replica becomes the first one (its metrics
+        read again for that rank alone) and a replica is added for each other rank."""
+        first, *others = replica.metrics.ranks
+        replica.dp_rank = first
+        log.info("replica %s: data-parallel ranks %s behind one URL, one replica each", replica.id, [first, *others])
+        await self.scrape_metrics(replica)
+        for rank in others:
+            replica.ranks.append(replica.for_rank(rank))
+            self.add(replica.ranks[-1])
 
     async def scrape_metrics(self, replica: Replica) -> bool:
         sent = time.monotonic()  # the engine's counts are as of about now
@@ -284,7 +308,7 @@ class ReplicaSet:
         except (ConnectionError, TimeoutError, UnicodeDecodeError):
             return False
         before = replica.metrics
-        replica.set_metrics(parse_engine_metrics(text, now=sent))
+        replica.set_metrics(parse_engine_metrics(text, now=sent, rank=replica.dp_rank))
         layout = (replica.metrics.block_size, replica.metrics.num_blocks)
         if replica.healthy and layout != (before.block_size, before.num_blocks):
             for listener in self._listeners:  # the KV layout became known (or changed): listeners re-register it
@@ -299,6 +323,8 @@ class ReplicaSet:
                 healthy = await self.probe_health(replica)
                 if healthy and not replica.healthy:
                     await self.scrape_metrics(replica)  # block size / capacity known before the first request
+                    if replica.dp_rank is None and len(replica.metrics.ranks) > 1:
+                        await self.split_ranks(replica)
                     if replica.discovers_kv_events:
                         await self.discover_kv_events(replica)
                 self.set_health(replica, healthy)

@@ -183,6 +183,11 @@ class ModelPoolConfig(_Strict):
         description="replica i runs on devices[i % len(devices)]; empty = unpinned, CUDA_VISIBLE_DEVICES inherited",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vllm on GPU: --tensor-parallel-size (ignored on CPU)")
+    data_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="vllm: --data-parallel-size, engine cores behind each replica's one URL, each with its own KV "
+        "cache (and kv_cache_bytes); routed as one replica per rank, the rank sent as X-data-parallel-rank",
+    )  # fmt: skip
     kv_cache_bytes: int | None = Field(
         None, gt=0, description="vllm: KV cache size per replica in bytes (--kv-cache-memory-bytes); None = vLLM's"
     )

@@ -64,6 +64,7 @@ class EngineLaunchSpec:
     cpu_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0-3", "nobind"; None = vLLM's
     cuda_visible_devices: str | None = None  # GPU only: "0", "1,2"
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine cores behind the one port; rank r publishes KV events on port + r
     enforce_eager: bool = True  # skips compilation: start-up about 25 s instead of 35-70 s on CPU
     dtype: str = "auto"  # "bfloat16" on CPU; "auto" follows the model config
     seed: int | None = 0
@@ -97,6 +98,8 @@ class EngineLaunchSpec:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
         for name in ("kv_events_port", "kv_events_replay_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
@@ -177,6 +180,8 @@ def vllm_argv(spec: EngineLaunchSpec) -> list[str]:
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.device == "gpu" and spec.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if spec.data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(spec.data_parallel_size)]
     argv.append("--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching")
     if spec.enable_prefix_caching and spec.prefix_caching_hash_algo is not None:
         argv += ["--prefix-caching-hash-algo", spec.prefix_caching_hash_algo]

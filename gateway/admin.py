@@ -93,6 +93,7 @@ async def list_replicas(request: web.Request) -> web.Response:
             "url": replica.url,
             "managed": replica.managed,
             "role": replica.role,
+            "dp_rank": replica.dp_rank,
             "routable": replica.routable(now),
             "healthy": replica.healthy,
             "warm": replica.warm,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
-from engine_pool.replica import Replica
+from engine_pool.replica import Replica, rank_headers
 from gateway.config import TimeoutConfig
 from gateway.errors import Retryable, UpstreamTimeout, UpstreamUnavailable
 from gateway.exchange import Exchange
@@ -70,7 +70,7 @@ async def send(client: UpstreamClient, timeouts: TimeoutConfig, replica: Replica
     answer's headers come only when the generation is done: waited for until the total deadline, and a timeout
     then is not retried (the engine took the request; running it again elsewhere would only repeat the work)."""
     pool = client.pool(replica.host, replica.port, replica.use_tls)
-    headers = _ask_headers(ex)
+    headers = rank_headers(replica, _ask_headers(ex))
     url = replica.base_path + ex.path
     for fresh_retry in (False, True):
         upstream: UpstreamResponse | None = None

@@ -31,6 +31,25 @@ def test_data_parallel_series_are_summed_and_garbage_skipped() -> None:
     )
     m = parse_engine_metrics(text)
     assert m.running == 3 and m.waiting == 0 and m.block_size is None
+    assert m.ranks == (0, 1)
+
+
+def test_one_data_parallel_rank_reads_only_its_own_series() -> None:
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 1\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.125\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="64"} 1\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 7\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 11\n'
+    )
+    one = parse_engine_metrics(text, rank=1)
+    assert (one.running, one.kv_usage, one.num_blocks, one.prefix_hits) == (2, 0.125, 64, 11.0)
+    zero = parse_engine_metrics(text, rank=0)
+    assert (zero.running, zero.kv_usage, zero.num_blocks, zero.prefix_hits) == (1, 0.5, None, 7.0)
+    assert zero.ranks == one.ranks == (0, 1)  # the ranks seen, whichever is read
+    assert parse_engine_metrics(VLLM_TEXT).ranks == (0,)
 
 
 def test_breaker_opens_after_threshold_and_half_open_reopens() -> None:

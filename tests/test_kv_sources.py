@@ -62,3 +62,19 @@ def test_no_source_from_answers_without_one_usable_publisher(answer: Any) -> Non
 def test_the_publishers_topic_is_kept_even_empty() -> None:
     source = kv_event_source(rank(endpoint="tcp://*:5557", topic=""), "127.0.0.1")
     assert source is not None and source.topic == ""
+
+
+def test_each_data_parallel_rank_takes_its_own_publisher() -> None:
+    """vLLM offsets each rank's ports by its rank (rank 1 of tcp://*:5557 binds 5558) and lists them all."""
+    answer = {
+        "1": {**ZMQ, "endpoint": "tcp://*:5558", "replay_endpoint": "tcp://*:5568"},
+        "0": {**ZMQ, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5567"},
+    }
+    assert kv_event_source(answer, "10.0.0.5", 0) == KvEventSource(
+        "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5567", "kv-events"
+    )
+    assert kv_event_source(answer, "10.0.0.5", 1) == KvEventSource(
+        "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5568", "kv-events"
+    )
+    assert kv_event_source(answer, "10.0.0.5", 2) is None  # a rank the engine does not list
+    assert kv_event_source(answer, "10.0.0.5") is None  # not a rank: two caches are not one

@@ -100,6 +100,13 @@ def test_gpu_replicas_sharing_a_device_pass_both_kv_size_and_memory_share() -> N
     assert "--gpu-memory-utilization" not in cpu
 
 
+def test_data_parallel_ranks_are_passed_on_either_device() -> None:
+    for device in ("cpu", "gpu"):
+        argv = vllm_argv(EngineLaunchSpec(model="/m", port=9000, device=device, data_parallel_size=2))
+        assert argv[argv.index("--data-parallel-size") + 1] == "2"
+    assert "--data-parallel-size" not in vllm_argv(EngineLaunchSpec(model="/m", port=9000))
+
+
 def test_gpu_argv_and_env_and_tcp_events() -> None:
     spec = EngineLaunchSpec(
         model="/m",
