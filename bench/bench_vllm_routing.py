@@ -9,7 +9,8 @@ a small KV cache each (`--kv-blocks`, default 160 blocks of 32 tokens), prefix c
 front of them. Workload: `--groups` x `--prompts` chat requests (default 10 x 8), each group sharing a
 `--system-tokens` system prompt (default 600 tokens: about 19 blocks, so the ten groups need about 200 blocks: more
 than one replica holds, less than two), a distinct question per prompt, `--output-tokens` generated (ignore_eos);
-shuffled with `--seed`, closed loop at `--concurrency`.
+shuffled with `--seed`, closed loop at `--concurrency`. With `--zipf S` the groups' popularity is skewed instead
+(each request's group drawn with weight 1 / rank^S: popular system prompts, the case of production traffic).
 
 Reported per run, from the engines' own metrics (`vllm:prefix_cache_{hits,queries}_total`, and the requests each
 engine finished, `vllm:request_success_total`): engine-side prefix hit rate, the split of requests between the
@@ -148,17 +149,25 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 
 def workload(args: argparse.Namespace, model_dir: Path) -> list[list[dict[str, str]]]:
+    """`groups` x `prompts` requests: each group's `prompts` (uniform popularity), or with `--zipf S` each request's
+    group drawn with weight 1 / rank^S (the same count in all)."""
     maker = make_text_maker(str(model_dir))
-    prompts = []
-    for g in range(args.groups):
-        system = maker.text(f"system-{g}", args.system_tokens)
-        for p in range(args.prompts):
-            prompts.append([
-                {"role": "system", "content": system},
-                {"role": "user", "content": maker.text(f"question-{g}-{p}", args.question_tokens)},
-            ])  # fmt: skip
-    random.Random(args.seed).shuffle(prompts)
-    return prompts
+    rng = random.Random(args.seed)
+    n = args.groups * args.prompts
+    if args.zipf > 0:
+        weights = [1 / (g + 1) ** args.zipf for g in range(args.groups)]
+        groups = rng.choices(range(args.groups), weights, k=n)
+    else:
+        groups = [g for g in range(args.groups) for _ in range(args.prompts)]
+        rng.shuffle(groups)
+    systems = {g: maker.text(f"system-{g}", args.system_tokens) for g in set(groups)}
+    return [
+        [
+            {"role": "system", "content": systems[g]},
+            {"role": "user", "content": maker.text(f"question-{g}-{i}", args.question_tokens)},
+        ]
+        for i, g in enumerate(groups)
+    ]
 
 
 async def drive(url: str, eng: list[dict[str, Any]], prompts: list[Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -221,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=160, help="KV cache per replica, in blocks of 32 tokens")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--zipf", type=float, default=0.0, help="popularity exponent of the groups (0: uniform)")
     ap.add_argument("--model-dir", default=".kvgate/tiny-model")
     ap.add_argument("--sglang-python", default=".kvgate/sglang-venv/bin/python")
     ap.add_argument("--out", default="docs/bench/vllm-routing.json")

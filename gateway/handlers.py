@@ -13,6 +13,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import admin
+from gateway.abort import PATH as ABORT_PATH
+from gateway.abort import abort_requests
 from gateway.admission.auth import check_admin
 from gateway.body import expect_handler
 from gateway.endpoints import ENDPOINTS, Endpoint
@@ -129,6 +131,7 @@ def add_routes(app: web.Application) -> None:
     for endpoint in ENDPOINTS:
         expects = expect if endpoint.api == "openai" else expect_handler(max_body, ids, endpoint.api)
         app.router.add_route(endpoint.method, endpoint.path, _endpoint_handler(endpoint), expect_handler=expects)
+    app.router.add_post(ABORT_PATH, abort_requests, expect_handler=expect)
     app.router.add_get("/version", version, expect_handler=expect)
     app.router.add_get("/v1/models", list_models, expect_handler=expect)
     app.router.add_get("/health", health, expect_handler=expect)

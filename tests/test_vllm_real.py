@@ -510,3 +510,37 @@ async def test_render_and_generate_through_the_gateway(replica: Replica) -> None
     assert cached[1] >= BLOCK_SIZE * (len(predicted_ids) // BLOCK_SIZE) - BLOCK_SIZE
     assert total("kvgate_prefix_predicted_cached_tokens_total") == total("kvgate_prefix_reported_cached_tokens_total")
     assert total("kvgate_prefix_reported_cached_tokens_total") == sum(cached)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(STARTUP_DEADLINE_S + 120)
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
+async def test_abort_requests_through_the_gateway_stops_the_rollout(replica: Replica) -> None:
+    """An RL framework's abort by id through kvgate: a streamed /inference/v1/generate started with its own
+    X-Request-Id ends early with finish_reason "abort" once `generate-tokens-<id>` is aborted at kvgate; ids no
+    engine runs are accepted; a body without `request_ids` is a 400 in OpenAI's shape."""
+    config = gateway_config([], engines=[{"url": replica.spec.base_url, "tokenizer": str(replica.model_dir)}])
+    generate = {
+        "model": MODEL_NAME, "token_ids": list(range(100, 164)), "stream": True,
+        "sampling_params": {"max_tokens": 1900, "ignore_eos": True, "temperature": 0},
+    }  # fmt: skip
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        (attached,) = gw.app[REPLICAS]
+        await wait_for(lambda: attached.routable(time.monotonic()), 60, "the engine routable")
+        headers = {"X-Request-Id": "rollout-7"}
+        async with http.post(f"{gw.url}/inference/v1/generate", json=generate, headers=headers) as stream:
+            assert stream.status == 200, await stream.text()
+            first = await stream.content.readline()  # it is running
+            assert first.startswith(b"data: ")
+            abort = {"request_ids": ["generate-tokens-rollout-7", "generate-tokens-nobody"]}
+            async with http.post(f"{gw.url}/inference/v1/abort_requests", json=abort) as resp:
+                assert resp.status == 200, await resp.text()
+            rest = (await stream.read()).decode()
+        async with http.post(f"{gw.url}/inference/v1/abort_requests", json={"ids": ["x"]}) as resp:
+            error = await resp.json()
+            assert resp.status == 400 and error["error"]["param"] == "request_ids", error
+    events = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
+    reasons = [c.get("finish_reason") for e in events for c in e.get("choices", [])]
+    tokens = sum(len(c.get("token_ids") or []) for e in events for c in e.get("choices", []))
+    assert "abort" in reasons, reasons[-3:]
+    assert tokens < 1900
