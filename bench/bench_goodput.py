@@ -227,15 +227,18 @@ def table(doc: dict[str, Any], gates: list[int]) -> str:
         cells = []
         for name in names:
             if name == "best static gate":
-                rows = max((by_name[f"gate {g}"] for g in gates), key=lambda rs: statistics.median(_g(rs)))
+                gated = [by_name[f"gate {g}"] for g in gates if f"gate {g}" in by_name]
+                rows = max(gated, key=lambda rs: statistics.median(_g(rs))) if gated else []
             else:
-                rows = by_name[name]
-            cells.append(_cell(rows))
+                rows = by_name.get(name, [])
+            cells.append(_cell(rows) if rows else "-")
         lines.append(f"| {rate} | " + " | ".join(cells) + " |")
     if doc["shift"]:
         shift = doc["shift"]
-        best = max((shift[f"gate {g}"] for g in gates), key=lambda rs: statistics.median(_g(rs)))
-        lines.append(f"| context shift | - | - | - | {_cell(best)} | {_cell(shift['targets'])} |")
+        gated = [shift[f"gate {g}"] for g in gates if f"gate {g}" in shift]
+        best = _cell(max(gated, key=lambda rs: statistics.median(_g(rs)))) if gated else "-"
+        targets = _cell(shift["targets"]) if "targets" in shift else "-"
+        lines.append(f"| context shift | - | - | - | {best} | {targets} |")
     if doc.get("oracle"):
         lines.append(f"\nper-phase oracle gate (context shift): {statistics.median(_g(doc['oracle'])):.2f} req/s")
     return "\n".join(lines)
@@ -276,9 +279,9 @@ def main() -> None:
     doc = asyncio.run(run(args))
     if args.merge:
         doc = merged(json.loads(Path(args.merge).read_text()), doc)
-    print(table(doc, args.gates))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    print(table(doc, args.gates))
 
 
 if __name__ == "__main__":
