@@ -54,6 +54,7 @@ def workloads(scale: float) -> list[Workload]:
     agents = _n(40, scale, 12)
     big_groups = _n(128, scale, 36)
     rnd_n = _n(320, scale, 90)
+    popular_n = _n(480, scale, 120)
 
     def gsp(seed: int) -> Iterator[RequestSpec]:
         return shared_prefix(
@@ -66,6 +67,13 @@ def workloads(scale: float) -> list[Workload]:
         return shared_prefix(
             maker, seed=seed, groups=6, prompts_per_group=hot_n // 6, system_tokens=1536,
             question_tokens=64, output_tokens=16, popularity="zipf", zipf_s=2.0,
+        )  # fmt: skip
+
+    def popular(seed: int) -> Iterator[RequestSpec]:
+        # zipf s=1.1 over 24 prefixes: production's popular system prompts (a long tail, no single one dominating)
+        return shared_prefix(
+            maker, seed=seed, groups=24, prompts_per_group=popular_n // 24, system_tokens=512,
+            question_tokens=64, output_tokens=16, popularity="zipf", zipf_s=1.1,
         )  # fmt: skip
 
     def chat(seed: int) -> Iterator[RequestSpec]:
@@ -96,6 +104,8 @@ def workloads(scale: float) -> list[Workload]:
                  chat, num_blocks=2048, concurrency=32, rate=5.0),
         Workload("hot-prefix", f"6 prefixes, zipf s=2 (~67% on one), {hot_n // 6 * 6} requests, system 1536",
                  hot, num_blocks=2048, concurrency=48, rate=50.0),
+        Workload("zipf-popular", f"24 prefixes, zipf s=1.1, {popular_n // 24 * 24} requests, system 512",
+                 popular, num_blocks=2048, concurrency=32, rate=20.0),
         Workload("agent-sessions", f"{agents} sessions x 6 turns, shared system 1536, tool results 160, pause 0.3 s",
                  agent, num_blocks=2048, concurrency=32, rate=5.0),
         Workload("beyond-capacity", f"{big_groups} groups x 3, system 1536: working set ~{big_groups * system_blocks}"
