@@ -27,13 +27,18 @@ from gateway.request_parse import ParsedRequest
 
 DONE = b"data: [DONE]"
 MESSAGE_STOP = b"event: message_stop"
+# the Responses API's terminal events: after one the answer is whole (a client may leave before the body's end)
+RESPONSE_END = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
 ANTHROPIC_ERROR = b"event: error"
 
 
-def end_marker(parsed: ParsedRequest) -> bytes | None:
-    """The start of the event that completes a stream of this request; None: the stream ends with its body."""
+def end_marker(parsed: ParsedRequest) -> bytes | tuple[bytes, ...] | None:
+    """The start of the event that completes a stream of this request (any of several); None: the stream ends with
+    its body."""
     if parsed.api == "anthropic":
         return MESSAGE_STOP
+    if parsed.records_id:  # the Responses API (the route whose answers are stored responses)
+        return RESPONSE_END
     return DONE if parsed.kind in ("chat", "completions") else None
 
 

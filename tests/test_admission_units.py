@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from gateway.admission.auth import Authenticator, check_admin
 from gateway.admission.config import AdmissionConfig, LimitsConfig, TenantConfig, hash_key
 from gateway.admission.local import LocalQuotaStore
-from gateway.admission.queue import DrainRate, FairQueue
+from gateway.admission.queue import AttainedService, DrainRate, FairQueue
 from gateway.admission.quota import format_reset, token_cost
 from gateway.errors import NotFound, Unauthorized
 
@@ -99,12 +99,49 @@ async def test_fair_queue_lazy_removal_keeps_counts_and_heap_bounded() -> None:
     for e in entries[:290]:
         q.remove(e)
     assert len(q) == 10 and q.tenant_len("t0") + q.tenant_len("t1") + q.tenant_len("t2") == 10
-    assert len(q._heap) <= 2 * 64 + 20
+    assert len(q._slots) <= 2 * 64 + 20
     popped = [q.pop() for _ in range(11)]
     assert popped[-1] is None and all(p is not None and not p.future.done() for p in popped[:10])
     q.remove(entries[0])  # removing twice is a no-op
     assert len(q) == 0
     await asyncio.sleep(0)
+
+
+async def test_within_a_tenant_the_program_with_the_least_service_goes_first() -> None:
+    """Autellix's rule inside the fair share: a tenant's queued requests leave least attained service first (then in
+    arrival order), while the tenants still alternate by their tags."""
+    q = FairQueue()
+    long_turn = q.push("a", 1.0, 0, attained=30.0)  # the 10th turn of a long agent program
+    short_turn = q.push("a", 1.0, 0, attained=0.5)
+    new_program = q.push("a", 1.0, 0)
+    other = q.push("b", 1.0, 0, attained=99.0)
+    assert [q.pop() for _ in range(4)] == [new_program, other, short_turn, long_turn]
+    assert q.pop() is None
+
+
+async def test_a_removed_request_leaves_its_tenants_share_unchanged() -> None:
+    q = FairQueue()
+    a = [q.push("a", 1.0, 0, attained=float(i)) for i in range(3)]
+    b = [q.push("b", 1.0, 0) for _ in range(3)]
+    q.remove(a[0])
+    got = [q.pop() for _ in range(5)]
+    assert got == [a[1], b[0], a[2], b[1], b[2]] and q.pop() is None
+    gone = [q.push("a", 1.0, 0) for _ in range(2)]
+    for entry in gone:  # both time out: a's slots stay in the heap, void
+        q.remove(entry)
+    first = q.push("b", 1.0, 0)
+    again = q.push("a", 1.0, 0)  # a tenant that emptied its queue takes a new slot, not its void earlier one
+    assert [q.pop(), q.pop(), q.pop()] == [first, again, None]
+
+
+def test_attained_service_is_per_program_and_bounded() -> None:
+    service = AttainedService(max_programs=2)
+    service.add("p1", 1.5)
+    service.add("p1", 0.5)
+    service.add("p2", 3.0)
+    assert (service.of("p1"), service.of("p2"), service.of(None), service.of("new")) == (2.0, 3.0, 0.0, 0.0)
+    service.add("p3", 1.0)  # the least recently served program is forgotten
+    assert service.of("p1") == 0.0 and service.of("p3") == 1.0
 
 
 def test_drain_rate_and_retry_after() -> None:

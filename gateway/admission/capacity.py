@@ -156,7 +156,10 @@ class CapacityGate:
         model: str,
         ctx: RequestContext,
         max_wait_s: float,
+        attained_s: float = 0.0,
     ) -> None:
+        """A slot for the request: at once when one is free and nothing is queued, else in the model's fair queue
+        (`attained_s`: its program's service so far, which orders it among its tenant's), for at most `max_wait_s`."""
         if self._free(model):
             self._take(model)
             self.metrics.queue_wait.labels(identity.tenant).observe(0.0)  # admitted at once: waited nothing
@@ -177,7 +180,7 @@ class CapacityGate:
                 code=reason,
             )
         queue = self._queues.setdefault(model, FairQueue())
-        entry = queue.push(tenant, weight, identity.priority)
+        entry = queue.push(tenant, weight, identity.priority, attained_s)
         started = time.monotonic()
         try:
             async with asyncio.timeout(max_wait_s):

@@ -148,6 +148,12 @@ class QueueConfig(_Strict):
         gt=0,
         description="seconds between re-checks of capacity for queued requests (engine metrics change unannounced)",
     )
+    order: Literal["least-attained", "arrival"] = Field(
+        "least-attained",
+        description="within a tenant's fair share: least-attained = the request whose program (session) has had the "
+        "least service so far first, then arrival (agent programs: a short one is not stuck behind a long one's "
+        "next turn); arrival = first come, first served",
+    )
 
 
 class RedisConfig(_Strict):

@@ -5,7 +5,8 @@ Per request (no suspension in the common case: no remote store, a free slot): id
 check in the store (429, or 503 when the store is down and the policy is fail-closed; skipped for a tenant without
 limits) -> latency targets (`LatencyGate`, gateway.admission.targets: 503 at once where no replica is predicted to
 meet them) -> capacity gate (`CapacityGate`, gateway.admission.capacity: pass at once when nothing of the model is
-queued and a slot is free, otherwise wait in the model's fair queue; 503 at once when the queue is full or no
+queued and a slot is free, otherwise wait in the model's fair queue, its program's attained service ordering it
+among its tenant's; 503 at once when the queue is full or no
 replica is ready, 503 after `max_wait_s`) -> forward -> release the slot (which dispatches the next queued request)
 and reconcile tokens. Here: the tickets (the tenant's in-flight count, its token usage, its quota lease), the
 tenant's cache salt, and the order of the steps.
@@ -19,6 +20,7 @@ import hashlib
 import hmac
 import logging
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ from gateway.admission.auth import Authenticator, Identity
 from gateway.admission.capacity import CapacityGate
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.queue import AttainedService
 from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
 from gateway.admission.targets import LatencyGate
 from gateway.context import RequestContext
@@ -66,6 +69,7 @@ class Ticket:
     counted: bool = True  # in the tenant's in-flight count (until finished)
     holds_slot: bool = False
     targets: Targets | None = None  # its latency targets, with admission by predicted latency
+    session: str | None = None  # its program (session), whose attained service it adds to once admitted
 
 
 class AdmissionSlot:
@@ -113,6 +117,7 @@ class AdmissionController:
         self.store = store
         self.metrics = metrics
         self.capacity_gate = CapacityGate(config, replicas, self.latency, metrics)  # slots and the fair queues
+        self.attained = AttainedService()  # each program's service so far: the queue's order within a tenant
         self._tenant_active: dict[str, int] = {}  # tenant -> admitted, not finished (bounded by configured tenants)
         self._lease_ids = IdSource()
         metrics.export(self.tenants_in_flight, self.capacity_gate.queued)
@@ -169,9 +174,11 @@ class AdmissionController:
                 if demand is not None and self.latency.enabled:
                     ticket.targets = demand.targets
                     max_wait = self._judge(identity, model, prompt_tokens, ctx, demand, max_wait)
+                ticket.session = demand.info.session_key if demand is not None else None
                 await self.capacity_gate.acquire_slot(
-                    identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx, max_wait
-                )
+                    identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx, max_wait,
+                    self.attained.of(ticket.session) if self.config.queue.order == "least-attained" else 0.0,
+                )  # fmt: skip
                 ticket.holds_slot = True
         except BaseException:
             await self.finish(ticket, ctx, failed=True)
@@ -206,6 +213,8 @@ class AdmissionController:
         if ticket.holds_slot:
             ticket.holds_slot = False
             self.capacity_gate.give_back(ticket.model)
+            if ticket.session is not None and ctx.admitted_at is not None:
+                self.attained.add(ticket.session, time.monotonic() - ctx.admitted_at)
         if ticket.targets is not None or ctx.held_on is not None:
             self.latency.finish(ctx, ticket.identity, ticket.targets)
             ticket.targets = None

@@ -1,16 +1,23 @@
-"""Weighted fair queue across tenants with strict priority classes, and the measured drain rate.
+"""Weighted fair queue across tenants with strict priority classes, least attained service first within a tenant,
+and the measured drain rate.
 
-Ordering (self-clocked fair queueing, SCFQ): each entry gets a virtual finish tag
+Ordering across tenants (self-clocked fair queueing, SCFQ): each push takes a slot with a virtual finish tag
     F = max(V, F_last[tenant]) + 1 / weight[tenant]
-where V is the tag of the entry dispatched last and F_last the tag of the tenant's previous queued entry. Entries
-leave in (priority rank, F, arrival seq) order: a higher priority class always goes first; within a class a tenant
-with weight w gets w / sum(w) of the dispatches while it has entries queued, however many it queued, so a flooding
-tenant cannot starve a light one (the light tenant's next entry is tagged just after V, ahead of the flood's
-backlog). A tenant that empties its queue forgets its tag (no credit for idle time).
+where V is the tag of the slot dispatched last and F_last the tag of the tenant's previous slot. Slots leave in
+(priority rank, F, arrival seq) order: a higher priority class always goes first; within a class a tenant with
+weight w gets w / sum(w) of the dispatches while it has requests queued, however many it queued, so a flooding
+tenant cannot starve a light one (the light tenant's next slot is tagged just after V, ahead of the flood's backlog).
+A tenant that empties its queue forgets its tag (no credit for idle time).
+
+Within a tenant and class, a slot dispatches the queued request whose program has had the least service so far
+(`attained`: the seconds of the session's earlier requests, Autellix's least-attained-service rule for agent
+programs), then the earliest: a short program is not stuck behind the tenth turn of a long one, and requests
+without a session count as programs just begun. With every `attained` equal this is arrival order.
 
 Bounds: a global bound and a per-tenant bound (checked by `can_push`, before anything is allocated).
-Complexity: push O(log n), pop O(log n) amortised, cancel O(1) (lazy: the entry is marked and skipped; the heap is
-rebuilt in O(n) when dead entries outnumber live ones, so it never holds more than 2x the bound).
+Complexity: push O(log n), pop O(log n) amortised, remove O(1) (lazy: the request is marked and skipped, and a slot
+left over by a removed request dispatches the tenant's next one; the heaps are rebuilt in O(n) when they hold more
+than twice the live requests).
 
 Drain rate: the times of the last `window` dispatches (a bounded deque); rate = dispatches / elapsed over at most
 `horizon_s`. Retry-After for a refused request = queued / rate, clamped to [1, 60] s.
@@ -20,25 +27,41 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
 @dataclass(order=True, slots=True)
 class QueueEntry:
-    priority: int
-    finish: float
+    """A queued request, ordered among its tenant's of its class by its program's service so far, then arrival."""
+
+    attained: float
     seq: int
     tenant: str = field(compare=False)
+    priority: int = field(compare=False)
     future: asyncio.Future[None] = field(compare=False)
     dead: bool = field(default=False, compare=False)
 
 
+@dataclass(order=True, slots=True)
+class _Slot:
+    priority: int
+    finish: float
+    seq: int
+    key: tuple[str, int] = field(compare=False)  # (tenant, priority)
+    generation: int = field(compare=False)  # the key's while it had requests queued; a later one voids the slot
+
+
 class FairQueue:
     def __init__(self) -> None:
-        self._heap: list[QueueEntry] = []
+        self._slots: list[_Slot] = []
+        self._waiting: dict[tuple[str, int], list[QueueEntry]] = {}  # per (tenant, priority): a heap of requests
+        self._live_by_key: dict[tuple[str, int], int] = {}
+        self._generation: dict[tuple[str, int], int] = {}
+        self._generations = itertools.count(1)
         self._per_tenant: dict[str, int] = {}
         self._last_finish: dict[str, float] = {}
         self._virtual = 0.0
@@ -51,49 +74,105 @@ class FairQueue:
     def tenant_len(self, tenant: str) -> int:
         return self._per_tenant.get(tenant, 0)
 
-    def push(self, tenant: str, weight: float, priority: int) -> QueueEntry:
+    def push(self, tenant: str, weight: float, priority: int, attained: float = 0.0) -> QueueEntry:
         start = max(self._virtual, self._last_finish.get(tenant, 0.0))
         finish = start + 1.0 / weight
         self._last_finish[tenant] = finish
         self._seq += 1
-        entry = QueueEntry(priority, finish, self._seq, tenant, asyncio.get_running_loop().create_future())
-        heapq.heappush(self._heap, entry)
+        key = (tenant, priority)
+        entry = QueueEntry(attained, self._seq, tenant, priority, asyncio.get_running_loop().create_future())
+        if key not in self._generation:
+            self._generation[key] = next(self._generations)
+        heapq.heappush(self._waiting.setdefault(key, []), entry)
+        heapq.heappush(self._slots, _Slot(priority, finish, self._seq, key, self._generation[key]))
+        self._live_by_key[key] = self._live_by_key.get(key, 0) + 1
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         self._live += 1
         return entry
 
+    def _head(self) -> tuple[_Slot, QueueEntry] | None:
+        """The next slot and the request it dispatches; void slots and dead requests dropped on the way."""
+        slots = self._slots
+        while slots:
+            slot = slots[0]
+            waiting = self._waiting.get(slot.key) if self._generation.get(slot.key) == slot.generation else None
+            while waiting and waiting[0].dead:
+                heapq.heappop(waiting)
+            if waiting:
+                return slot, waiting[0]
+            heapq.heappop(slots)
+        return None
+
     def peek(self) -> QueueEntry | None:
-        while self._heap and self._heap[0].dead:
-            heapq.heappop(self._heap)
-        return self._heap[0] if self._heap else None
+        head = self._head()
+        return head[1] if head is not None else None
 
     def pop(self) -> QueueEntry | None:
-        entry = self.peek()
-        if entry is None:
+        head = self._head()
+        if head is None:
             return None
-        heapq.heappop(self._heap)
-        self._virtual = max(self._virtual, entry.finish)
+        slot, entry = head
+        heapq.heappop(self._slots)
+        heapq.heappop(self._waiting[slot.key])
+        self._virtual = max(self._virtual, slot.finish)
         self._forget(entry)
         return entry
 
     def remove(self, entry: QueueEntry) -> None:
-        """Take a waiting entry out (timed out, client left); O(1), the heap slot is reclaimed lazily."""
+        """Take a waiting request out (timed out, client left); O(1), its heap places reclaimed lazily."""
         if entry.dead:
             return
         self._forget(entry)
-        if len(self._heap) > 64 and len(self._heap) > 2 * self._live:
-            self._heap = [e for e in self._heap if not e.dead]
-            heapq.heapify(self._heap)
+        if len(self._slots) > 64 and len(self._slots) > 2 * self._live:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop dead requests and void slots, and per key the slots beyond its live requests (the latest)."""
+        for key, waiting in self._waiting.items():
+            self._waiting[key] = [e for e in waiting if not e.dead]
+            heapq.heapify(self._waiting[key])
+        kept: dict[tuple[str, int], int] = {}
+        slots = []
+        for slot in sorted(self._slots):
+            if self._generation.get(slot.key) == slot.generation and kept.get(slot.key, 0) < self._live_by_key.get(
+                slot.key, 0
+            ):
+                kept[slot.key] = kept.get(slot.key, 0) + 1
+                slots.append(slot)
+        self._slots = slots  # sorted: a heap
 
     def _forget(self, entry: QueueEntry) -> None:
         entry.dead = True
         self._live -= 1
+        key = (entry.tenant, entry.priority)
+        if left_key := self._live_by_key[key] - 1:
+            self._live_by_key[key] = left_key
+        else:  # the key's leftover slots are void from now on
+            del self._live_by_key[key], self._generation[key]
+            self._waiting.pop(key, None)
         left = self._per_tenant[entry.tenant] - 1
         if left:
             self._per_tenant[entry.tenant] = left
         else:
             del self._per_tenant[entry.tenant]
             self._last_finish.pop(entry.tenant, None)
+
+
+class AttainedService:
+    """Seconds of service each program (session) has had: its finished requests' time from admission to end. A
+    bounded LRU (`max_programs`); a program not seen has had none. O(1) per request."""
+
+    def __init__(self, max_programs: int = 65_536) -> None:
+        self._seconds: OrderedDict[str, float] = OrderedDict()
+        self.max_programs = max_programs
+
+    def of(self, session: str | None) -> float:
+        return self._seconds.get(session, 0.0) if session is not None else 0.0
+
+    def add(self, session: str, seconds: float) -> None:
+        self._seconds[session] = self._seconds.pop(session, 0.0) + max(0.0, seconds)
+        if len(self._seconds) > self.max_programs:
+            self._seconds.popitem(last=False)
 
 
 class DrainRate:
