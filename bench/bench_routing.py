@@ -40,7 +40,7 @@ import aiohttp
 
 from bench.routing_procs import SimCosts, cpu_seconds, gateways, sim_pool, split_cpus
 from bench.routing_report import render_markdown, target_checks, update_docs
-from bench.routing_workloads import Workload, best_hit_rate, rebuild_prompts, workloads
+from bench.routing_workloads import Workload, best_hit_rate, rebuild_prompts, trace_workload, workloads
 from loadgen.client import Target
 from loadgen.promscrape import prefix_cache_report, scrape_all
 from loadgen.runner import Arrival, run_setting
@@ -181,11 +181,13 @@ def run_workload(
     arrivals = {
         "closed": Arrival("closed", concurrency=w.concurrency),
         "poisson": Arrival("poisson", rate=w.rate * args.rate_scale),
+        "trace": Arrival("trace", max_inflight=4096),  # a trace's own timestamps
     }
     specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
     gw_cpus, other_cpus = split_cpus(args.pin)
     with sim_pool(args.replicas, costs, w.num_blocks, MODEL, other_cpus, args.hide_capacity) as sims:
-        for arrival_name in args.arrivals:
+        # a trace is replayed at its own timestamps; the generated workloads have none
+        for arrival_name in ["trace"] if w.name == "trace" else [a for a in args.arrivals if a != "trace"]:
             runs: dict[str, list[Row]] = {p: [] for p in args.policies}
             for rep in range(args.repeat):
                 with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs, gw_cpus) as gws:
@@ -230,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="give the gateway under test the last CPU to itself, the engines and the client the others",
     )
+    p.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace: workload 'trace', at its timestamps")
+    p.add_argument("--trace-cache-ratio", type=float, default=2.3, help="the trace's working set / the pool's KV")
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON here")
     p.add_argument("--docs", default=None, help="markdown file to update (default docs/routing.md on a full run)")
     p.add_argument("--no-docs", action="store_true")
@@ -251,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         args.variants[name] = ("cache-aware", json.loads(params or "{}"))
         args.policies.append(name)
     chosen = set(filter(None, args.workloads.split(",")))
-    ws = [w for w in workloads(scale) if not chosen or w.name in chosen]
+    every = workloads(scale)
+    if args.trace:
+        every.append(trace_workload(args.trace, args.replicas, args.trace_cache_ratio))
+    ws = [w for w in every if not chosen or w.name in chosen]
     costs = SimCosts()
     started = time.monotonic()
     rows: list[Row] = []

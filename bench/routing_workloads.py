@@ -21,10 +21,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from loadgen.client import RequestResult, RequestSpec
 from loadgen.text import CharTextMaker
-from loadgen.workloads import agent_sessions, multi_round_chat, random_requests, shared_prefix
+from loadgen.workloads import (
+    agent_sessions,
+    multi_round_chat,
+    parse_mooncake_trace,
+    random_requests,
+    shared_prefix,
+    trace_replay,
+)
 from simengine.cache import chain_block_hashes
 from simengine.tokenize import tokenize_chat
 
@@ -114,6 +122,31 @@ def workloads(scale: float) -> list[Workload]:
         Workload("zero-reuse", f"{rnd_n} unique prompts 512-2048 tok, output 8-24", rnd,
                  num_blocks=2048, concurrency=32, rate=32.0),
     ]  # fmt: skip
+
+
+TRACE_BLOCK_TOKENS = 512  # the Mooncake traces' hash_ids each name 512 tokens
+
+
+def trace_workload(path: str, replicas: int, cache_ratio: float, max_input_tokens: int = 8192) -> Workload:
+    """A Mooncake-format JSONL trace (FAST'25's public conversation and tool-agent traces: `timestamp` ms,
+    `input_length`, `output_length`, `hash_ids` of 512-token blocks) replayed at its own timestamps (`--arrivals
+    trace`), prompts clamped to `max_input_tokens`; each replica's KV sized so that the trace's working set is
+    `cache_ratio` times the pool's."""
+    with open(path, encoding="utf-8") as fh:
+        records = parse_mooncake_trace(fh)
+    maker = CharTextMaker()
+    per_block = min(TRACE_BLOCK_TOKENS, max_input_tokens) // 16  # simulated blocks of 16 tokens per trace block
+    working_set = len({h for r in records for h in r.hash_ids}) * per_block
+    num_blocks = max(256, round(working_set / (cache_ratio * replicas)))
+
+    def replay(seed: int) -> Iterator[RequestSpec]:
+        return trace_replay(
+            maker, records, seed=seed, block_tokens=TRACE_BLOCK_TOKENS, max_input_tokens=max_input_tokens,
+            max_output_tokens=32,
+        )  # fmt: skip
+
+    about = f"{len(records)} requests of {Path(path).name}, working set {working_set} blocks, {cache_ratio:g}x the pool"
+    return Workload("trace", about, replay, num_blocks=num_blocks, concurrency=32, rate=0.0)
 
 
 def rebuild_prompts(factory: Factory, seed: int, results: Sequence[RequestResult]) -> list[list[int]]:
