@@ -51,6 +51,7 @@ from gateway.keys import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import ProxySettings, UpstreamProxy
+from gateway.realtime import realtime_ctx
 from gateway.reload import RELOADER, ConfigReloader
 from gateway.router import Router
 from gateway.tracing import Tracer
@@ -218,5 +219,6 @@ def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = Non
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, cache_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
     app.cleanup_ctx.append(_admission_ctx)  # after the router: tenants, quotas, the fair queue
     app.cleanup_ctx.append(_completions_ctx)  # the completion endpoints, over everything above
+    app.cleanup_ctx.append(realtime_ctx)  # /v1/realtime's sessions and their engine sockets
     handlers.add_routes(app)
     return app

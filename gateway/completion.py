@@ -236,10 +236,10 @@ class CompletionService:
                 holder = await self.holders.get(previous)
         parsed.records_id, parsed.api = endpoint.records_id, endpoint.api
         if not parsed.model:
-            parsed.model = self._only_model()
+            parsed.model = self.only_model()
         return raw, parsed, holder
 
-    def _only_model(self) -> str:
+    def only_model(self) -> str:
         """The model a request without one means: the pool's only model; 400 when it serves several."""
         bases = {self.replicas.base_model(name) for name in self.replicas.models()}  # adapters belong to a base
         if len(bases) != 1:

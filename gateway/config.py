@@ -59,6 +59,12 @@ class ServerConfig(StrictModel):
         description="open client connections; one more is answered 503 and closed (default: half the process's "
         "file-descriptor limit, which is raised to its hard limit at start)",
     )
+    realtime_max_sessions: int = Field(
+        256, ge=1, description="/v1/realtime WebSocket sessions open at once; one more gets 503"
+    )
+    realtime_max_message_bytes: int = Field(
+        8 * 1024 * 1024, gt=0, description="largest /v1/realtime message either way; a larger one closes it (1009)"
+    )
     max_json_depth: int = Field(
         64, ge=4, le=512, description="request bodies nested deeper (arrays and objects) get 400 before any parsing"
     )

@@ -20,6 +20,8 @@ from gateway.body import expect_handler
 from gateway.endpoints import ENDPOINTS, Endpoint
 from gateway.errors import GatewayError
 from gateway.keys import CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID, UPSTREAM
+from gateway.realtime import PATH as REALTIME_PATH
+from gateway.realtime import realtime
 
 
 def _endpoint_handler(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -132,6 +134,7 @@ def add_routes(app: web.Application) -> None:
         expects = expect if endpoint.api == "openai" else expect_handler(max_body, ids, endpoint.api)
         app.router.add_route(endpoint.method, endpoint.path, _endpoint_handler(endpoint), expect_handler=expects)
     app.router.add_post(ABORT_PATH, abort_requests, expect_handler=expect)
+    app.router.add_get(REALTIME_PATH, realtime, expect_handler=expect)
     app.router.add_get("/version", version, expect_handler=expect)
     app.router.add_get("/v1/models", list_models, expect_handler=expect)
     app.router.add_get("/health", health, expect_handler=expect)

@@ -120,6 +120,9 @@ class GuardedRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         if self._stopped_parsing:
             return
+        if self._upgraded and self._payload_parser is not None:  # a WebSocket accepted (/v1/realtime): frames, not
+            super().data_received(data)  # heads; aiohttp's reader bounds each message (realtime_max_message_bytes)
+            return
         between = self._newest is None or self._newest.is_eof()  # no body of a parsed request still arriving
         parsed = self._request_count
         self._parse(data)

@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from simengine import messages
+from simengine import messages, realtime
 from simengine.config import Faults, SimConfig
 from simengine.engine import SimEngine
 from simengine.generation import (
@@ -268,6 +268,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/v1/audio/translations", transcriptions)
     app.router.add_post("/detokenize", detokenize_handler)
     app.router.add_get("/load", load)
+    app.router.add_get("/v1/realtime", realtime.realtime)
     if engine.config.runtime_lora:  # vLLM registers these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)

@@ -1,0 +1,144 @@
+"""`/v1/realtime`: vLLM's realtime transcription WebSocket (vLLM 0.32: `entrypoints/speech_to_text/realtime`),
+proxied to one replica.
+
+A session: the client asks to upgrade `GET /v1/realtime` (`?model=` as OpenAI's realtime clients name it, else the
+pool's only model); the tenant is identified as for any request (401 before the upgrade); a replica of the model
+is chosen by load (its routable replicas, the fewest requests and sessions in flight: a session holds its replica
+for its whole life, counted in its in-flight load so routing, drains and gates see it); the engine's socket is
+opened before the client's is accepted, so no replica, a full gateway or an engine that refuses is an HTTP answer
+in OpenAI's error shape (503 with Retry-After, or the engine's status). Then messages go both ways as they come,
+text and binary, until either side closes; the other side is closed with the same code.
+
+Bounds: `server.realtime_max_sessions` open at once (one more gets 503 before the upgrade); a message over
+`server.realtime_max_message_bytes` from either side closes both (1009, message too big); a session idle longer
+than `server.keepalive_timeout_s` is closed (1000). On shutdown every session is closed with 1001 (going away)
+once new ones are refused. Cost: two relay tasks per session, one copy per message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from engine_pool.replica import Replica
+from gateway.errors import NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+from gateway.keys import COMPLETIONS, CONFIG, REPLICAS
+
+log = logging.getLogger("kvgate.realtime")
+_Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+_NOT_SENDABLE = {1005, 1006, 1015}  # close codes a peer reports but no close frame may carry (RFC 6455 7.4.1)
+PATH = "/v1/realtime"
+REALTIME: web.AppKey[Realtime] = web.AppKey("realtime")
+
+
+class Realtime:
+    """The open sessions and the client that opens their engine sockets."""
+
+    def __init__(self, http: aiohttp.ClientSession) -> None:
+        self.http = http
+        self.sessions: set[web.WebSocketResponse] = set()
+
+    async def close_all(self) -> None:
+        for ws in list(self.sessions):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"gateway shutting down")
+
+
+def _replica(request: web.Request, model: str) -> Replica:
+    now = time.monotonic()
+    replicas = [r for r in request.app[REPLICAS].for_model(model) if r.routable(now) and not r.pooling]
+    if not request.app[REPLICAS].for_model(model):
+        raise NotFound(f"the model {model!r} does not exist", param="model")
+    if not replicas:
+        raise Overloaded(f"no ready replica of model {model!r}", retry_after_s=1.0, code="no_ready_replica")
+    return min(replicas, key=lambda r: (r.in_flight, r.id))
+
+
+async def realtime(request: web.Request) -> web.StreamResponse:
+    cfg, service = request.app[CONFIG].server, request.app[REALTIME]
+    completions = request.app[COMPLETIONS]
+    completions.admission.identify(request.headers, x_api_key=False)  # 401 first when auth is on
+    if len(service.sessions) >= cfg.realtime_max_sessions:
+        raise Overloaded("too many realtime sessions open", retry_after_s=1.0, code="realtime_sessions_full")
+    model = request.query.get("model") or completions.only_model()
+    replica = _replica(request, completions.aliases.get(model, model))
+    started = replica.begin()
+    try:
+        async with _engine_socket(service, replica, cfg.realtime_max_message_bytes) as upstream:
+            client = web.WebSocketResponse(max_msg_size=cfg.realtime_max_message_bytes, autoping=True)
+            await client.prepare(request)
+            service.sessions.add(client)
+            try:
+                await _relay(client, upstream, cfg.keepalive_timeout_s)
+            finally:
+                service.sessions.discard(client)
+            return client
+    finally:
+        replica.end(started)
+
+
+@contextlib.asynccontextmanager
+async def _engine_socket(
+    service: Realtime, replica: Replica, max_bytes: int
+) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
+    url = f"{replica.url}{PATH}"
+    try:
+        upstream = await service.http.ws_connect(url, max_msg_size=max_bytes, autoping=True)
+    except aiohttp.WSServerHandshakeError as exc:
+        raise UpstreamError(f"replica {replica.id} refused the session: HTTP {exc.status}", status=502) from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamUnavailable(f"replica {replica.id} unreachable: {exc}") from None
+    try:
+        yield upstream
+    finally:
+        await upstream.close()
+
+
+async def _relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse, idle_s: float) -> None:
+    """Both directions until one side closes (or sends too big a message, or both stay idle past `idle_s`); the
+    other side is then closed with the same code."""
+
+    async def pump(source: _Socket, sink: _Socket) -> int:
+        while True:
+            msg = await source.receive(timeout=idle_s)
+            if msg.type == WSMsgType.TEXT:
+                await sink.send_str(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                await sink.send_bytes(msg.data)
+            else:  # closed, or an error (a message too big: 1009): the source's close code
+                return source.close_code or WSCloseCode.OK
+
+    tasks = [asyncio.create_task(pump(client, upstream)), asyncio.create_task(pump(upstream, client))]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finished = done.pop()
+        code = WSCloseCode.OK if finished.exception() is not None else finished.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if code in _NOT_SENDABLE:  # the other side vanished without a close frame: said as the server failing
+        code = WSCloseCode.INTERNAL_ERROR
+    for side in (client, upstream):
+        if not side.closed:
+            await side.close(code=code)
+
+
+async def realtime_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The sessions' client; on shutdown every open session closed with 1001."""
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0))
+    service = app[REALTIME] = Realtime(http)
+
+    async def going_away(_: web.Application) -> None:
+        await service.close_all()
+
+    app.on_shutdown.append(going_away)
+    try:
+        yield
+    finally:
+        await http.close()
