@@ -87,6 +87,7 @@ class KvIndex:
         self._clock = clock
         self._replicas: dict[str, ReplicaBlocks] = {}
         self._roots: OrderedDict[int, set[str]] = OrderedDict()
+        self.version = 0  # counts changes to what the replicas hold: an overlap computed at one version stays true
 
     # --- membership -------------------------------------------------------------------------------------------
     def add_replica(
@@ -94,6 +95,7 @@ class KvIndex:
     ) -> None:
         """Register (or re-register, emptied) a replica with room for `capacity_blocks` blocks; with
         `capacity_known=False` that is a starting bound the index lowers from feedback (`observe`)."""
+        self.version += 1
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self._replicas[replica_id] = ReplicaBlocks(
@@ -101,10 +103,12 @@ class KvIndex:
         )
 
     def remove_replica(self, replica_id: str) -> None:
+        self.version += 1
         self._replicas.pop(replica_id, None)
 
     def clear(self, replica_id: str) -> None:
         """Forget everything known about a replica's cache (engine restart, event gap, AllBlocksCleared)."""
+        self.version += 1
         r = self._replicas.get(replica_id)
         if r is not None:
             r.blocks.clear()
@@ -231,6 +235,7 @@ class KvIndex:
     def record_routed(self, replica_id: str, hashes: Sequence[int]) -> None:
         """A request with these prompt blocks was sent to the replica: it will hold them. Speculative (expiring)
         when the replica publishes KV events and a TTL is configured, confirmed otherwise."""
+        self.version += 1
         r = self._replicas.get(replica_id)
         if r is None:
             return
@@ -239,8 +244,14 @@ class KvIndex:
         r.insert_all(reversed(hashes), expiry)  # the head ends up most recent: a prefix loses its tail first
         if hashes:
             self._note_root(hashes[0], replica_id)
+        # the hot window's stamps: a prompt's blocks are stamped together and a block is in every prompt its
+        # successors are in, so stamps never grow along a prompt and a leading run already stamped is as fresh as
+        # its last block. A run stamped within the last 1/16 of the window stays as it is (it leaves the window at
+        # most that early): a growing session's turn stamps its new blocks, O(new) in Python, not O(prompt).
         recent, move_to_end = r.recent, r.recent.move_to_end
-        for h in hashes:
+        n = len(list(takewhile(recent.__contains__, hashes)))
+        fresh = n and recent[hashes[n - 1]] >= now - self._hot_window_s / 16
+        for h in hashes[n:] if fresh else hashes:
             recent[h] = now
             move_to_end(h)
         while len(recent) > 2 * r.capacity:
@@ -254,6 +265,7 @@ class KvIndex:
         was everything last used before it in an LRU: those entries are dropped, and where the capacity is not
         known the age is a sample of it (a block seen cached at some age is a floor). Returns the number of
         entries dropped."""
+        self.version += 1
         r = self._replicas.get(replica_id)
         if r is None or r.precise:
             return 0
@@ -280,6 +292,7 @@ class KvIndex:
         """Apply a BlockStored event, of the GPU or (`offloaded`) of the second tier; `root_seed` is the context
         seed for a root block (no parent). Returns the number of blocks inserted, or -1 when the event could not
         be placed in the chain (unknown parent; a tier store without token ids naming blocks never seen)."""
+        self.version += 1
         r = self._replicas.get(replica_id)
         if r is None:
             return 0
@@ -316,6 +329,7 @@ class KvIndex:
     def apply_removed(self, replica_id: str, engine_hashes: Iterable[EngineHash], *, offloaded: bool = False) -> int:
         """Apply a BlockRemoved event of the GPU or (`offloaded`) of the second tier. Returns the number of
         blocks removed from the index."""
+        self.version += 1
         r = self._replicas.get(replica_id)
         if r is None:
             return 0

@@ -85,6 +85,7 @@ class CacheAwareState:
         self._ids = itertools.count(1)
         self.routed = RoutedRequests(_MAX_PENDING)
         self._last_overlap: tuple[int, dict[str, int]] = (0, {})
+        self._overlap_memo: tuple[int, int, dict[str, int]] = (0, -1, {})  # request, index version, overlaps
         self._parity: dict[str, deque[tuple[int, int]]] = {}
         self._zmq: zmq.asyncio.Context | None = None
         self._stopping: set[asyncio.Task[None]] = set()
@@ -279,9 +280,19 @@ class CacheAwareState:
         return self.index.footprint(info.block_hashes, replica_ids)
 
     def overlap(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, int]:
-        result = self.index.overlap(info.block_hashes, replica_ids)
-        if isinstance(info, PrefixRequestInfo):
-            self._last_overlap = (info.request_id, result)  # on_routed's prediction reuses it (same instant)
+        """Per replica, the prompt's leading blocks it holds. Admission's latency check and the router both ask
+        for a request: the second gets the first's answer when the index has not changed since (a long prompt's
+        walk is milliseconds)."""
+        if not isinstance(info, PrefixRequestInfo):
+            return self.index.overlap(info.block_hashes, replica_ids)
+        ids = list(replica_ids)
+        memo_id, version, memo = self._overlap_memo
+        if memo_id == info.request_id and version == self.index.version and all(r in memo for r in ids):
+            result = {r: memo[r] for r in ids}
+        else:
+            result = self.index.overlap(info.block_hashes, ids)
+            self._overlap_memo = (info.request_id, self.index.version, result)
+        self._last_overlap = (info.request_id, result)  # on_routed's prediction reuses it (same instant)
         return result
 
     def offloaded(self, info: RequestInfo, overlap: Mapping[str, int]) -> dict[str, int]:

@@ -205,6 +205,23 @@ def test_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
     assert idx.footprint([1, 2, 9], ["r"]) == {"r": (2, 100, 1)}
 
 
+def test_a_growing_session_keeps_its_whole_prompt_in_the_hot_window() -> None:
+    """A turn stamps its new blocks; its prefix, stamped by the turn before within 1/16 of the window, keeps that
+    stamp (it leaves the window at most that early), and one stamped longer ago is stamped again."""
+    now = [0.0]
+    idx = KvIndex(hot_window_s=16, clock=lambda: now[0])
+    idx.add_replica("r", capacity_blocks=100)
+    idx.record_routed("r", [1, 2, 3])
+    now[0] = 0.5
+    idx.record_routed("r", [1, 2, 3, 4])  # within a second: 1-3 keep their stamp of 0 s, 4 is stamped now
+    now[0] = 16.2
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (1, 100, 0)}  # only block 4 is still in the window
+    now[0] = 20.0
+    idx.record_routed("r", [1, 2, 3, 4, 5])  # 4's stamp (0.5 s) is old: the whole prompt is stamped again
+    now[0] = 35.0
+    assert idx.footprint([1, 2, 3, 4, 5], ["r"]) == {"r": (5, 100, 5)}
+
+
 def test_a_miss_drops_only_what_is_older_than_the_missing_block() -> None:
     """Blocks used after the missing block (before or after the request was routed) stay: an LRU keeps them.
     (A known capacity, so that only the drop is at work, not the capacity estimate.)"""

@@ -145,6 +145,21 @@ async def test_parity_metrics(state: CacheAwareState, caplog: pytest.LogCaptureF
     assert sample(state, "kvgate_prefix_cached_tokens_gap_count", model="m") == 2
 
 
+async def test_an_overlap_asked_twice_for_a_request_follows_changes_in_between() -> None:
+    """Admission's latency check and the router ask for the same request's overlap; what changed in between (a
+    request routed, the replicas asked differ) is in the second answer."""
+    s = CacheAwareState(CacheConfig(), CollectorRegistry())
+    for rid in ("r1", "r2"):
+        s.add_replica(rid, model="m", block_size=BS, num_blocks=None, kv_events_endpoint=None, tokenizer="sim")
+    first = await info(s, chat("shared " * 40))
+    assert s.overlap(first, ["r1", "r2"]) == {"r1": 0, "r2": 0}
+    s.on_routed(await info(s, chat("shared " * 40)), Decision("r2", "cold-least-load"))
+    blocks = len(first.block_hashes)
+    assert s.overlap(first, ["r1", "r2"]) == {"r1": 0, "r2": blocks}  # not the answer from before the routing
+    assert s.overlap(first, ["r2"]) == {"r2": blocks}
+    await s.stop()
+
+
 async def test_persistent_parity_gap_logs_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     s = CacheAwareState(CacheConfig(parity_window=3), CollectorRegistry())
     s.add_replica("r1", model="m", block_size=BS, num_blocks=None, kv_events_endpoint=None, tokenizer="sim")
