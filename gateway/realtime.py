@@ -4,33 +4,32 @@ proxied to one replica.
 A session: the client asks to upgrade `GET /v1/realtime` (`?model=` as OpenAI's realtime clients name it, else the
 pool's only model); the tenant is identified as for any request (401 before the upgrade); a replica of the model
 is chosen by load (its routable replicas, the fewest requests and sessions in flight: a session holds its replica
-for its whole life, counted in its in-flight load so routing, drains and gates see it); the engine's socket is
-opened before the client's is accepted, so no replica, a full gateway or an engine that refuses is an HTTP answer
-in OpenAI's error shape (503 with Retry-After, or the engine's status). Then messages go both ways as they come,
-text and binary, until either side closes; the other side is closed with the same code.
+for its whole life, counted in its in-flight load so routing, drains and gates see it); the engine's socket (a
+data-parallel rank's with its `X-data-parallel-rank`) is opened before the client's is accepted, so no replica, a
+full gateway or an engine that refuses is an HTTP answer in OpenAI's error shape (503 with Retry-After, or 502).
+Then messages go both ways as they come, text and binary, until either side closes; the other side is closed with
+the same code (one that no close frame may carry, an engine gone without one, as 1011).
 
 Bounds: `server.realtime_max_sessions` open at once (one more gets 503 before the upgrade); a message over
 `server.realtime_max_message_bytes` from either side closes both (1009, message too big); a session idle longer
-than `server.keepalive_timeout_s` is closed (1000). On shutdown every session is closed with 1001 (going away)
-once new ones are refused. Cost: two relay tasks per session, one copy per message.
+than `server.keepalive_timeout_s` is closed. On shutdown every session is closed with 1001 (going away) once new
+ones are refused. Cost: two relay tasks per session, one copy per message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from engine_pool.replica import Replica
+from engine_pool.replica import Replica, rank_headers
 from gateway.errors import NotFound, Overloaded, UpstreamError, UpstreamUnavailable
 from gateway.keys import COMPLETIONS, CONFIG, REPLICAS
 
-log = logging.getLogger("kvgate.realtime")
 _Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
 _NOT_SENDABLE = {1005, 1006, 1015}  # close codes a peer reports but no close frame may carry (RFC 6455 7.4.1)
 PATH = "/v1/realtime"
@@ -42,7 +41,8 @@ class Realtime:
 
     def __init__(self, http: aiohttp.ClientSession) -> None:
         self.http = http
-        self.sessions: set[web.WebSocketResponse] = set()
+        self.sessions: set[web.WebSocketResponse] = set()  # the clients' sockets, accepted
+        self.opening = 0  # sessions being set up or open: what the bound counts
 
     async def close_all(self) -> None:
         for ws in list(self.sessions):
@@ -63,11 +63,12 @@ async def realtime(request: web.Request) -> web.StreamResponse:
     cfg, service = request.app[CONFIG].server, request.app[REALTIME]
     completions = request.app[COMPLETIONS]
     completions.admission.identify(request.headers, x_api_key=False)  # 401 first when auth is on
-    if len(service.sessions) >= cfg.realtime_max_sessions:
+    if service.opening >= cfg.realtime_max_sessions:
         raise Overloaded("too many realtime sessions open", retry_after_s=1.0, code="realtime_sessions_full")
     model = request.query.get("model") or completions.only_model()
     replica = _replica(request, completions.aliases.get(model, model))
     started = replica.begin()
+    service.opening += 1
     try:
         async with _engine_socket(service, replica, cfg.realtime_max_message_bytes) as upstream:
             client = web.WebSocketResponse(max_msg_size=cfg.realtime_max_message_bytes, autoping=True)
@@ -79,6 +80,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
                 service.sessions.discard(client)
             return client
     finally:
+        service.opening -= 1
         replica.end(started)
 
 
@@ -88,7 +90,9 @@ async def _engine_socket(
 ) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
     url = f"{replica.url}{PATH}"
     try:
-        upstream = await service.http.ws_connect(url, max_msg_size=max_bytes, autoping=True)
+        upstream = await service.http.ws_connect(
+            url, max_msg_size=max_bytes, autoping=True, headers=rank_headers(replica, {})
+        )
     except aiohttp.WSServerHandshakeError as exc:
         raise UpstreamError(f"replica {replica.id} refused the session: HTTP {exc.status}", status=502) from None
     except (aiohttp.ClientError, OSError) as exc:
