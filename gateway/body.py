@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.config import ServerConfig
 from gateway.errors import ApiShape, BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_response
 from gateway.ids import IdSource
+from gateway.server_config import ServerConfig
 
 
 async def read_body(request: web.Request, limits: ServerConfig, *, json: bool = True) -> bytes:

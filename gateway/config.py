@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -20,76 +20,8 @@ from engine_pool.spec import PoolConfig
 from gateway import engine_urls
 from gateway.admission.config import AdmissionConfig
 from gateway.engines_config import DisaggregationConfig, EngineConfig, StrictModel
+from gateway.server_config import ServerConfig
 from policies.registry import params_model, policy_names
-
-
-class ServerConfig(StrictModel):
-    host: str = Field("127.0.0.1", description="listen address")
-    port: int = Field(8000, ge=0, le=65535, description="listen port; 0 picks a free one")
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
-    access_log: Literal["plain", "json", "off"] = Field(
-        "plain",
-        description="one line per request on the kvgate.access logger: plain, json, or off (YAML's unquoted "
-        "off/false and on/true are read as off and plain)",
-    )
-    route_headers: bool = Field(True, description="add x-kvgate-replica / x-kvgate-route-reason to responses")
-    metrics_access: Literal["auto", "public", "admin"] = Field(
-        "auto",
-        description="who may read /metrics and the per-replica detail of /ready (tenant names, engine addresses): "
-        "admin = only with the admin key as bearer (others get /ready's verdict alone, /metrics 401/404); public = "
-        "anyone; auto = admin when admission.auth is on (ingress), public otherwise",
-    )
-    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
-    head_timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="a request head not complete this long after its first byte gets 408 (connection closed)",
-    )
-    body_timeout_s: float = Field(
-        60.0, gt=0, description="a request body not received whole this long after its head gets 408"
-    )
-    keepalive_timeout_s: float = Field(
-        3630.0,
-        gt=0,
-        description="an idle keep-alive connection closes after this (longer than load balancers keep theirs)",
-    )
-    max_connections: int | None = Field(
-        None,
-        ge=1,
-        description="open client connections; one more is answered 503 and closed (default: half the process's "
-        "file-descriptor limit, which is raised to its hard limit at start)",
-    )
-    realtime_max_sessions: int = Field(
-        256, ge=1, description="/v1/realtime WebSocket sessions open at once; one more gets 503"
-    )
-    realtime_max_message_bytes: int = Field(
-        8 * 1024 * 1024, gt=0, description="largest /v1/realtime message either way; a larger one closes it (1009)"
-    )
-    max_json_depth: int = Field(
-        64, ge=4, le=512, description="request bodies nested deeper (arrays and objects) get 400 before any parsing"
-    )
-    max_header_bytes: int = Field(8190, ge=256, description="longest request line or header line; longer gets 431")
-    max_headers: int = Field(128, ge=8, description="most header lines in a request; more gets 431")
-    max_head_bytes: int = Field(
-        65536,
-        ge=256,
-        description="bytes of a request head in all (request line and headers); more gets 431 at once, without "
-        "waiting for the head's end (max_header_bytes and max_headers bound each line and the count); at least "
-        "max_header_bytes",
-    )
-
-    @model_validator(mode="after")
-    def _one_line_fits(self) -> ServerConfig:
-        if self.max_head_bytes < self.max_header_bytes:
-            raise ValueError("max_head_bytes must be at least max_header_bytes (one line of the head must fit)")
-        return self
-
-    @field_validator("access_log", mode="before")
-    @classmethod
-    def _access_log_switch(cls, value: object) -> object:
-        if isinstance(value, bool):  # YAML 1.1 reads an unquoted `off` / `on` as a boolean
-            return "plain" if value else "off"
-        return value
 
 
 class TimeoutConfig(StrictModel):

@@ -44,7 +44,7 @@ from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
-from gateway.config import GatewayConfig, ServerConfig
+from gateway.config import GatewayConfig
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -56,6 +56,7 @@ from gateway.errors import (
 )
 from gateway.framing import CARRY, ChunkLine, after_request, body_start
 from gateway.keys import METRICS
+from gateway.server_config import ServerConfig
 
 log = logging.getLogger("kvgate.server")
 
