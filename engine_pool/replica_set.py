@@ -288,15 +288,27 @@ class ReplicaSet:
         replica.kv_events_topic = source.topic if source else None
 
     async def split_ranks(self, replica: Replica) -> None:
-        """A data-parallel engine's scrape showed several ranks: this replica becomes the first one (its metrics
-        read again for that rank alone) and a replica is added for each other rank."""
+        """A data-parallel engine's scrape showed several ranks (an engine core may report its first series after
+        the engine answers /health, so any scrape may): this replica becomes the first one (its metrics read again
+        for that rank alone, its KV events asked again for that rank, and, already up, told to the listeners again:
+        its index starts over as one rank's) and a replica is added for each other rank."""
         first, *others = replica.metrics.ranks
         replica.dp_rank = first
         log.info("replica %s: data-parallel ranks %s behind one URL, one replica each", replica.id, [first, *others])
         await self.scrape_metrics(replica)
+        if replica.discovers_kv_events:
+            await self.discover_kv_events(replica)
+        if replica.healthy:
+            for listener in self._listeners:
+                listener.replica_up(replica)
         for rank in others:
             replica.ranks.append(replica.for_rank(rank))
             self.add(replica.ranks[-1])
+
+    async def _scrape_and_split(self, replica: Replica) -> None:
+        await self.scrape_metrics(replica)
+        if replica.dp_rank is None and len(replica.metrics.ranks) > 1:
+            await self.split_ranks(replica)
 
     async def scrape_metrics(self, replica: Replica) -> bool:
         sent = time.monotonic()  # the engine's counts are as of about now
@@ -322,15 +334,13 @@ class ReplicaSet:
             if now >= next_health:
                 healthy = await self.probe_health(replica)
                 if healthy and not replica.healthy:
-                    await self.scrape_metrics(replica)  # block size / capacity known before the first request
-                    if replica.dp_rank is None and len(replica.metrics.ranks) > 1:
-                        await self.split_ranks(replica)
+                    await self._scrape_and_split(replica)  # block size / capacity known before the first request
                     if replica.discovers_kv_events:
                         await self.discover_kv_events(replica)
                 self.set_health(replica, healthy)
                 next_health = time.monotonic() + self.interval_s
             elif replica.healthy:
-                await self.scrape_metrics(replica)
+                await self._scrape_and_split(replica)
             await asyncio.sleep(min(self.metrics_interval_s, max(0.0, next_health - time.monotonic())))
 
 
