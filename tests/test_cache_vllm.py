@@ -84,17 +84,21 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 
 # --- helpers -------------------------------------------------------------------------------------------------------
-async def ready_replicas(http: aiohttp.ClientSession, gw: Gateway) -> dict[str, dict[str, Any]]:
-    """Admin info of both replicas once both are ready and routable."""
+async def ready_replicas(
+    http: aiohttp.ClientSession, gw: Gateway, ids: set[str] | None = None, key: str = KEY
+) -> dict[str, dict[str, Any]]:
+    """Admin info of the replicas once all are routable: `ids` exactly, or two launched replicas, both ready."""
     end = time.monotonic() + READY_S
     state: dict[str, dict[str, Any]] = {}
     while time.monotonic() < end:
         assert gw.proc.poll() is None, f"kvgate exited; log: {gw.log}"
         with contextlib.suppress(aiohttp.ClientConnectionError):
-            async with http.get(f"{gw.url}/admin/replicas", headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            async with http.get(f"{gw.url}/admin/replicas", headers={"Authorization": f"Bearer {key}"}) as resp:
                 assert resp.status == 200
                 state = {r["id"]: r for r in (await resp.json())["replicas"]}
-            if len(state) == 2 and all(r["state"] == "ready" and r["routable"] for r in state.values()):
+            expected = set(state) == ids if ids is not None else len(state) == 2
+            launched = ids is not None or all(r["state"] == "ready" for r in state.values())
+            if expected and launched and all(r["routable"] for r in state.values()):
                 return state
         await asyncio.sleep(0.5)
     raise AssertionError(f"replicas not ready: {state}")

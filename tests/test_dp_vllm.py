@@ -17,17 +17,15 @@ ranks. Checked, on what the client, the engine and kvgate's metrics show:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import pytest
 
 from cacheindex.tokenizers import HfPromptTokenizer
-from tests.test_cache_vllm import BLOCK, KV_BYTES_PER_TOKEN, chat, scrape, total, workload
+from tests.test_cache_vllm import BLOCK, KV_BYTES_PER_TOKEN, chat, ready_replicas, scrape, total, workload
 from tests.vllm_gateway import Gateway, pool_gateway
 
 pytestmark = [
@@ -61,26 +59,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         yield gw
 
 
-async def ready(http: aiohttp.ClientSession, gw: Gateway) -> dict[str, dict[str, Any]]:
-    """Admin info of both ranks' replicas once both are routable."""
-    end = time.monotonic() + READY_S
-    state: dict[str, dict[str, Any]] = {}
-    while time.monotonic() < end:
-        assert gw.proc.poll() is None, f"kvgate exited; log: {gw.log}"
-        with contextlib.suppress(aiohttp.ClientConnectionError):
-            async with http.get(f"{gw.url}/admin/replicas", headers={"Authorization": f"Bearer {KEY}"}) as resp:
-                assert resp.status == 200
-                state = {r["id"]: r for r in (await resp.json())["replicas"]}
-            if set(state) == set(RANKS) and all(r["routable"] for r in state.values()):
-                return state
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"the ranks' replicas are not ready: {state}")
-
-
 @pytest.mark.timeout(READY_S + 300)
 async def test_requests_land_on_the_rank_that_holds_their_prefix(gateway: Gateway) -> None:
     async with aiohttp.ClientSession() as http:
-        state = await ready(http, gateway)
+        state = await ready_replicas(http, gateway, set(RANKS), KEY)
         assert {rid: r["dp_rank"] for rid, r in state.items()} == {"tiny-0": 0, "tiny-0@dp1": 1}
         engine = state["tiny-0"]["url"]
         assert state["tiny-0@dp1"]["url"] == engine  # one URL, two caches
