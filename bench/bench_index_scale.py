@@ -1,6 +1,7 @@
-"""Routing CPU per request against the number of replicas (issue 16: routing that does not grow with the pool).
+"""Routing CPU per request and the prefix index's memory against the number of replicas.
 
-    python -m bench.bench_index_scale                  # 4, 16, 64, 256 replicas; ~1 min
+    python -m bench.bench_index_scale                  # 4, 16, 64, 256 replicas of 4,096 blocks; ~1 min
+    python -m bench.bench_index_scale --replicas 4 1024 --blocks 32768   # the issue's 1,024 x 32,768; ~4 min
     python -m bench.bench_index_scale --replicas 4 1024 --max-candidates 1000000   # without candidate pruning
 
 In process, the gateway's own routing step without HTTP: `CacheAwareState.request_info` (sim tokenizer, a
@@ -8,8 +9,12 @@ In process, the gateway's own routing step without HTTP: `CacheAwareState.reques
 offloaded, footprint, `decide`, `on_routed`) and `on_finished`, over a real `ReplicaSet` of N replicas (all pointed
 at one instant simulated engine, so they are healthy). The index is filled first as a running pool's would be: 64
 prefix groups (a 1,200-word system prompt each) x 3 questions routed across the replicas; the measured requests
-are new questions on those groups, so every lookup walks a real leading run on its holders. Median of 5 rounds of
-400 requests; the ratio to the first replica count is the issue's target (256 within 2x of 4).
+are new questions on those groups, so every lookup walks a real leading run on its holders. Then every replica's
+index is filled as a busy pool's would be: twice its capacity in distinct blocks routed there within the hot
+window (seeded), so its cache is full and so is the hot window's record of what it evicted. Memory: what the index
+allocated for that (tracemalloc, numpy's arrays included, around the fill), per block of capacity (replicas x
+blocks). Routing CPU: median of 5 rounds of 400 requests on the full index; the ratio to the first replica count
+is the issue's target (flat).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import argparse
 import asyncio
 import statistics
 import time
+import tracemalloc
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 
 from cacheindex.config import CacheConfig
@@ -40,19 +47,36 @@ def body(group: int, question: int) -> dict[str, object]:
     return {"model": "m", "messages": messages}
 
 
-async def per_request_us(url: str, n: int, rounds: int, requests: int, max_candidates: int) -> float:
+def fill(st: CacheAwareState, n: int, blocks: int) -> float:
+    """Route 2 x `blocks` distinct blocks to each replica in prompts of 512; the index's bytes per block of
+    capacity it allocated for them."""
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    rng = np.random.default_rng(7)
+    for i in range(n):
+        for chunk in np.array_split(rng.integers(1, 2**63, 2 * blocks, dtype=np.uint64), max(1, blocks // 256)):
+            st.index.record_routed(f"r{i}", tuple(chunk.tolist()))
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / (n * blocks)
+
+
+async def per_request_us(
+    url: str, n: int, blocks: int, rounds: int, requests: int, max_candidates: int
+) -> tuple[float, float]:
     registry = CollectorRegistry()
     st = CacheAwareState(CacheConfig(tokenizers={"m": "sim"}, kv_events=False), registry)
     client = UpstreamClient()
     replicas = ReplicaSet(client, interval_s=3600, metrics_interval_s=3600)
     for i in range(n):
         replicas.add(Replica(f"r{i}", url, "m"))
-        st.add_replica(f"r{i}", model="m", block_size=16, num_blocks=4096, kv_events_endpoint=None, tokenizer="sim")
-    for r in replicas:  # the probe loops just started: each replica's first health probe
-        while True:
-            if r.healthy:
-                break
-            await asyncio.sleep(0.05)
+        st.add_replica(f"r{i}", model="m", block_size=16, num_blocks=blocks, kv_events_endpoint=None, tokenizer="sim")
+        if i % 64 == 63 or i == n - 1:  # a batch's first health probes answered before the next (no connect flood)
+            for r in replicas:
+                while True:
+                    if r.healthy:
+                        break
+                    await asyncio.sleep(0.05)
     await st.tokenizer("sim")
     router = Router(CacheAware(), replicas, GatewayMetrics(registry), st, max_candidates=max_candidates)
 
@@ -61,6 +85,7 @@ async def per_request_us(url: str, n: int, rounds: int, requests: int, max_candi
         replica, _ = await router.choose(info)
         st.on_finished(info, replica.id, None)
 
+    per_block = fill(st, n, blocks)
     for g in range(GROUPS):  # the pool's working set
         for q in range(3):
             await route(body(g, q))
@@ -74,7 +99,7 @@ async def per_request_us(url: str, n: int, rounds: int, requests: int, max_candi
     await replicas.close()
     client.close()
     await st.stop()
-    return statistics.median(times)
+    return statistics.median(times), per_block
 
 
 async def main() -> None:
@@ -82,15 +107,19 @@ async def main() -> None:
     p.add_argument("--replicas", type=int, nargs="*", default=[4, 16, 64, 256])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--blocks", type=int, default=4096, help="KV capacity of each replica, in blocks")
     p.add_argument("--max-candidates", type=int, default=16, help="routing.max_candidates (a huge value: off)")
     args = p.parse_args()
     base = None
-    print(f"max_candidates {args.max_candidates}\nreplicas  routing CPU us/request  ratio to first")
+    print(f"max_candidates {args.max_candidates}, {args.blocks} blocks per replica")
+    print("replicas  index bytes/block  routing CPU us/request  ratio to first")
     async with run_sim_engine(SimConfig(model="m", instant=True)) as sim:
         for n in args.replicas:
-            us = await per_request_us(sim.url, n, args.rounds, args.requests, args.max_candidates)
+            us, per_block = await per_request_us(
+                sim.url, n, args.blocks, args.rounds, args.requests, args.max_candidates
+            )
             base = base or us
-            print(f"{n:8d}  {us:22.1f}  {us / base:14.2f}", flush=True)
+            print(f"{n:8d}  {per_block:17.1f}  {us:22.1f}  {us / base:14.2f}", flush=True)
 
 
 if __name__ == "__main__":

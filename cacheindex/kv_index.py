@@ -1,13 +1,14 @@
 """Per-replica index of the KV blocks each replica is believed to hold, keyed by kvgate's chained block hashes.
 
-Per replica, a `ReplicaBlocks` (cacheindex.replica_blocks): `blocks`, the LRU of the blocks it is believed to hold,
-bounded by its capacity in blocks (vLLM's `num_gpu_blocks`, or the online estimate below), with each block's insert
-count (its LRU age); `speculative`, the expiries of blocks recorded at routing time on a replica that publishes KV
-events (unconfirmed within `speculative_ttl_s`, they stop counting); `recent`, the blocks routed there within
-`hot_window_s` (its hot footprint, which placement weighs against capacity); `offloaded`, the blocks its second
-tier holds (vLLM's KV offloading to CPU memory: KV events with `medium="CPU"`). Only KV events fill the tier. vLLM
-looks a prompt up on the GPU first and asks the tier for the blocks after the GPU's leading run, so
-`offloaded(...)` counts the blocks after that run that the tier holds: they are loaded, not recomputed.
+Per replica, a `ReplicaBlocks` (cacheindex.replica_blocks, packed arrays: about 21 bytes per block of capacity,
+33 with the hot window, 55 with KV events' engine-hash map): the LRU of the blocks it is believed to hold, bounded
+by its capacity in blocks (vLLM's `num_gpu_blocks`, or the online estimate below), with each block's insert count
+(its LRU age) and, on a replica that publishes KV events, the expiry of a block recorded at routing time
+(unconfirmed within `speculative_ttl_s`, it stops counting); the blocks routed there within `hot_window_s` (its
+hot footprint, which placement weighs against capacity); the blocks its second tier holds (vLLM's KV offloading to
+CPU memory: KV events with `medium="CPU"`). Only KV events fill the tier. vLLM looks a prompt up on the GPU first
+and asks the tier for the blocks after the GPU's leading run, so `offloaded(...)` counts the blocks after that run
+that the tier holds: they are loaded, not recomputed.
 
 Sources:
 - approximate: `record_routed(replica, hashes)` when a request is sent there (the engine will cache its prompt);
@@ -32,27 +33,28 @@ replicas it was recorded on, an LRU of `_MAX_ROOTS` hints validated when read: `
 hold this prompt's first block" in O(replicas listed), independent of the pool, so a router over a large pool can
 weigh only those (and a sample of the rest) instead of every replica.
 
-Complexity: `overlap` is O(blocks of the prompt) per replica and stops at the first miss (C-level iteration; the
-per-block Python loop only runs when a speculative entry in the run may have expired); inserts, removals and
-evictions are O(1) per block; `footprint` is O(blocks that left the window). Memory: at most `capacity` entries per
-replica in `blocks` and `speculative`, `2 * capacity` in `recent` and in the engine-hash map, the tier's bound in
-`offloaded` and its map; `offloaded` is O(prompt blocks) per replica whose tier holds anything.
+Complexity: a prompt's blocks become one array of keys once per request (kept for the calls about the same
+prompt); `overlap`, `footprint`, `offloaded`, `record_routed` are a few vectorized passes over the prompt's blocks
+per replica (O(prompt blocks) in C, no per-block Python loop); KV events O(their blocks); evictions are batched,
+O(64) amortized per new block. Memory: packed arrays bounded by each replica's capacity (see above), the tier's
+bound for the tier, and `_MAX_ROOTS` first-block hints for the index.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat, takewhile
 
+import numpy as np
+
+from cacheindex.block_table import SALT, Keys, engine_key
 from cacheindex.hashing import chain_hashes
-from cacheindex.replica_blocks import EngineHash, ReplicaBlocks
+from cacheindex.replica_blocks import EPOCHS, ReplicaBlocks
 from policies.base import Footprint
 
-_CONFIRMED = math.inf  # the expiry of a confirmed block
+EngineHash = Hashable  # vLLM publishes int (low 64 bits) or bytes hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ _MIN_CAPACITY = 16
 # LRU ages remembered per routed request (its first blocks): enough to place any miss in the first 256 blocks.
 _MAX_AGES = 256
 _MAX_ROOTS = 262_144  # first blocks remembered (hints of which replicas hold them)
+_MASK = (1 << 64) - 1
 
 
 class KvIndex:
@@ -83,11 +86,28 @@ class KvIndex:
         clock: Callable[[], float] = time.monotonic,
     ):
         self._ttl = speculative_ttl_s if speculative_ttl_s and speculative_ttl_s > 0 else None
-        self._hot_window_s = hot_window_s
+        self._epoch_s = hot_window_s / EPOCHS
         self._clock = clock
+        self._t0 = clock()
         self._replicas: dict[str, ReplicaBlocks] = {}
         self._roots: OrderedDict[int, set[str]] = OrderedDict()
+        self._keys: tuple[Sequence[int] | None, Keys] = (None, np.empty(0, np.uint64))
         self.version = 0  # counts changes to what the replicas hold: an overlap computed at one version stays true
+
+    def _query(self, hashes: Sequence[int]) -> Keys:
+        """The prompt's blocks as table keys, converted once for the calls about the same prompt."""
+        seen, keys = self._keys
+        if seen is not hashes or not isinstance(hashes, tuple):  # a list may change in place
+            keys = np.maximum(np.fromiter(hashes, np.uint64, len(hashes)) ^ np.uint64(SALT), 1)  # 0: empty slot
+            self._keys = (hashes, keys)
+        return keys
+
+    def _epoch(self) -> int:
+        return int((self._clock() - self._t0) / self._epoch_s)
+
+    def _centis(self, t: float) -> int:
+        """A time of the clock in centiseconds since the index began, at least 1 (0 marks a confirmed block)."""
+        return int((t - self._t0) * 100) + 1
 
     # --- membership -------------------------------------------------------------------------------------------
     def add_replica(
@@ -99,7 +119,11 @@ class KvIndex:
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self._replicas[replica_id] = ReplicaBlocks(
-            capacity=capacity_blocks, capacity_known=capacity_known, precise=precise, bound=capacity_blocks
+            capacity=capacity_blocks,
+            capacity_known=capacity_known,
+            precise=precise,
+            bound=capacity_blocks,
+            epoch=self._epoch,
         )
 
     def remove_replica(self, replica_id: str) -> None:
@@ -111,11 +135,7 @@ class KvIndex:
         self.version += 1
         r = self._replicas.get(replica_id)
         if r is not None:
-            r.blocks.clear()
-            r.speculative.clear()
-            r.engine_to_kvgate.clear()
-            r.offloaded.clear()
-            r.offload_map.clear()
+            r.clear()
 
     def _note_root(self, h: int, replica_id: str) -> None:
         roots = self._roots
@@ -134,7 +154,8 @@ class KvIndex:
         found = self._roots.get(first_block)
         if not found:
             return []
-        live = [rid for rid in found if (r := self._replicas.get(rid)) is not None and first_block in r.blocks]
+        key = ((first_block ^ SALT) & _MASK) or 1
+        live = [rid for rid in found if (r := self._replicas.get(rid)) is not None and r.holds(key)]
         if len(live) < len(found):
             found.intersection_update(live)
         return live
@@ -144,44 +165,36 @@ class KvIndex:
 
     # --- sizes (metrics) --------------------------------------------------------------------------------------
     def size(self) -> int:
-        return sum(len(r.blocks) for r in self._replicas.values())
+        return sum(r.blocks.count for r in self._replicas.values())
 
     def sizes(self) -> dict[str, int]:
-        return {rid: len(r.blocks) for rid, r in self._replicas.items()}
+        return {rid: r.blocks.count for rid, r in self._replicas.items()}
 
     def offloaded_sizes(self) -> dict[str, int]:
-        return {rid: len(r.offloaded) for rid, r in self._replicas.items() if r.offloaded}
+        return {rid: n for rid, r in self._replicas.items() if (n := r.offloaded_size())}
 
     def replica_size(self, replica_id: str) -> int:
         r = self._replicas.get(replica_id)
-        return len(r.blocks) if r is not None else 0
+        return r.blocks.count if r is not None else 0
 
     def capacities(self) -> dict[str, tuple[int, bool]]:
         """Per replica, the index's bound in blocks and whether it came from the engine (False: estimated)."""
         return {rid: (r.capacity, r.capacity_known) for rid, r in self._replicas.items()}
 
+    def nbytes(self) -> int:
+        """The bytes of the replicas' packed tables (the first-block hints aside)."""
+        return sum(r.nbytes() for r in self._replicas.values())
+
     # --- lookup -----------------------------------------------------------------------------------------------
     def overlap(self, hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """Per replica, the number of leading blocks of `hashes` it is believed to hold (0 for unknown replicas).
         Read-only: a lookup does not refresh LRU order (only routing there does)."""
-        now = self._clock()
+        q = self._query(hashes)
+        now = self._centis(self._clock())
         out: dict[str, int] = {}
         for rid in replica_ids:
             r = self._replicas.get(rid)
-            if r is None:
-                out[rid] = 0
-                continue
-            blocks, spec = r.blocks, r.speculative
-            # the leading run of present blocks, counted in C (takewhile), then the expiry check in C (min) only
-            # when the replica holds speculative entries; the Python loop is the rare fallback when one lapsed.
-            n = len(list(takewhile(blocks.__contains__, hashes)))
-            if n and spec and min(map(spec.get, hashes[:n], repeat(_CONFIRMED, n))) < now:
-                n = 0
-                for h in hashes:
-                    if h not in blocks or spec.get(h, _CONFIRMED) < now:
-                        break
-                    n += 1
-            out[rid] = n
+            out[rid] = r.held_run(q, now) if r is not None else 0
         return out
 
     def offloaded(self, hashes: Sequence[int], overlap: Mapping[str, int]) -> dict[str, int]:
@@ -190,8 +203,8 @@ class KvIndex:
         out: dict[str, int] = {}
         for rid, n in overlap.items():
             r = self._replicas.get(rid)
-            if r is not None and r.offloaded:
-                k = len(list(takewhile(r.offloaded.__contains__, hashes[n:])))
+            if r is not None and r.offloaded_size():
+                k = r.offloaded_run(self._query(hashes)[n:])
                 if k:
                     out[rid] = k
         return out
@@ -199,16 +212,13 @@ class KvIndex:
     def footprint(self, hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, Footprint]:
         """Per replica, the distinct blocks routed there within the hot window, its capacity, and the leading blocks
         of `hashes` among them."""
-        horizon = self._clock() - self._hot_window_s
+        q, epoch = self._query(hashes), self._epoch()
         out: dict[str, Footprint] = {}
         for rid in replica_ids:
             r = self._replicas.get(rid)
-            if r is None:
-                continue
-            recent = r.recent
-            while recent and next(iter(recent.values())) < horizon:
-                recent.popitem(last=False)
-            out[rid] = Footprint(len(recent), r.capacity, len(list(takewhile(recent.__contains__, hashes))))
+            if r is not None:
+                hot, run = r.hot(q, epoch)
+                out[rid] = Footprint(hot, r.capacity, run)
         return out
 
     def ages(self, replica_id: str, hashes: Sequence[int], n: int, settled_before: int | None) -> tuple[int, ...]:
@@ -219,13 +229,8 @@ class KvIndex:
         r = self._replicas.get(replica_id)
         if r is None or r.precise or n <= 0:
             return ()
-        inserts, blocks = r.inserts, r.blocks
-        limit = inserts + 1 if settled_before is None else settled_before
-        out = []
-        for h in hashes[: min(n, _MAX_AGES)]:
-            seq = blocks.get(h, limit)
-            out.append(inserts - seq if seq < limit else -1)
-        return tuple(out)
+        limit = r.inserts + 1 if settled_before is None else settled_before
+        return r.ages(self._query(hashes), min(n, _MAX_AGES), limit)
 
     def inserts(self, replica_id: str) -> int:
         r = self._replicas.get(replica_id)
@@ -237,25 +242,11 @@ class KvIndex:
         when the replica publishes KV events and a TTL is configured, confirmed otherwise."""
         self.version += 1
         r = self._replicas.get(replica_id)
-        if r is None:
+        if r is None or not hashes:
             return
-        now = self._clock()
-        expiry = now + self._ttl if (r.precise and self._ttl is not None) else None
-        r.insert_all(reversed(hashes), expiry)  # the head ends up most recent: a prefix loses its tail first
-        if hashes:
-            self._note_root(hashes[0], replica_id)
-        # the hot window's stamps: a prompt's blocks are stamped together and a block is in every prompt its
-        # successors are in, so stamps never grow along a prompt and a leading run already stamped is as fresh as
-        # its last block. A run stamped within the last 1/16 of the window stays as it is (it leaves the window at
-        # most that early): a growing session's turn stamps its new blocks, O(new) in Python, not O(prompt).
-        recent, move_to_end = r.recent, r.recent.move_to_end
-        n = len(list(takewhile(recent.__contains__, hashes)))
-        fresh = n and recent[hashes[n - 1]] >= now - self._hot_window_s / 16
-        for h in hashes[n:] if fresh else hashes:
-            recent[h] = now
-            move_to_end(h)
-        while len(recent) > 2 * r.capacity:
-            recent.popitem(last=False)
+        expiry = self._centis(self._clock() + self._ttl) if (r.precise and self._ttl is not None) else None
+        r.insert(self._query(hashes), expiry_cs=expiry, routed=True)
+        self._note_root(hashes[0], replica_id)
 
     # --- feedback ---------------------------------------------------------------------------------------------
     def observe(self, replica_id: str, predicted: int, reported: int, ages: Sequence[int], inserts_at: int) -> int:
@@ -280,12 +271,10 @@ class KvIndex:
             prev = r.age_estimate
             r.age_estimate = age if prev is None else prev + _ESTIMATE_WEIGHT * (age - prev)
             r.capacity = max(int(r.age_estimate), r.oldest_hit_age + 1, _MIN_CAPACITY)
-        cutoff, blocks, spec = inserts_at - age, r.blocks, r.speculative  # the missing block's last use
-        before = len(blocks)
-        while blocks and next(iter(blocks.values())) <= cutoff:
-            spec.pop(blocks.popitem(last=False)[0], None)
+        before = r.blocks.count
+        r.drop_older(inserts_at - age)  # the missing block's last use, and everything used before it
         r.shrink_to(min(r.capacity, r.bound))
-        return before - len(blocks)
+        return before - r.blocks.count
 
     # --- precise source (KV events) ---------------------------------------------------------------------------
     def apply_stored(self, replica_id: str, event: StoredBlocks, root_seed: int, *, offloaded: bool = False) -> int:
@@ -299,32 +288,35 @@ class KvIndex:
         pairs = self._translate(r, event, root_seed)
         if pairs is None:
             return -1
+        if not pairs:
+            return 0
+        engine = np.fromiter((e for e, _ in pairs), np.uint64, len(pairs))
+        q = np.fromiter((k for _, k in pairs), np.uint64, len(pairs))
         if offloaded:
-            return r.offload(pairs)
-        for engine_hash, h in pairs:
-            r.map_engine(engine_hash, h)
-        r.insert_all([h for _, h in pairs], None)
-        if event.parent_block_hash is None and pairs:
-            self._note_root(pairs[0][1], replica_id)
+            return r.offload(engine, q)
+        r.map_engine(engine, q)
+        r.insert(q, expiry_cs=None, routed=False)
+        if event.parent_block_hash is None:
+            self._note_root(pairs[0][1] ^ SALT, replica_id)
         return len(pairs)
 
     @staticmethod
-    def _translate(r: ReplicaBlocks, event: StoredBlocks, root_seed: int) -> list[tuple[EngineHash, int]] | None:
-        """(engine hash, kvgate hash) of each stored block: re-hashed from the token ids in kvgate's chain, or,
-        without them, the hashes the maps already hold."""
+    def _translate(r: ReplicaBlocks, event: StoredBlocks, root_seed: int) -> list[tuple[int, int]] | None:
+        """(engine key, kvgate key) of each stored block: re-hashed from the token ids in kvgate's chain, or,
+        without them, the keys the maps already hold."""
+        engine = [engine_key(e) for e in event.block_hashes]
         if not event.token_ids:
-            found = [(e, r.kvgate_hash(e)) for e in event.block_hashes]
-            known = [(e, h) for e, h in found if h is not None]
+            known = [(e, k) for e in engine if (k := r.kvgate_key(e)) is not None]
             return known if known else None
         if event.parent_block_hash is None:
             parent = root_seed
         else:
-            found_parent = r.kvgate_hash(event.parent_block_hash)
+            found_parent = r.kvgate_key(engine_key(event.parent_block_hash))
             if found_parent is None:
                 return None
-            parent = found_parent
+            parent = found_parent ^ SALT
         ours = chain_hashes(event.token_ids, event.block_size, parent)
-        return list(zip(event.block_hashes, ours, strict=False))
+        return [(e, ((h ^ SALT) & _MASK) or 1) for e, h in zip(engine, ours, strict=False)]
 
     def apply_removed(self, replica_id: str, engine_hashes: Iterable[EngineHash], *, offloaded: bool = False) -> int:
         """Apply a BlockRemoved event of the GPU or (`offloaded`) of the second tier. Returns the number of
@@ -333,12 +325,6 @@ class KvIndex:
         r = self._replicas.get(replica_id)
         if r is None:
             return 0
-        if offloaded:
-            tier, n = r.offloaded, 0
-            for e in engine_hashes:
-                h = r.offload_map.pop(e, None)
-                if h is not None and h in tier:
-                    del tier[h]
-                    n += 1
-            return n
-        return r.drop(h for e in engine_hashes if (h := r.engine_to_kvgate.pop(e, None)) is not None)
+        keys = [engine_key(e) for e in engine_hashes]
+        q = r.unmap(np.fromiter(keys, np.uint64, len(keys)), offloaded=offloaded)
+        return r.drop_offloaded(q) if offloaded else r.drop(q)

@@ -1,111 +1,361 @@
-"""`ReplicaBlocks`: what the prefix index (cacheindex.kv_index) believes one replica's KV cache holds.
+"""`ReplicaBlocks`: what the prefix index (cacheindex.kv_index) believes one replica's KV cache holds, in packed
+arrays (cacheindex.block_table): no Python object per block, about 21 bytes per block of capacity (plus 12 for the
+hot window's evicted blocks, 21 for the engine-hash map of a replica with KV events).
 
-Structure:
-- `blocks`: `OrderedDict[kvgate_hash, insert_seq]` in LRU order, bounded by the replica's capacity in blocks
-  (vLLM's `num_gpu_blocks`, or the index's online estimate); inserting past capacity evicts the least recently used
-  entry. `insert_seq` is the replica's count of new blocks at the block's last use, so `inserts - insert_seq` is
-  how many new blocks the replica has taken since: the block's LRU age, which is what pushes it out.
-- `speculative`: `kvgate_hash -> expiry` for blocks recorded at routing time on a replica that publishes KV events;
-  if its events do not confirm them within the index's `speculative_ttl_s` they stop counting (dropped lazily).
-- `recent`: `OrderedDict[kvgate_hash, last_routed_time]`, the blocks requests routed there used within the hot
-  window: the replica's hot footprint (its working set), which placement weighs against capacity.
-- `engine_to_kvgate`: the engine's block hashes -> kvgate's (KV events name blocks by the engine's hashes), an LRU
-  bounded by `2 x capacity`.
-- `offloaded`: the blocks the replica's second tier holds (vLLM's KV offloading to CPU memory: KV events with
-  `medium="CPU"`), an LRU bounded by `max(8 x capacity, 65,536)`, with its own engine-hash map (`offload_map`).
-- the capacity estimate's state (`age_estimate`, `oldest_hit_age`), which the index's `observe` updates.
+Tables (keys are kvgate's block hashes, salted; `q` below is an array of them, in use order):
+- `blocks`: the blocks it is believed to hold, bounded by its capacity in blocks (vLLM's `num_gpu_blocks`, or the
+  index's online estimate). Per block: `stamp`, the replica's count of new blocks at the block's last use (high
+  44 bits) and a use counter (low 20): LRU order, and the LRU age (`inserts - stamp >> 20`: the new blocks taken
+  since, which is what pushes a block out); `routed`, the hot-window epoch it was last routed in (16 bits, wrapping;
+  an epoch is 1/64 of the window); `expiry` on a replica with KV events, centiseconds of the index's clock until
+  which a block recorded at routing time counts without an event confirming it (0: confirmed). Past capacity the
+  oldest go, in batches of capacity/64 (so it holds 98.4-100% of its capacity).
+- `ghosts`: blocks routed within the window that have left `blocks` (evicted by the LRU, removed by an event): the
+  rest of the hot footprint. Bounded by the capacity; the oldest epochs go first.
+- `engine_map`: the engine's block hashes -> kvgate's (KV events name blocks by the engine's), bounded by
+  capacity x 9/8; past it, entries whose block `blocks` no longer holds go.
+- `offloaded` and `offload_map`: the same for the second tier (vLLM's KV offloading to CPU memory: KV events with
+  `medium="CPU"`), bounded by `max(8 x capacity, 65,536)`; created on first use, like `engine_map`.
+- the hot footprint's count: distinct blocks routed per epoch over the last 64 (a ring), moved between epochs as
+  blocks are routed again, so `hot()` reads it in O(64).
 
-Cost: `insert_all`, `drop` and `offload` are O(1) per block (evictions included); `shrink_to` O(blocks evicted);
-`kvgate_hash` O(1).
+Cost: each operation on n blocks is a few vectorized passes over n (O(n) in C, no per-block Python loop); the
+batched eviction is O(table) every capacity/64 new blocks, O(64) amortized per new block.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-EngineHash = Hashable  # vLLM publishes int (low 64 bits) or bytes hashes
+import numpy as np
 
-# The second tier's bound: a multiple of the GPU capacity (hosts usually give offloading several times the GPU's KV).
+from cacheindex.block_table import BlockTable, Keys, Slots
+
+EPOCHS = 64  # the hot window in epochs
+_WRAP = 0xFFFF
+_USE_BITS = np.uint64(20)
+_USE_MASK = (1 << 20) - 1
 _OFFLOAD_FACTOR = 8
 _OFFLOAD_MIN = 65_536
 
 
-@dataclass(slots=True)
 class ReplicaBlocks:
-    capacity: int
-    capacity_known: bool  # from the engine (num_gpu_blocks); else estimated online from feedback
-    precise: bool  # the replica publishes KV events: routed inserts are speculative and expire
-    bound: int = 0  # the configured or default capacity: an estimate never exceeds it
-    blocks: OrderedDict[int, int] = field(default_factory=OrderedDict)
-    speculative: dict[int, float] = field(default_factory=dict)
-    recent: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    engine_to_kvgate: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)
-    offloaded: OrderedDict[int, None] = field(default_factory=OrderedDict)  # the second tier (CPU), LRU
-    offload_map: OrderedDict[EngineHash, int] = field(default_factory=OrderedDict)  # its engine-hash map
-    inserts: int = 0  # new blocks taken so far (the LRU age clock)
-    age_estimate: float | None = None  # exponential mean of the LRU ages of blocks found evicted
-    oldest_hit_age: int = 0  # the largest LRU age seen still cached (a floor under the estimate)
+    def __init__(
+        self, *, capacity: int, capacity_known: bool, precise: bool, bound: int, epoch: Callable[[], int]
+    ) -> None:
+        self._epoch = epoch  # the index's clock, in epochs of 1/64 of the hot window
+        self.capacity = capacity
+        self.capacity_known = capacity_known  # from the engine (num_gpu_blocks); else estimated from feedback
+        self.precise = precise  # the replica publishes KV events: routed inserts are speculative and expire
+        self.bound = bound  # the configured or default capacity: an estimate never exceeds it
+        columns: dict[str, type[np.generic]] = {"stamp": np.uint64, "routed": np.uint16}
+        if precise:
+            columns["expiry"] = np.uint32
+        self.blocks = BlockTable(bound, columns, order="stamp")
+        self.ghosts = BlockTable(bound, {"routed": np.uint16}, order="routed")
+        self.engine_map: BlockTable | None = None
+        self.offloaded: BlockTable | None = None
+        self.offload_map: BlockTable | None = None
+        self.inserts = 0  # new blocks taken so far (the LRU age clock)
+        self.touches = 0
+        self.age_estimate: float | None = None  # exponential mean of the LRU ages of blocks found evicted
+        self.oldest_hit_age = 0  # the largest LRU age seen still cached (a floor under the estimate)
+        self._hist = [0] * EPOCHS  # blocks counted in the footprint, per epoch (ring)
+        self._hist_epoch = [-EPOCHS] * EPOCHS
+        self._found: tuple[object, int, Slots] = (None, -1, np.empty(0, np.int64))
+        self._changes = 0  # changes to `blocks` or the footprint's count
+        self._total = (-1, -1, 0)  # (epoch, changes, the footprint's count then)
+        self._first: tuple[object, int, bool] = (None, -1, False)
 
-    def insert_all(self, hashes: Iterable[int], expiry: float | None) -> None:
-        """Insert or refresh each block in turn (the last one ends up most recent), evicting past capacity.
-        `expiry` None: confirmed; else speculative until then (a confirmed block stays confirmed).
-        The hot loop of routing: every block of every routed request passes here, hence the local names."""
-        blocks, move_to_end, capacity, spec = self.blocks, self.blocks.move_to_end, self.capacity, self.speculative
-        inserts = self.inserts
-        for h in hashes:
-            if h in blocks:
-                move_to_end(h)
-                if expiry is None:
-                    spec.pop(h, None)
-                elif h in spec and expiry > spec[h]:
-                    spec[h] = expiry
-            else:
-                inserts += 1
-                if expiry is not None:
-                    spec[h] = expiry
-                if len(blocks) >= capacity:
-                    spec.pop(blocks.popitem(last=False)[0], None)
-            blocks[h] = inserts
-        self.inserts = inserts
+    def nbytes(self) -> int:
+        tables = (self.blocks, self.ghosts, self.engine_map, self.offloaded, self.offload_map)
+        return sum(t.nbytes() for t in tables if t is not None)
 
-    def drop(self, hashes: Iterable[int]) -> int:
-        n = 0
-        for h in hashes:
-            if self.blocks.pop(h, None) is not None:
-                self.speculative.pop(h, None)
-                n += 1
+    # --- lookup -----------------------------------------------------------------------------------------------
+    def find(self, q: Keys) -> Slots:
+        """`blocks`' slots of `q` (-1: absent), remembered for the same array until `blocks` changes."""
+        memo_q, changes, slots = self._found
+        if memo_q is q and changes == self._changes:
+            return slots
+        slots = self.blocks.find(q)
+        self._found = (q, self._changes, slots)
+        return slots
+
+    def _holds_first(self, q: Keys) -> bool:
+        """Whether it holds `q`'s first block: most candidates of a request do not, told without arrays."""
+        memo_q, changes, held = self._first
+        if memo_q is not q or changes != self._changes:
+            held = bool(len(q)) and self.blocks.find_one(int(q[0])) >= 0
+            self._first = (q, self._changes, held)
+        return held
+
+    def held_run(self, q: Keys, now_cs: int) -> int:
+        """The leading blocks of `q` it holds; a speculative block past its expiry ends the run."""
+        if not self._holds_first(q):
+            return 0
+        slots = self.find(q)
+        missing = np.flatnonzero(slots < 0)
+        n = int(missing[0]) if len(missing) else len(q)
+        if n and "expiry" in self.blocks.cols:
+            exp = self.blocks.cols["expiry"][slots[:n]]
+            lapsed = np.flatnonzero((exp != 0) & (exp < now_cs))
+            if len(lapsed):
+                n = int(lapsed[0])
         return n
+
+    def holds(self, key: int) -> bool:
+        return self.blocks.find_one(key) >= 0
+
+    def ages(self, q: Keys, n: int, limit: int) -> tuple[int, ...]:
+        """LRU ages of `q`'s first n blocks; -1 for one absent or last used at insert count `limit` or later."""
+        slots = self.find(q)[:n]
+        seq = (self.blocks.cols["stamp"][slots] >> _USE_BITS).astype(np.int64)
+        ok = (slots >= 0) & (seq < limit)
+        return tuple(np.where(ok, self.inserts - seq, -1).tolist())
+
+    def hot(self, q: Keys, epoch: int) -> tuple[int, int]:
+        """(distinct blocks routed here within the window, capped at 2 x capacity; the leading blocks of `q` among
+        them, held or not), at `epoch` (now)."""
+        if self._total[0] != epoch or self._total[1] != self._changes:
+            total = sum(n for n, e in zip(self._hist, self._hist_epoch, strict=True) if epoch - e < EPOCHS)
+            self._total = (epoch, self._changes, total)
+        total = min(self._total[2], 2 * self.capacity)
+        if not len(q) or (not self._holds_first(q) and self.ghosts.find_one(int(q[0])) < 0):
+            return total, 0
+        slots = self.find(q)
+        routed = self._routed_of(self.blocks, slots)
+        run = self._hot_run(routed, epoch)
+        if run < len(q) and slots[run] < 0 and self.ghosts.count:  # the rest may be among the ghosts
+            ghost = self._routed_of(self.ghosts, self.ghosts.find(q[run:]))
+            run += self._hot_run(np.where(routed[run:] >= 0, routed[run:], ghost), epoch)
+        return total, run
+
+    @staticmethod
+    def _hot_run(routed: np.ndarray, epoch: int) -> int:
+        """The leading blocks whose routed epoch (-1: never) is within the window."""
+        cold = np.flatnonzero((routed < 0) | (((epoch - routed) & _WRAP) >= EPOCHS))
+        return int(cold[0]) if len(cold) else len(routed)
+
+    @staticmethod
+    def _routed_of(table: BlockTable, slots: Slots) -> np.ndarray:
+        return np.where(slots >= 0, table.cols["routed"][slots].astype(np.int64), -1)
+
+    # --- change -----------------------------------------------------------------------------------------------
+    def insert(self, q: Keys, *, expiry_cs: int | None, routed: bool) -> None:
+        """Insert or refresh `q`'s blocks, evicting the oldest past capacity. `routed`: a prompt routed here now
+        (it enters the hot window; its blocks are used tail first, so its head ends up most recent and a prefix
+        loses its tail first, as vLLM frees a request's blocks); False: a KV event's blocks, in the order stored.
+        `expiry_cs` None: confirmed; else speculative until then (a confirmed block stays confirmed)."""
+        epoch = self._epoch() if routed else None
+        slots = self.find(q)
+        if routed:
+            q, slots = q[::-1], slots[::-1]
+        if len(q) > self.capacity:  # the earlier ones would leave again within this insert
+            q, slots = q[-self.capacity :], slots[-self.capacity :]
+        blocks = self.blocks
+        self._changes += 1
+        new = slots < 0
+        stamp = ((self.inserts + np.cumsum(new)).astype(np.uint64) << _USE_BITS) | (
+            (self.touches + np.arange(1, len(q) + 1)) & _USE_MASK
+        ).astype(np.uint64)
+        hits = slots[~new]
+        blocks.cols["stamp"][hits] = stamp[~new]
+        n_new = int(new.sum())
+        back = np.full(n_new, -1, np.int64)  # the routed epochs of new blocks coming back from the ghosts
+        if n_new and self.ghosts.count:  # (out of the ghosts before the evicted go in: one entry per block)
+            gslots = self.ghosts.find(q[new])
+            back = self._routed_of(self.ghosts, gslots)
+            self.ghosts.remove(np.unique(gslots[gslots >= 0]))
+        self.inserts += n_new
+        self.touches += len(q)
+        over = blocks.count + n_new - self.capacity
+        if over > 0:
+            target = self.capacity - self.capacity // 64
+            self._evict(min(blocks.count - len(hits), blocks.count + n_new - target))  # hits are the newest
+        if epoch is not None:
+            self._count_routed(blocks.cols["routed"][hits], epoch)
+            blocks.cols["routed"][hits] = epoch & _WRAP
+        if "expiry" in blocks.cols:
+            exp = blocks.cols["expiry"]
+            exp[hits] = 0 if expiry_cs is None else np.where(exp[hits] == 0, 0, np.maximum(exp[hits], expiry_cs))
+        if n_new:
+            self._insert_new(q[new], stamp[new], back, expiry_cs, epoch)
+
+    def _insert_new(
+        self, q: Keys, stamp: np.ndarray, routed: np.ndarray, expiry_cs: int | None, epoch: int | None
+    ) -> None:
+        slots = self.blocks.place(q)
+        cols = self.blocks.cols
+        cols["stamp"][slots] = stamp
+        if epoch is not None:
+            self._count_routed(routed, epoch)
+            cols["routed"][slots] = epoch & _WRAP
+        else:
+            cols["routed"][slots] = np.where(routed >= 0, routed, (self._epoch() - EPOCHS) & _WRAP)
+        if "expiry" in cols:
+            cols["expiry"][slots] = 0 if expiry_cs is None else expiry_cs
+
+    def _count_routed(self, previous: np.ndarray, epoch: int) -> None:
+        """Blocks routed in `epoch` whose previous routed epochs (-1: never) are `previous`: those counted in an
+        earlier epoch of the window move to this one; the rest are counted anew."""
+        ages = (epoch - previous.astype(np.int64)) & _WRAP
+        counted_before = (previous >= 0) & (ages < EPOCHS)
+        moving = counted_before & (ages > 0)
+        if moving.any():
+            moved = np.bincount(ages[moving], minlength=EPOCHS)
+            for age in np.flatnonzero(moved).tolist():
+                self._uncount(epoch - age, int(moved[age]))
+        self._changes += 1
+        i = epoch % EPOCHS
+        if self._hist_epoch[i] != epoch:
+            self._hist[i], self._hist_epoch[i] = 0, epoch
+        self._hist[i] += int((~counted_before | (ages > 0)).sum())
+
+    def _uncount(self, epoch: int, n: int) -> None:
+        self._changes += 1
+        i = epoch % EPOCHS
+        if self._hist_epoch[i] == epoch:
+            self._hist[i] = max(0, self._hist[i] - n)
+
+    def _evict(self, k: int) -> int:
+        """Evict the `k` least recently used blocks."""
+        if k <= 0:
+            return 0
+        occ = self.blocks.occupied()
+        stamps = self.blocks.cols["stamp"][occ]
+        victims = occ if k >= len(occ) else occ[np.argpartition(stamps, k - 1)[:k]]
+        self._leave(victims)
+        return len(victims)
+
+    def _leave(self, slots: Slots) -> None:
+        """`blocks` gives up these slots; those routed within the window become ghosts."""
+        if not len(slots):
+            return
+        self._changes += 1
+        routed = self.blocks.cols["routed"][slots]
+        epoch = self._epoch()
+        hot = ((epoch - routed.astype(np.int64)) & _WRAP) < EPOCHS
+        keys = self.blocks.keys[slots]
+        self.blocks.remove(slots)
+        if hot.any():
+            ghosts = self.ghosts
+            gslots = ghosts.place(keys[hot])
+            ghosts.cols["routed"][gslots] = routed[hot]
+            over = ghosts.count - self.capacity
+            if over > 0:  # the oldest go; among equals, as the keys fall (not by position: buckets stay even)
+                occ = ghosts.occupied()
+                ages = (epoch - ghosts.cols["routed"][occ].astype(np.int64)) & _WRAP
+                order = (ages << 16) | (ghosts.keys[occ] & np.uint64(0xFFFF)).astype(np.int64)
+                pick = np.argpartition(-order, over - 1)[:over]
+                for age, n in zip(*np.unique(ages[pick], return_counts=True), strict=True):
+                    if age < EPOCHS:
+                        self._uncount(epoch - int(age), int(n))
+                ghosts.remove(occ[pick])
+
+    def drop(self, q: Keys) -> int:
+        """Forget these blocks (an engine's removal event); returns how many were held."""
+        slots = self.blocks.find(q)
+        held = np.unique(slots[slots >= 0])
+        self._leave(held)
+        return len(held)
+
+    def drop_older(self, cutoff: int) -> int:
+        """Forget every block last used at insert count `cutoff` or before (an LRU evicted them)."""
+        occ = self.blocks.occupied()
+        old = occ[(self.blocks.cols["stamp"][occ] >> _USE_BITS) <= cutoff]
+        self._leave(old)
+        return len(old)
 
     def shrink_to(self, capacity: int) -> None:
         self.capacity = capacity
-        while len(self.blocks) > capacity:
-            self.speculative.pop(self.blocks.popitem(last=False)[0], None)
+        self._evict(self.blocks.count - capacity)
 
-    def map_engine(self, engine_hash: EngineHash, h: int) -> None:
-        m = self.engine_to_kvgate
-        m[engine_hash] = h
-        m.move_to_end(engine_hash)
-        if len(m) > 2 * self.capacity:
-            m.popitem(last=False)
+    def clear(self) -> None:
+        """The engine's cache is gone (restart, event gap): hold nothing; what was routed recently stays hot."""
+        self._leave(self.blocks.occupied())
+        self.blocks.clear()
+        self.engine_map = self.offloaded = self.offload_map = None
 
-    def kvgate_hash(self, engine_hash: EngineHash) -> int | None:
-        h = self.engine_to_kvgate.get(engine_hash)
-        return self.offload_map.get(engine_hash) if h is None else h
+    # --- engine hashes (KV events) -----------------------------------------------------------------------------
+    def map_engine(self, engine_keys: Keys, q: Keys, *, offloaded: bool = False) -> None:
+        if offloaded:
+            if self.offload_map is None:
+                self.offload_map = BlockTable(self._offload_bound(), {"value": np.uint64})
+            _map(self.offload_map, engine_keys, q, self.offloaded)
+        else:
+            if self.engine_map is None:
+                self.engine_map = BlockTable(self.bound + self.bound // 8, {"value": np.uint64})
+            _map(self.engine_map, engine_keys, q, self.blocks)
 
-    def offload(self, pairs: Iterable[tuple[EngineHash, int]]) -> int:
+    def kvgate_key(self, engine_key: int) -> int | None:
+        """The kvgate key of a block named by the engine, from the GPU's map or else the tier's."""
+        for m in (self.engine_map, self.offload_map):
+            if m is not None and (slot := m.find_one(engine_key)) >= 0:
+                return int(m.cols["value"][slot])
+        return None
+
+    def unmap(self, engine_keys: Keys, *, offloaded: bool = False) -> Keys:
+        """Remove engine hashes from a map; returns the kvgate keys they named."""
+        m = self.offload_map if offloaded else self.engine_map
+        if m is None:
+            return np.empty(0, np.uint64)
+        slots = np.unique(m.find(engine_keys))
+        slots = slots[slots >= 0]
+        values = m.cols["value"][slots].copy()
+        m.remove(slots)
+        return values
+
+    # --- the second tier --------------------------------------------------------------------------------------
+    def _offload_bound(self) -> int:
+        return max(_OFFLOAD_FACTOR * self.capacity, _OFFLOAD_MIN)
+
+    def offload(self, engine_keys: Keys, q: Keys) -> int:
         """Store blocks in the second tier (refreshing those it holds), evicting its LRU past its bound."""
-        tier, m, n = self.offloaded, self.offload_map, 0
-        bound = max(_OFFLOAD_FACTOR * self.capacity, _OFFLOAD_MIN)
-        for engine_hash, h in pairs:
-            tier[h] = None
-            tier.move_to_end(h)
-            m[engine_hash] = h
-            m.move_to_end(engine_hash)
-            n += 1
-        while len(tier) > bound:
-            tier.popitem(last=False)
-        while len(m) > bound:
-            m.popitem(last=False)
-        return n
+        if self.offloaded is None:
+            self.offloaded = BlockTable(self._offload_bound(), {"stamp": np.uint64}, order="stamp")
+        tier = self.offloaded
+        slots = tier.find(q)
+        new = slots < 0
+        if new.any():
+            slots[new] = tier.place(q[new])
+        tier.cols["stamp"][slots] = self.touches + np.arange(1, len(q) + 1, dtype=np.uint64)
+        self.touches += len(q)
+        over = tier.count - tier.max_entries
+        if over > 0:
+            occ = tier.occupied()
+            tier.remove(occ[np.argpartition(tier.cols["stamp"][occ], over - 1)[:over]])
+        self.map_engine(engine_keys, q, offloaded=True)
+        return len(q)
+
+    def offloaded_run(self, q: Keys) -> int:
+        if self.offloaded is None or not self.offloaded.count:
+            return 0
+        missing = np.flatnonzero(self.offloaded.find(q) < 0)
+        return int(missing[0]) if len(missing) else len(q)
+
+    def drop_offloaded(self, q: Keys) -> int:
+        if self.offloaded is None:
+            return 0
+        slots = np.unique(self.offloaded.find(q))
+        slots = slots[slots >= 0]
+        self.offloaded.remove(slots)
+        return len(slots)
+
+    def offloaded_size(self) -> int:
+        return self.offloaded.count if self.offloaded is not None else 0
+
+
+def _map(m: BlockTable, engine_keys: Keys, q: Keys, holder: BlockTable | None) -> None:
+    """Map engine keys to kvgate keys; past the map's bound, entries whose block `holder` no longer holds go."""
+    slots = m.find(engine_keys)
+    new = slots < 0
+    if new.any():
+        slots[new] = m.place(engine_keys[new])
+    m.cols["value"][slots] = q
+    if m.count > m.max_entries:
+        occ = m.occupied()
+        stale = occ if holder is None else occ[holder.find(m.cols["value"][occ]) < 0]
+        excess = m.count - m.max_entries
+        if len(stale) > excess:  # as the keys fall, not by position (buckets stay even)
+            stale = stale[np.argpartition(m.keys[stale], excess - 1)[:excess]]
+        m.remove(stale)

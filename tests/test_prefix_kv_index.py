@@ -205,21 +205,26 @@ def test_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
     assert idx.footprint([1, 2, 9], ["r"]) == {"r": (2, 100, 1)}
 
 
-def test_a_growing_session_keeps_its_whole_prompt_in_the_hot_window() -> None:
-    """A turn stamps its new blocks; its prefix, stamped by the turn before within 1/16 of the window, keeps that
-    stamp (it leaves the window at most that early), and one stamped longer ago is stamped again."""
+def test_a_routed_prompt_stays_hot_for_the_window_whether_or_not_the_cache_keeps_it() -> None:
+    """Routing stamps the whole prompt (a growing session's prefix stays hot), a block routed again is counted once,
+    and a block the LRU pushed out still counts in the footprint and in a request's hot run until its stamp leaves
+    the window."""
     now = [0.0]
     idx = KvIndex(hot_window_s=16, clock=lambda: now[0])
-    idx.add_replica("r", capacity_blocks=100)
+    idx.add_replica("r", capacity_blocks=4)
     idx.record_routed("r", [1, 2, 3])
-    now[0] = 0.5
-    idx.record_routed("r", [1, 2, 3, 4])  # within a second: 1-3 keep their stamp of 0 s, 4 is stamped now
-    now[0] = 16.2
-    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (1, 100, 0)}  # only block 4 is still in the window
+    now[0] = 8.0
+    idx.record_routed("r", [1, 2, 3, 4])  # 1-3 again: 4 distinct blocks
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (4, 4, 4)}
+    idx.record_routed("r", [5, 6])  # the LRU (4 blocks) pushes out 4 and 3, the tail of the older prompt
+    assert idx.overlap([1, 2, 3, 4], ["r"]) == {"r": 2}
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (6, 4, 4)}
     now[0] = 20.0
-    idx.record_routed("r", [1, 2, 3, 4, 5])  # 4's stamp (0.5 s) is old: the whole prompt is stamped again
-    now[0] = 35.0
-    assert idx.footprint([1, 2, 3, 4, 5], ["r"]) == {"r": (5, 100, 5)}
+    idx.record_routed("r", [3, 7])  # 3 comes back from the evicted: still one block of the footprint
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (7, 4, 4)}
+    now[0] = 24.5  # the stamps of 8 s have left the window; those of 20 s have not
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (2, 4, 0)}
+    assert idx.footprint([3, 7], ["r"]) == {"r": (2, 4, 2)}
 
 
 def test_a_miss_drops_only_what_is_older_than_the_missing_block() -> None:
