@@ -34,6 +34,7 @@ _MIX_INT = 0xBF58476D1CE4E5B9
 _MIX = np.uint64(_MIX_INT)
 _MASK = (1 << 64) - 1
 _MIN_ENTRIES = 256
+_CHUNK = 2048  # keys per pass of a large `find`
 _SMALL = 12  # up to this many keys, `find` and `place` go one key at a time (fewer numpy calls)
 
 Keys = npt.NDArray[np.uint64]
@@ -86,19 +87,30 @@ class BlockTable:
         return key % self.buckets, (((key * _MIX_INT) & _MASK) >> 32) % self.buckets
 
     def find(self, q: Keys) -> Slots:
-        """The slot of each key, -1 where absent (a few keys: one at a time, cheaper than building arrays)."""
+        """The slot of each key, -1 where absent (a few keys: one at a time, cheaper than building arrays; many: in
+        chunks, so the temporaries stay in the CPU's cache)."""
         if not len(q) or not self.count:
             return np.full(len(q), -1, np.int64)
         if len(q) <= _SMALL:
             return np.array([self.find_one(k) for k in q.tolist()], np.int64)
+        if len(q) <= _CHUNK:
+            return self._find(q)
+        return np.concatenate([self._find(q[i : i + _CHUNK]) for i in range(0, len(q), _CHUNK)])
+
+    def _find(self, q: Keys) -> Slots:
         b1, b2 = self._pair(q)
-        ways = np.arange(WAYS, dtype=np.int64)
-        cand = np.concatenate(((b1 * WAYS)[:, None] + ways, (b2 * WAYS)[:, None] + ways), axis=1)
-        eq = self.keys[cand] == q[:, None]
-        hit = eq.argmax(axis=1)
-        slots = cand[np.arange(len(q)), hit]
-        slots[~eq[np.arange(len(q)), hit]] = -1
-        return slots
+        rows = self.keys.reshape(-1, WAYS)
+        eq = rows[b1] == q[:, None]
+        way = eq.argmax(axis=1)
+        hit = eq[np.arange(len(q)), way]
+        out = np.where(hit, b1 * WAYS + way, -1)
+        miss = np.flatnonzero(~hit)  # the rest, in their second bucket
+        if len(miss):
+            eq = rows[b2[miss]] == q[miss, None]
+            way = eq.argmax(axis=1)
+            hit = eq[np.arange(len(miss)), way]
+            out[miss[hit]] = b2[miss[hit]] * WAYS + way[hit]
+        return out
 
     def find_one(self, key: int) -> int:
         """The slot of one stored key (a Python int), -1 where absent; no array is built."""
