@@ -3,6 +3,7 @@
     python -m bench.bench_index_scale                  # 4, 16, 64, 256 replicas of 4,096 blocks; ~1 min
     python -m bench.bench_index_scale --replicas 4 1024 --blocks 32768   # the issue's 1,024 x 32,768; ~4 min
     python -m bench.bench_index_scale --replicas 4 1024 --max-candidates 1000000   # without candidate pruning
+    python -m bench.bench_index_scale --replicas 16 --blocks 32768 --kv-events     # replicas with KV events
 
 In process, the gateway's own routing step without HTTP: `CacheAwareState.request_info` (sim tokenizer, a
 ~1,300-token chat prompt: tokenizing and hashing) then `Router.choose` (the candidates, their snapshots, overlap,
@@ -29,6 +30,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from cacheindex.config import CacheConfig
+from cacheindex.kv_index import StoredBlocks
 from cacheindex.state import CacheAwareState
 from engine_pool.http_client import UpstreamClient
 from engine_pool.replica import Replica
@@ -47,13 +49,22 @@ def body(group: int, question: int) -> dict[str, object]:
     return {"model": "m", "messages": messages}
 
 
-def fill(st: CacheAwareState, n: int, blocks: int) -> float:
-    """Route 2 x `blocks` distinct blocks to each replica in prompts of 512; the index's bytes per block of
-    capacity it allocated for them."""
+def fill(st: CacheAwareState, n: int, blocks: int, kv_events: bool) -> float:
+    """Route 2 x `blocks` distinct blocks to each replica in prompts of 512 (with `kv_events`, after a capacity's
+    worth stored by events, so the engine-hash map is full too); the index's bytes per block of capacity it
+    allocated for them."""
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     rng = np.random.default_rng(7)
     for i in range(n):
+        if kv_events:
+            st.index.add_replica(f"r{i}", capacity_blocks=blocks, precise=True)
+            engine = rng.integers(1, 2**63, blocks, dtype=np.uint64).tolist()
+            tokens = rng.integers(0, 32_000, blocks * 16).tolist()
+            for at in range(0, blocks, 512):
+                parent = engine[at - 1] if at else None
+                event = StoredBlocks(engine[at : at + 512], parent, tokens[at * 16 : (at + 512) * 16], 16)
+                st.index.apply_stored(f"r{i}", event, root_seed=1)
         for chunk in np.array_split(rng.integers(1, 2**63, 2 * blocks, dtype=np.uint64), max(1, blocks // 256)):
             st.index.record_routed(f"r{i}", tuple(chunk.tolist()))
     used = tracemalloc.get_traced_memory()[0] - before
@@ -62,7 +73,7 @@ def fill(st: CacheAwareState, n: int, blocks: int) -> float:
 
 
 async def per_request_us(
-    url: str, n: int, blocks: int, rounds: int, requests: int, max_candidates: int
+    url: str, n: int, blocks: int, rounds: int, requests: int, max_candidates: int, kv_events: bool
 ) -> tuple[float, float]:
     registry = CollectorRegistry()
     st = CacheAwareState(CacheConfig(tokenizers={"m": "sim"}, kv_events=False), registry)
@@ -85,7 +96,7 @@ async def per_request_us(
         replica, _ = await router.choose(info)
         st.on_finished(info, replica.id, None)
 
-    per_block = fill(st, n, blocks)
+    per_block = fill(st, n, blocks, kv_events)
     for g in range(GROUPS):  # the pool's working set
         for q in range(3):
             await route(body(g, q))
@@ -109,6 +120,7 @@ async def main() -> None:
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--blocks", type=int, default=4096, help="KV capacity of each replica, in blocks")
     p.add_argument("--max-candidates", type=int, default=16, help="routing.max_candidates (a huge value: off)")
+    p.add_argument("--kv-events", action="store_true", help="replicas with KV events (the engine-hash map too)")
     args = p.parse_args()
     base = None
     print(f"max_candidates {args.max_candidates}, {args.blocks} blocks per replica")
@@ -116,7 +128,7 @@ async def main() -> None:
     async with run_sim_engine(SimConfig(model="m", instant=True)) as sim:
         for n in args.replicas:
             us, per_block = await per_request_us(
-                sim.url, n, args.blocks, args.rounds, args.requests, args.max_candidates
+                sim.url, n, args.blocks, args.rounds, args.requests, args.max_candidates, args.kv_events
             )
             base = base or us
             print(f"{n:8d}  {per_block:17.1f}  {us:22.1f}  {us / base:14.2f}", flush=True)
