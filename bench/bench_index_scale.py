@@ -30,7 +30,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from cacheindex.config import CacheConfig
-from cacheindex.kv_index import StoredBlocks
+from cacheindex.kv_index import KvIndex, StoredBlocks
 from cacheindex.state import CacheAwareState
 from engine_pool.http_client import UpstreamClient
 from engine_pool.replica import Replica
@@ -49,24 +49,33 @@ def body(group: int, question: int) -> dict[str, object]:
     return {"model": "m", "messages": messages}
 
 
+def fill_one(index: KvIndex, rid: str, blocks: int, kv_events: bool, rng: np.random.Generator) -> None:
+    """Route 2 x `blocks` distinct blocks to the replica in prompts of 512 (with `kv_events`, after a capacity's
+    worth stored by events, so the engine-hash map is full too)."""
+    if kv_events:
+        index.add_replica(rid, capacity_blocks=blocks, precise=True)
+        engine = rng.integers(1, 2**63, blocks, dtype=np.uint64).tolist()
+        tokens = rng.integers(0, 32_000, blocks * 16).tolist()
+        for at in range(0, blocks, 512):
+            parent = engine[at - 1] if at else None
+            index.apply_stored(
+                rid, StoredBlocks(engine[at : at + 512], parent, tokens[at * 16 : (at + 512) * 16], 16), 1
+            )
+    for chunk in np.array_split(rng.integers(1, 2**63, 2 * blocks, dtype=np.uint64), max(1, blocks // 256)):
+        index.record_routed(rid, tuple(chunk.tolist()))
+
+
 def fill(st: CacheAwareState, n: int, blocks: int, kv_events: bool) -> float:
-    """Route 2 x `blocks` distinct blocks to each replica in prompts of 512 (with `kv_events`, after a capacity's
-    worth stored by events, so the engine-hash map is full too); the index's bytes per block of capacity it
-    allocated for them."""
+    """Fill every replica's index (`fill_one`); the bytes per block of capacity allocated for it, after the same
+    on a throwaway index (what the first use imports is not the index's)."""
+    warm = KvIndex()
+    warm.add_replica("w", capacity_blocks=512)
+    fill_one(warm, "w", 512, kv_events, np.random.default_rng(1))
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     rng = np.random.default_rng(7)
     for i in range(n):
-        if kv_events:
-            st.index.add_replica(f"r{i}", capacity_blocks=blocks, precise=True)
-            engine = rng.integers(1, 2**63, blocks, dtype=np.uint64).tolist()
-            tokens = rng.integers(0, 32_000, blocks * 16).tolist()
-            for at in range(0, blocks, 512):
-                parent = engine[at - 1] if at else None
-                event = StoredBlocks(engine[at : at + 512], parent, tokens[at * 16 : (at + 512) * 16], 16)
-                st.index.apply_stored(f"r{i}", event, root_seed=1)
-        for chunk in np.array_split(rng.integers(1, 2**63, 2 * blocks, dtype=np.uint64), max(1, blocks // 256)):
-            st.index.record_routed(f"r{i}", tuple(chunk.tolist()))
+        fill_one(st.index, f"r{i}", blocks, kv_events, rng)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     return used / (n * blocks)

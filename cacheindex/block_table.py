@@ -27,7 +27,7 @@ import numpy.typing as npt
 import xxhash
 
 WAYS = 8
-LOAD = 0.8
+LOAD = 0.85
 EMPTY = 0
 SALT = 0x9E3779B97F4A7C15
 _MIX_INT = 0xBF58476D1CE4E5B9

@@ -13,7 +13,7 @@ Tables (keys are kvgate's block hashes, salted; `q` below is an array of them, i
 - `ghosts`: blocks routed within the window that have left `blocks` (evicted by the LRU, removed by an event): the
   rest of the hot footprint. Bounded by the capacity; the oldest epochs go first.
 - `engine_map`: the engine's block hashes -> kvgate's (KV events name blocks by the engine's), bounded by
-  capacity x 9/8; past it, entries whose block `blocks` no longer holds go.
+  the capacity (the engine holds no more); past it, entries whose block `blocks` no longer holds go.
 - `offloaded` and `offload_map`: the same for the second tier (vLLM's KV offloading to CPU memory: KV events with
   `medium="CPU"`), bounded by `max(8 x capacity, 65,536)`; created on first use, like `engine_map`.
 - the hot footprint's count: distinct blocks routed per epoch over the last 64 (a ring), moved between epochs as
@@ -284,7 +284,7 @@ class ReplicaBlocks:
             _map(self.offload_map, engine_keys, q, self.offloaded)
         else:
             if self.engine_map is None:
-                self.engine_map = BlockTable(self.bound + self.bound // 8, {"value": np.uint64})
+                self.engine_map = BlockTable(self.bound, {"value": np.uint64})
             _map(self.engine_map, engine_keys, q, self.blocks)
 
     def kvgate_key(self, engine_key: int) -> int | None:
