@@ -35,8 +35,8 @@ class CacheConfig(BaseModel):
         65_536,
         gt=0,
         description="starting index capacity of a replica whose num_gpu_blocks is unknown; lowered online from the "
-        "cached tokens it reports (the index's tables grow by doubling with the blocks held, to about 37 bytes of "
-        "gateway memory per block of capacity, 62 with KV events; docs/fleet.md)",
+        "cached tokens it reports (the index's tables grow by doubling with the blocks held, to about 35 bytes of "
+        "gateway memory per block of capacity, 61 with KV events; docs/fleet.md)",
     )
     hot_window_s: float = Field(
         60.0,

@@ -1,10 +1,10 @@
 """Per-replica index of the KV blocks each replica is believed to hold, keyed by kvgate's chained block hashes.
 
-Per replica, a `ReplicaBlocks` (cacheindex.replica_blocks, packed arrays: about 21 bytes per block of capacity,
-33 with the hot window, 55 with KV events' engine-hash map): the LRU of the blocks it is believed to hold, bounded
-by its capacity in blocks (vLLM's `num_gpu_blocks`, or the online estimate below), with each block's insert count
-(its LRU age) and, on a replica that publishes KV events, the expiry of a block recorded at routing time
-(unconfirmed within `speculative_ttl_s`, it stops counting); the blocks routed there within `hot_window_s` (its
+Per replica, a `ReplicaBlocks` (cacheindex.replica_blocks, packed arrays: about 21 bytes per block of capacity, 33
+with the hot window, about 57 with KV events' expiries and engine-hash map): the LRU of the blocks it is believed to
+hold, bounded by its capacity in blocks (vLLM's `num_gpu_blocks`, or the online estimate below), with each block's
+insert count (its LRU age) and, on a replica that publishes KV events, the expiry of a block recorded at routing
+time (unconfirmed within `speculative_ttl_s`, it stops counting); the blocks routed there within `hot_window_s` (its
 hot footprint, which placement weighs against capacity); the blocks its second tier holds (vLLM's KV offloading to
 CPU memory: KV events with `medium="CPU"`). Only KV events fill the tier. vLLM looks a prompt up on the GPU first
 and asks the tier for the blocks after the GPU's leading run, so `offloaded(...)` counts the blocks after that run

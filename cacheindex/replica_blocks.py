@@ -1,6 +1,6 @@
 """`ReplicaBlocks`: what the prefix index (cacheindex.kv_index) believes one replica's KV cache holds, in packed
-arrays (cacheindex.block_table): no Python object per block, about 21 bytes per block of capacity (plus 12 for the
-hot window's evicted blocks, 21 for the engine-hash map of a replica with KV events).
+arrays (cacheindex.block_table): no Python object per block, about 21 bytes per block of capacity, plus 12 for the
+hot window's evicted blocks; a replica with KV events about 26 + 12 + 19 for its engine-hash map.
 
 Tables (keys are kvgate's block hashes, salted; `q` below is an array of them, in use order):
 - `blocks`: the blocks it is believed to hold, bounded by its capacity in blocks (vLLM's `num_gpu_blocks`, or the
