@@ -42,9 +42,9 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
-from redis.exceptions import RedisError
 
 from cacheindex.shared import SharedDecisionSink
+from gateway.admission.redis_store import REDIS_ERRORS
 from gateway.config import FleetConfig
 from kvcommon.backoff import Backoff
 from kvcommon.fastmetrics import FastCounter, FastGauge
@@ -145,7 +145,7 @@ class RoutingShare:
     async def _get(self, key: str) -> str | None:
         try:
             value = await self._client.get(key)
-        except (RedisError, OSError):
+        except REDIS_ERRORS:
             return None
         return value.decode() if isinstance(value, bytes) else value
 
@@ -157,7 +157,7 @@ class RoutingShare:
         key = f"{self.config.key_prefix}:claim:{first_block:x}"
         try:
             prior = await self._client.set(key, replica, nx=True, get=True, px=int(self.config.claim_ms))
-        except (RedisError, OSError):
+        except REDIS_ERRORS:
             self.metrics.claims.labels("error").inc()
             return replica
         if prior is None:
@@ -172,7 +172,7 @@ class RoutingShare:
             return None  # every live binding came through the stream
         try:
             value = await self._client.get(self._session_key(session))
-        except (RedisError, OSError):
+        except REDIS_ERRORS:
             self.metrics.session_lookups.labels("error").inc()
             return None
         self.metrics.session_lookups.labels("missing" if value is None else "found").inc()
@@ -203,7 +203,7 @@ class RoutingShare:
                             pipe.set(self._session_key(session), replica, ex=self._session_ttl)
                         pipe.xadd(cfg.channel, fields, maxlen=cfg.history, approximate=False)  # type: ignore[arg-type]
                     await pipe.execute()
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self.metrics.decisions.labels("dropped").inc(len(batch))
                 if not backoff.attempts:
                     log.warning("could not publish routing decisions to the other gateways: %r", exc)
@@ -222,7 +222,7 @@ class RoutingShare:
                 reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self._reader.xread(
                     {self.config.channel: last_id}, count=_READ_COUNT, block=_READ_BLOCK_MS
                 )  # type: ignore[assignment]
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 if self._reading_since is not None or not backoff.attempts:
                     log.warning("lost the shared routing stream: %r", exc)
                 self._reading_since = None
