@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -41,8 +42,20 @@ def pct(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
+PROMPT = ["hello world " * 8]  # --prompt-words replaces it
+_SENT = itertools.count()
+
+
+def prompt() -> str:
+    """The prompt of the next request: the short default, or (`--prompt-words N`) a system part of N words that
+    every request shares and a 32-word turn of its own (a chat's new tail: new blocks for the prefix index)."""
+    if len(PROMPT) == 1:
+        return PROMPT[0]
+    return f"{PROMPT[0]} turn {next(_SENT)} {PROMPT[1]}"
+
+
 async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
-    body = {"model": "sim", "prompt": "hello world " * 8, "max_tokens": 16, "stream": stream}
+    body = {"model": "sim", "prompt": prompt(), "max_tokens": 16, "stream": stream}
     t0 = time.perf_counter()
     async with session.post(url + "/v1/completions", json=body) as resp:
         await resp.read()
@@ -170,6 +183,7 @@ def markdown(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) 
         f"\n{platform.machine()}, {platform.python_version()}; medians (and ranges) over {args.repeat} rounds, each "
         f"measuring every mode in turn; latency: {args.latency_requests} alternating pairs at concurrency 1; CPU: "
         f"{args.requests} requests at concurrency {args.concurrency}; engines: 2 x `kvgate sim-engine --instant`; "
+        f"prompts: {f'{args.prompt_words} shared words and a 32-word turn' if args.prompt_words else '16 words'}; "
         "each kvgate as its own process (uvloop), this client in another."
     )
     return "\n".join(lines)
@@ -188,7 +202,16 @@ def main() -> None:
         help="a checkout of the previous release (git worktree add DIR <commit>), run side by side with this one",
     )
     p.add_argument("--sglang-python", help="the Python of a virtualenv with sglang-router, to measure it alongside")
+    p.add_argument(
+        "--prompt-words",
+        type=int,
+        help="a shared system part of this many words and a 32-word turn per request (default: 16 words, the same "
+        "for every request)",
+    )
     args = p.parse_args()
+    if args.prompt_words:
+        words = [f"w{i % 97}" for i in range(args.prompt_words)]
+        PROMPT[:] = [" ".join(words), " ".join(f"x{i}" for i in range(31))]
     results = asyncio.run(measure(args))
     table = markdown(results, args)
     print(table)

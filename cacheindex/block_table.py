@@ -8,13 +8,13 @@ the salt shares a key with the salt ^ 1, a collision as likely as any two 64-bit
 bucket) and the owner's columns (one array per name, any dtype, one value per slot; a new entry's values are the
 owner's to set).
 
-Cost: `find` of n keys is one gather of n x 16 slots and one comparison, in C; `place` of n new keys the same plus
-a sort by bucket; `remove` O(n); `find_one` (a single key, from Python) O(16); up to 12 keys go one at a time
-(fewer numpy calls). The table grows by doubling (a rehash, O(entries)) up to `max_entries / LOAD` slots (plus two
-buckets), its last step exactly to that size, so a full table holds about (8 + the columns' bytes) / 0.85 bytes per
-entry. A key that finds both buckets full and no entry to move (rare below LOAD) takes the slot of the entry in them
-with the smallest `order` column value (the owner's LRU stamp), or the first slot of its first bucket without one:
-that entry is forgotten.
+Cost: `find` of n keys is one gather of both buckets' 16 slots a key and one comparison, in C; `place` of n new keys a
+gather and a sort by bucket; `remove` O(n); `find_one` (a single key, from Python) O(16); up to 12 keys go one at a
+time (fewer numpy calls). The table grows by doubling (a rehash, O(entries)) up to `max_entries / LOAD` slots (plus
+two buckets), its last step exactly to that size, so a full table holds about (8 + the columns' bytes) / 0.85 bytes
+per entry. A key that finds both buckets full and no entry to move (rare below LOAD) takes the slot of the entry in
+them with the smallest `order` column value (the owner's LRU stamp), or the first slot of its first bucket without
+one: that entry is forgotten.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ EMPTY = 0
 SALT = 0x9E3779B97F4A7C15
 _MIX_INT = 0xBF58476D1CE4E5B9
 _MIX = np.uint64(_MIX_INT)
+_HALF = np.uint64(32)
 _MASK = (1 << 64) - 1
 _MIN_ENTRIES = 256
 _CHUNK = 2048  # keys per pass of a large `find`
@@ -67,6 +68,7 @@ class BlockTable:
 
     def _allocate(self, buckets: int) -> None:
         self.buckets = buckets
+        self._nb = np.uint64(buckets)
         self.keys: Keys = np.zeros(buckets * WAYS, np.uint64)
         self.fill = np.zeros(buckets, np.uint8)
         self.cols: dict[str, npt.NDArray[Any]] = {n: np.zeros(buckets * WAYS, t) for n, t in self._dtypes.items()}
@@ -80,8 +82,7 @@ class BlockTable:
 
     # --- lookup ---------------------------------------------------------------------------------------------------
     def _pair(self, q: Keys) -> tuple[Slots, Slots]:
-        nb = np.uint64(self.buckets)
-        return (q % nb).astype(np.int64), (((q * _MIX) >> np.uint64(32)) % nb).astype(np.int64)
+        return (q % self._nb).astype(np.int64), (((q * _MIX) >> _HALF) % self._nb).astype(np.int64)
 
     def _pair_one(self, key: int) -> tuple[int, int]:
         return key % self.buckets, (((key * _MIX_INT) & _MASK) >> 32) % self.buckets
@@ -98,19 +99,16 @@ class BlockTable:
         return np.concatenate([self._find(q[i : i + _CHUNK]) for i in range(0, len(q), _CHUNK)])
 
     def _find(self, q: Keys) -> Slots:
-        b1, b2 = self._pair(q)
-        rows = self.keys.reshape(-1, WAYS)
-        eq = rows[b1] == q[:, None]
-        way = eq.argmax(axis=1)
-        hit = eq[np.arange(len(q)), way]
-        out = np.where(hit, b1 * WAYS + way, -1)
-        miss = np.flatnonzero(~hit)  # the rest, in their second bucket
-        if len(miss):
-            eq = rows[b2[miss]] == q[miss, None]
-            way = eq.argmax(axis=1)
-            hit = eq[np.arange(len(miss)), way]
-            out[miss[hit]] = b2[miss[hit]] * WAYS + way[hit]
-        return out
+        """Both buckets of every key gathered at once, 16 candidates a key: the first equal one is the slot."""
+        n = len(q)
+        b = np.empty((n, 2), np.uint64)
+        np.remainder(q, self._nb, out=b[:, 0])
+        np.remainder((q * _MIX) >> _HALF, self._nb, out=b[:, 1])
+        buckets = b.view(np.int64)  # (values below 2^63: the same bits)
+        eq = (np.take(self.keys.reshape(-1, WAYS), buckets, axis=0) == q[:, None, None]).reshape(n, 2 * WAYS)
+        pos = eq.argmax(axis=1)
+        slots = np.where(pos < WAYS, buckets[:, 0], buckets[:, 1]) * WAYS + (pos & (WAYS - 1))
+        return np.where(eq[np.arange(n), pos], slots, -1)
 
     def find_one(self, key: int) -> int:
         """The slot of one stored key (a Python int), -1 where absent; no array is built."""
@@ -129,6 +127,18 @@ class BlockTable:
         return np.flatnonzero(self.keys != EMPTY)
 
     # --- change ---------------------------------------------------------------------------------------------------
+    def remove_one(self, slot: int) -> None:
+        self.keys[slot] = EMPTY
+        self.fill[slot // WAYS] -= 1
+        self.count -= 1
+
+    def place_one(self, key: int) -> int:
+        """Insert one absent key (a Python int); returns its slot. An earlier slot may move (a cuckoo step moves
+        an entry with its columns; growth moves them all): look keys up again after placing."""
+        if self.count + 1 > self.buckets * WAYS * LOAD and self.buckets < self._max_buckets:
+            self._grow(self.count + 1)
+        return self._place_one(key)
+
     def remove(self, slots: Slots) -> None:
         """Empty these (occupied, distinct) slots."""
         if len(slots):

@@ -75,6 +75,7 @@ _MIN_CAPACITY = 16
 _MAX_AGES = 256
 _MAX_ROOTS = 262_144  # first blocks remembered (hints of which replicas hold them)
 _MASK = (1 << 64) - 1
+_FEW = 32  # up to this many blocks, a prompt's keys are computed in Python (fewer numpy calls)
 
 
 class KvIndex:
@@ -98,7 +99,10 @@ class KvIndex:
         """The prompt's blocks as table keys, converted once for the calls about the same prompt."""
         seen, keys = self._keys
         if seen is not hashes or not isinstance(hashes, tuple):  # a list may change in place
-            keys = np.maximum(np.fromiter(hashes, np.uint64, len(hashes)) ^ np.uint64(SALT), 1)  # 0: empty slot
+            if len(hashes) <= _FEW:
+                keys = np.array([((h ^ SALT) & _MASK) or 1 for h in hashes], np.uint64)  # 0: empty slot
+            else:
+                keys = np.maximum(np.fromiter(hashes, np.uint64, len(hashes)) ^ np.uint64(SALT), 1)
             self._keys = (hashes, keys)
         return keys
 

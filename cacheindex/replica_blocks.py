@@ -19,8 +19,12 @@ Tables (keys are kvgate's block hashes, salted; `q` below is an array of them, i
 - the hot footprint's count: distinct blocks routed per epoch over the last 64 (a ring), moved between epochs as
   blocks are routed again, so `hot()` reads it in O(64).
 
-Cost: each operation on n blocks is a few vectorized passes over n (O(n) in C, no per-block Python loop); the
-batched eviction is O(table) every capacity/64 new blocks, O(64) amortized per new block.
+Cost: an operation on n blocks is a few vectorized passes over n (O(n) in C); numpy's cost per call (about 1 us
+here) makes that about 15 us for any n, so a prompt of at most `_SCALAR` blocks (and up to `_SCALAR_NEW` new
+blocks of a longer one) goes one block at a time in Python instead (about 1 us a block), and a lookup stops at the
+first block not held. Lookups of the same prompt are remembered until `blocks` changes (overlap, footprint, ages
+and the insert of one request walk it once). The batched eviction is O(table) every capacity/64 new blocks, O(64)
+amortized per new block.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ _USE_BITS = np.uint64(20)
 _USE_MASK = (1 << 20) - 1
 _OFFLOAD_FACTOR = 8
 _OFFLOAD_MIN = 65_536
+_SCALAR = 16  # up to this many blocks, lookups and inserts go one block at a time in Python (fewer numpy calls)
+_SCALAR_NEW = 64  # and up to this many new blocks are placed one at a time
 
 
 class ReplicaBlocks:
@@ -62,10 +68,12 @@ class ReplicaBlocks:
         self.oldest_hit_age = 0  # the largest LRU age seen still cached (a floor under the estimate)
         self._hist = [0] * EPOCHS  # blocks counted in the footprint, per epoch (ring)
         self._hist_epoch = [-EPOCHS] * EPOCHS
-        self._found: tuple[object, int, Slots] = (None, -1, np.empty(0, np.int64))
-        self._changes = 0  # changes to `blocks` or the footprint's count
-        self._total = (-1, -1, 0)  # (epoch, changes, the footprint's count then)
+        self._total_epoch = -1  # the epoch at which `_total` (the ring's sum over the window) is kept; -1: stale
+        self._total = 0
+        self._found: tuple[object, int, Slots, int] = (None, -1, np.empty(0, np.int64), 0)
+        self._changes = 0  # changes to `blocks`
         self._first: tuple[object, int, bool] = (None, -1, False)
+        self._found_scalar: tuple[object, int, list[int]] = (None, -1, [])
 
     def nbytes(self) -> int:
         tables = (self.blocks, self.ghosts, self.engine_map, self.offloaded, self.offload_map)
@@ -74,11 +82,31 @@ class ReplicaBlocks:
     # --- lookup -----------------------------------------------------------------------------------------------
     def find(self, q: Keys) -> Slots:
         """`blocks`' slots of `q` (-1: absent), remembered for the same array until `blocks` changes."""
-        memo_q, changes, slots = self._found
-        if memo_q is q and changes == self._changes:
-            return slots
-        slots = self.blocks.find(q)
-        self._found = (q, self._changes, slots)
+        return self._find(q)[0]
+
+    def _find(self, q: Keys) -> tuple[Slots, int]:
+        """(`find(q)`, the leading blocks held)."""
+        memo_q, changes, slots, held = self._found
+        if memo_q is not q or changes != self._changes:
+            slots = self.blocks.find(q)
+            missing = np.flatnonzero(slots < 0)
+            held = int(missing[0]) if len(missing) else len(q)
+            self._found = (q, self._changes, slots, held)
+        return slots, held
+
+    def _find_scalar(self, q: Keys, *, lead: bool = False) -> list[int]:
+        """`find` for a few blocks, as a list, memoized alike; `lead`: only up to the first absent block (the
+        list may be longer)."""
+        memo_q, changes, slots = self._found_scalar
+        if memo_q is not q or changes != self._changes:
+            slots = []
+            self._found_scalar = (q, self._changes, slots)
+        if len(slots) < len(q) and not (lead and slots and slots[-1] < 0):
+            find_one = self.blocks.find_one
+            for k in q[len(slots) :].tolist():
+                slots.append(find_one(k))
+                if lead and slots[-1] < 0:
+                    break
         return slots
 
     def _holds_first(self, q: Keys) -> bool:
@@ -93,9 +121,15 @@ class ReplicaBlocks:
         """The leading blocks of `q` it holds; a speculative block past its expiry ends the run."""
         if not self._holds_first(q):
             return 0
-        slots = self.find(q)
-        missing = np.flatnonzero(slots < 0)
-        n = int(missing[0]) if len(missing) else len(q)
+        if len(q) <= _SCALAR:
+            expiry = self.blocks.cols.get("expiry")
+            n = 0
+            for slot in self._find_scalar(q, lead=True):
+                if slot < 0 or (expiry is not None and 0 < int(expiry[slot]) < now_cs):
+                    break
+                n += 1
+            return n
+        slots, n = self._find(q)
         if n and "expiry" in self.blocks.cols:
             exp = self.blocks.cols["expiry"][slots[:n]]
             lapsed = np.flatnonzero((exp != 0) & (exp < now_cs))
@@ -108,6 +142,13 @@ class ReplicaBlocks:
 
     def ages(self, q: Keys, n: int, limit: int) -> tuple[int, ...]:
         """LRU ages of `q`'s first n blocks; -1 for one absent or last used at insert count `limit` or later."""
+        if len(q) <= _SCALAR:
+            stamps = self.blocks.cols["stamp"]
+            out = []
+            for slot in self._find_scalar(q)[:n]:
+                used = int(stamps[slot]) >> 20 if slot >= 0 else limit
+                out.append(self.inserts - used if used < limit else -1)
+            return tuple(out)
         slots = self.find(q)[:n]
         seq = (self.blocks.cols["stamp"][slots] >> _USE_BITS).astype(np.int64)
         ok = (slots >= 0) & (seq < limit)
@@ -116,25 +157,43 @@ class ReplicaBlocks:
     def hot(self, q: Keys, epoch: int) -> tuple[int, int]:
         """(distinct blocks routed here within the window, capped at 2 x capacity; the leading blocks of `q` among
         them, held or not), at `epoch` (now)."""
-        if self._total[0] != epoch or self._total[1] != self._changes:
-            total = sum(n for n, e in zip(self._hist, self._hist_epoch, strict=True) if epoch - e < EPOCHS)
-            self._total = (epoch, self._changes, total)
-        total = min(self._total[2], 2 * self.capacity)
+        if self._total_epoch != epoch:
+            self._total = sum(n for n, e in zip(self._hist, self._hist_epoch, strict=True) if epoch - e < EPOCHS)
+            self._total_epoch = epoch
+        total = min(self._total, 2 * self.capacity)
         if not len(q) or (not self._holds_first(q) and self.ghosts.find_one(int(q[0])) < 0):
             return total, 0
-        slots = self.find(q)
-        routed = self._routed_of(self.blocks, slots)
-        run = self._hot_run(routed, epoch)
-        if run < len(q) and slots[run] < 0 and self.ghosts.count:  # the rest may be among the ghosts
-            ghost = self._routed_of(self.ghosts, self.ghosts.find(q[run:]))
-            run += self._hot_run(np.where(routed[run:] >= 0, routed[run:], ghost), epoch)
-        return total, run
-
-    @staticmethod
-    def _hot_run(routed: np.ndarray, epoch: int) -> int:
-        """The leading blocks whose routed epoch (-1: never) is within the window."""
+        if len(q) <= _SCALAR:
+            return total, self._hot_run_scalar(q, epoch)
+        slots, n = self._find(q)
+        cold = np.flatnonzero((np.uint16(epoch & _WRAP) - self.blocks.cols["routed"][slots[:n]]) >= EPOCHS)
+        if len(cold) or n == len(q) or not self.ghosts.count or self.ghosts.find_one(int(q[n])) < 0:
+            return total, int(cold[0]) if len(cold) else n
+        # the run goes on among the ghosts (the window's blocks the cache evicted) and what is held after them
+        rest = slots[n:]
+        routed = np.where(rest >= 0, self.blocks.cols["routed"][rest].astype(np.int64), -1)
+        ghosts = self.ghosts.find(q[n:])
+        routed = np.where(routed >= 0, routed, np.where(ghosts >= 0, self.ghosts.cols["routed"][ghosts], -1))
         cold = np.flatnonzero((routed < 0) | (((epoch - routed) & _WRAP) >= EPOCHS))
-        return int(cold[0]) if len(cold) else len(routed)
+        return total, n + (int(cold[0]) if len(cold) else len(rest))
+
+    def _hot_run_scalar(self, q: Keys, epoch: int) -> int:
+        blocks, ghosts = self.blocks, self.ghosts
+        run = 0
+        lead = self._find_scalar(q, lead=True)
+        for i, k in enumerate(q.tolist()):
+            slot = lead[i] if i < len(lead) else blocks.find_one(k)
+            if slot >= 0:
+                routed = int(blocks.cols["routed"][slot])
+            else:
+                slot = ghosts.find_one(k)
+                if slot < 0:
+                    break
+                routed = int(ghosts.cols["routed"][slot])
+            if (epoch - routed) & _WRAP >= EPOCHS:
+                break
+            run += 1
+        return run
 
     @staticmethod
     def _routed_of(table: BlockTable, slots: Slots) -> np.ndarray:
@@ -147,53 +206,118 @@ class ReplicaBlocks:
         loses its tail first, as vLLM frees a request's blocks); False: a KV event's blocks, in the order stored.
         `expiry_cs` None: confirmed; else speculative until then (a confirmed block stays confirmed)."""
         epoch = self._epoch() if routed else None
+        if len(q) <= _SCALAR:
+            keys, found = q.tolist(), self._find_scalar(q)
+            if routed:
+                keys, found = keys[::-1], found[::-1]
+            self._changes += 1
+            self._insert_scalar(keys[-self.capacity :], found[-self.capacity :], expiry_cs, epoch)
+            return
         slots = self.find(q)
         if routed:
             q, slots = q[::-1], slots[::-1]
         if len(q) > self.capacity:  # the earlier ones would leave again within this insert
             q, slots = q[-self.capacity :], slots[-self.capacity :]
-        blocks = self.blocks
         self._changes += 1
+        blocks = self.blocks
         new = slots < 0
-        stamp = ((self.inserts + np.cumsum(new)).astype(np.uint64) << _USE_BITS) | (
-            (self.touches + np.arange(1, len(q) + 1)) & _USE_MASK
-        ).astype(np.uint64)
-        hits = slots[~new]
-        blocks.cols["stamp"][hits] = stamp[~new]
-        n_new = int(new.sum())
-        back = np.full(n_new, -1, np.int64)  # the routed epochs of new blocks coming back from the ghosts
-        if n_new and self.ghosts.count:  # (out of the ghosts before the evicted go in: one entry per block)
-            gslots = self.ghosts.find(q[new])
-            back = self._routed_of(self.ghosts, gslots)
-            self.ghosts.remove(np.unique(gslots[gslots >= 0]))
-        self.inserts += n_new
+        stamp = ((np.cumsum(new) + self.inserts) << 20) | (
+            np.arange(self.touches + 1, self.touches + len(q) + 1) & _USE_MASK
+        )
         self.touches += len(q)
-        over = blocks.count + n_new - self.capacity
-        if over > 0:
-            target = self.capacity - self.capacity // 64
-            self._evict(min(blocks.count - len(hits), blocks.count + n_new - target))  # hits are the newest
+        old = ~new
+        hits = slots[old]
+        blocks.cols["stamp"][hits] = stamp[old]
         if epoch is not None:
             self._count_routed(blocks.cols["routed"][hits], epoch)
             blocks.cols["routed"][hits] = epoch & _WRAP
         if "expiry" in blocks.cols:
             exp = blocks.cols["expiry"]
             exp[hits] = 0 if expiry_cs is None else np.where(exp[hits] == 0, 0, np.maximum(exp[hits], expiry_cs))
-        if n_new:
-            self._insert_new(q[new], stamp[new], back, expiry_cs, epoch)
+        n_new = len(q) - len(hits)
+        if 0 < n_new <= _SCALAR_NEW:
+            self._add_scalar(list(zip(q[new].tolist(), stamp[new].tolist(), strict=True)), len(hits), expiry_cs, epoch)
+        elif n_new:
+            self._add(q[new], stamp[new], len(hits), expiry_cs, epoch)
 
-    def _insert_new(
-        self, q: Keys, stamp: np.ndarray, routed: np.ndarray, expiry_cs: int | None, epoch: int | None
-    ) -> None:
+    def _add(self, q: Keys, stamp: np.ndarray, n_hits: int, expiry_cs: int | None, epoch: int | None) -> None:
+        """Place new blocks (just used: `stamp`), evicting the oldest past capacity; the `n_hits` blocks refreshed
+        with them are the newest and stay."""
+        back = np.full(len(q), -1, np.int64)  # the routed epochs of new blocks coming back from the ghosts
+        if self.ghosts.count:  # (out of the ghosts before the evicted go in: one entry per block)
+            gslots = self.ghosts.find(q)
+            back = self._routed_of(self.ghosts, gslots)
+            self.ghosts.remove(np.unique(gslots[gslots >= 0]))
+        self._make_room(len(q), n_hits)
         slots = self.blocks.place(q)
         cols = self.blocks.cols
         cols["stamp"][slots] = stamp
         if epoch is not None:
-            self._count_routed(routed, epoch)
+            self._count_routed(back, epoch)
             cols["routed"][slots] = epoch & _WRAP
         else:
-            cols["routed"][slots] = np.where(routed >= 0, routed, (self._epoch() - EPOCHS) & _WRAP)
+            cols["routed"][slots] = np.where(back >= 0, back, (self._epoch() - EPOCHS) & _WRAP)
         if "expiry" in cols:
             cols["expiry"][slots] = 0 if expiry_cs is None else expiry_cs
+
+    def _make_room(self, n_new: int, n_hits: int) -> None:
+        self.inserts += n_new
+        blocks = self.blocks
+        if blocks.count + n_new > self.capacity:  # down to 1/64 under it, not the blocks just used (the newest)
+            self._evict(min(blocks.count - n_hits, blocks.count + n_new - (self.capacity - self.capacity // 64)))
+
+    def _insert_scalar(self, keys: list[int], slots: list[int], expiry_cs: int | None, epoch: int | None) -> None:
+        """`insert` for a few blocks, one at a time in Python (cheaper than a dozen numpy calls)."""
+        blocks = self.blocks
+        stamps, routed, expiry = blocks.cols["stamp"], blocks.cols["routed"], blocks.cols.get("expiry")
+        new: list[tuple[int, int]] = []  # (key, stamp)
+        for k, slot in zip(keys, slots, strict=True):
+            self.touches += 1
+            stamp = ((self.inserts + len(new) + (slot < 0)) << 20) | (self.touches & _USE_MASK)
+            if slot < 0:
+                new.append((k, stamp))
+                continue
+            stamps[slot] = stamp
+            if epoch is not None:
+                self._route_one(int(routed[slot]), epoch)
+                routed[slot] = epoch & _WRAP
+            if expiry is not None:
+                held = int(expiry[slot])
+                expiry[slot] = 0 if expiry_cs is None or held == 0 else max(held, expiry_cs)
+        if new:
+            self._add_scalar(new, len(keys) - len(new), expiry_cs, epoch)
+
+    def _add_scalar(self, new: list[tuple[int, int]], n_hits: int, expiry_cs: int | None, epoch: int | None) -> None:
+        """`_add` for a few blocks, (key, stamp) each."""
+        ghosts, blocks = self.ghosts, self.blocks
+        back = []  # the routed epochs of new blocks coming back from the ghosts (-1: none)
+        for k, _ in new:
+            g = ghosts.find_one(k) if ghosts.count else -1
+            back.append(int(ghosts.cols["routed"][g]) if g >= 0 else -1)
+            if g >= 0:
+                ghosts.remove_one(g)
+        self._make_room(len(new), n_hits)
+        cold = (self._epoch() - EPOCHS) & _WRAP
+        for (k, stamp), previous in zip(new, back, strict=True):
+            slot = blocks.place_one(k)
+            cols = blocks.cols  # (placing may have grown the table: new arrays)
+            cols["stamp"][slot] = stamp
+            if epoch is not None:
+                self._route_one(previous, epoch)
+                cols["routed"][slot] = epoch & _WRAP
+            else:
+                cols["routed"][slot] = previous if previous >= 0 else cold
+            if "expiry" in cols:
+                cols["expiry"][slot] = 0 if expiry_cs is None else expiry_cs
+
+    def _route_one(self, previous: int, epoch: int) -> None:
+        """`_count_routed` for one block."""
+        age = (epoch - previous) & _WRAP
+        if previous < 0 or age >= EPOCHS:
+            self._count(epoch, 1)
+        elif age:
+            self._uncount(epoch - age, 1, epoch)
+            self._count(epoch, 1)
 
     def _count_routed(self, previous: np.ndarray, epoch: int) -> None:
         """Blocks routed in `epoch` whose previous routed epochs (-1: never) are `previous`: those counted in an
@@ -204,28 +328,38 @@ class ReplicaBlocks:
         if moving.any():
             moved = np.bincount(ages[moving], minlength=EPOCHS)
             for age in np.flatnonzero(moved).tolist():
-                self._uncount(epoch - age, int(moved[age]))
-        self._changes += 1
+                self._uncount(epoch - age, int(moved[age]), epoch)
+        self._count(epoch, int((~counted_before | (ages > 0)).sum()))
+
+    def _count(self, epoch: int, n: int) -> None:
+        """n blocks join the footprint's count in `epoch` (now)."""
         i = epoch % EPOCHS
         if self._hist_epoch[i] != epoch:
             self._hist[i], self._hist_epoch[i] = 0, epoch
-        self._hist[i] += int((~counted_before | (ages > 0)).sum())
+            self._total_epoch = -1
+        self._hist[i] += n
+        if self._total_epoch == epoch:
+            self._total += n
+        else:
+            self._total_epoch = -1
 
-    def _uncount(self, epoch: int, n: int) -> None:
-        self._changes += 1
+    def _uncount(self, epoch: int, n: int, now: int) -> None:
+        """n blocks leave the footprint's count of `epoch` (within the window at `now`)."""
         i = epoch % EPOCHS
         if self._hist_epoch[i] == epoch:
-            self._hist[i] = max(0, self._hist[i] - n)
+            n = min(n, self._hist[i])
+            self._hist[i] -= n
+            if self._total_epoch == now:
+                self._total -= n
+            else:
+                self._total_epoch = -1
 
-    def _evict(self, k: int) -> int:
+    def _evict(self, k: int) -> None:
         """Evict the `k` least recently used blocks."""
-        if k <= 0:
-            return 0
-        occ = self.blocks.occupied()
-        stamps = self.blocks.cols["stamp"][occ]
-        victims = occ if k >= len(occ) else occ[np.argpartition(stamps, k - 1)[:k]]
-        self._leave(victims)
-        return len(victims)
+        if k > 0:
+            occ = self.blocks.occupied()
+            stamps = self.blocks.cols["stamp"][occ]
+            self._leave(occ if k >= len(occ) else occ[np.argpartition(stamps, k - 1)[:k]])
 
     def _leave(self, slots: Slots) -> None:
         """`blocks` gives up these slots; those routed within the window become ghosts."""
@@ -249,7 +383,7 @@ class ReplicaBlocks:
                 pick = np.argpartition(-order, over - 1)[:over]
                 for age, n in zip(*np.unique(ages[pick], return_counts=True), strict=True):
                     if age < EPOCHS:
-                        self._uncount(epoch - int(age), int(n))
+                        self._uncount(epoch - int(age), int(n), epoch)
                 ghosts.remove(occ[pick])
 
     def drop(self, q: Keys) -> int:

@@ -6,9 +6,14 @@ import random
 from collections import OrderedDict
 
 import numpy as np
+import pytest
 
+from cacheindex import replica_blocks
 from cacheindex.block_table import SALT, BlockTable
 from cacheindex.kv_index import KvIndex, StoredBlocks
+
+# a replica walks a short prompt one block at a time and a long one in arrays: every model test runs both ways
+both_paths = pytest.mark.parametrize("scalar", [replica_blocks._SCALAR, 0], ids=["short-prompts", "arrays"])
 
 
 def test_a_table_finds_what_it_holds_through_growth_and_removal() -> None:
@@ -39,9 +44,11 @@ def _model_overlap(lru: OrderedDict[int, None], prompt: list[int]) -> int:
     return n
 
 
-def test_the_index_answers_as_an_exact_lru_of_the_routed_prompts() -> None:
+@both_paths
+def test_the_index_answers_as_an_exact_lru_of_the_routed_prompts(scalar: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Random prompts sharing prefixes, routed to a replica of 48 blocks (below 64 the eviction is exact): after
     every routing the overlap of every prompt equals an OrderedDict LRU's, fed the prompts tail first."""
+    monkeypatch.setattr(replica_blocks, "_SCALAR", scalar)
     rnd = random.Random(11)
     prefixes = [[rnd.getrandbits(64) for _ in range(rnd.randint(2, 12))] for _ in range(8)]
     prompts = [p + [rnd.getrandbits(64) for _ in range(rnd.randint(0, 10))] for p in prefixes for _ in range(3)]
@@ -60,9 +67,13 @@ def test_the_index_answers_as_an_exact_lru_of_the_routed_prompts() -> None:
         assert [idx.overlap(p, ["r"])["r"] for p in prompts] == [_model_overlap(lru, p) for p in prompts]
 
 
-def test_the_hot_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
+@both_paths
+def test_the_hot_footprint_counts_distinct_blocks_routed_within_the_window(
+    scalar: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Against a model (block -> last routed second), while the blocks routed within the window stay under twice
     the capacity: the footprint's count and each prompt's hot run match, held or evicted."""
+    monkeypatch.setattr(replica_blocks, "_SCALAR", scalar)
     rnd = random.Random(5)
     now = [0.0]
     idx = KvIndex(hot_window_s=64, clock=lambda: now[0])  # epochs of 1 s
