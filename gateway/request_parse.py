@@ -9,7 +9,6 @@ decoding (`engine_fields`, `encode`), never read again.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -88,10 +87,17 @@ def _pairs_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _maybe_key(raw: bytes, name: bytes) -> int:
+    """At least the number of times `name` (quoted) is a key in the JSON text: its occurrences less those that are
+    certainly values (right after a colon: `"role": "user"`; a key follows `{` or `,`). O(body) in `bytes.count`."""
+    return raw.count(name) - raw.count(b":" + name) - raw.count(b": " + name)
+
+
 def _refuse_duplicate_keys(raw: bytes) -> None:
-    """400 for a body with a duplicate key anywhere, checked exactly only when one of the fields kvgate reads
-    occurs more than once in the text (two `bytes.count` per field otherwise: most bodies)."""
-    if any(raw.count(name) > 1 for name in _READ_FIELDS):
+    """400 for a body with a duplicate key anywhere, checked exactly only when one of the fields kvgate reads may
+    be a key more than once in the text (a few `bytes.count` per field otherwise: most bodies, a conversation's
+    `"role": "user"` values included)."""
+    if any(_maybe_key(raw, name) > 1 for name in _READ_FIELDS):
         try:
             json.loads(raw, object_pairs_hook=_pairs_without_duplicates)
         except (ValueError, UnicodeDecodeError):
@@ -123,15 +129,17 @@ def parse_multipart(raw: bytes, content_type: str) -> ParsedRequest:
     return ParsedRequest("multipart", {"model": model}, model, stream, True, None, content_type=content_type)
 
 
-# twenty digits in a row: perhaps an integer beyond 64 bits, which orjson reads as a float (linear: a fixed count)
-_LONG_DIGITS = re.compile(rb"\d{20}")
+# nineteen digits in a row: perhaps an integer beyond 64 bits (or below -2^63), which orjson reads as a float; found
+# by mapping every digit to "0" and the rest to " " (`bytes.translate`, O(body) in C: ten times a regex's speed)
+_DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
+_LONG_RUN = b"0" * 19
 
 
 def decode(raw: bytes) -> tuple[Any, bool]:
     """(the JSON value, whether the standard library read it): orjson (about 10x the standard library's speed),
     unless it refuses the text (UTF-16, a byte order mark, NaN, lone surrogates) or the text holds a number it would
     round; then the standard library, which reads those exactly. BadRequest when neither can."""
-    if _LONG_DIGITS.search(raw) is None:
+    if _LONG_RUN not in raw.translate(_DIGITS):
         try:
             return orjson.loads(raw), False
         except orjson.JSONDecodeError:

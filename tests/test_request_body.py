@@ -57,12 +57,13 @@ def test_a_streams_usage_option_is_spliced_in() -> None:
     assert sent["stream_options"] == {"include_usage": True} and sent["seed"] == BIG
 
 
-def test_a_rewrite_keeps_every_value_exactly() -> None:
-    raw = b'{"model":"m","prompt":"x","stream":true,"stream_options":{"x":1},"seed":%d}' % BIG
+@pytest.mark.parametrize("seed", [BIG, -(2**63) - 1], ids=["beyond-64-bits", "below-int64"])
+def test_a_rewrite_keeps_every_value_exactly(seed: int) -> None:
+    raw = b'{"model":"m","prompt":"x","stream":true,"stream_options":{"x":1},"seed":%d}' % seed
     parsed = parse_request("completions", raw)
     parsed.body["cache_salt"] = "kvgate:abc"
     sent = json.loads(engine_body(parsed, raw, salted=True))
-    assert sent["seed"] == BIG and sent["cache_salt"] == "kvgate:abc"
+    assert sent["seed"] == seed and sent["cache_salt"] == "kvgate:abc"
     assert sent["stream_options"] == {"x": 1, "include_usage": True}
 
 
@@ -134,6 +135,9 @@ async def test_deeply_nested_bodies_are_400_before_any_parser(body: str, http: a
         b'{"model":"m","cache_salt":"kvgate:other-tenant","prompt":"x","cache_salt":"mine"}',
         b'{"model":"a","model":"b","prompt":"x"}',
         b'{"model":"m","messages":[{"role":"user","content":"x"}],"messages":[]}',
+        # a conversation's "role": "user" values beside a key given twice (once with a space before its colon)
+        b'{"model":"m","user":"a","messages":[{"role":"user","content":"x"},{"role": "user","content":"y"}],'
+        b'"user" :"b"}',
     ],
 )
 def test_a_body_with_a_duplicate_key_is_refused(raw: bytes) -> None:
