@@ -175,7 +175,7 @@ class KvIndex:
         return {rid: r.blocks.count for rid, r in self._replicas.items()}
 
     def offloaded_sizes(self) -> dict[str, int]:
-        return {rid: n for rid, r in self._replicas.items() if (n := r.offloaded_size())}
+        return {rid: r.tier.size for rid, r in self._replicas.items() if r.tier is not None and r.tier.size}
 
     def replica_size(self, replica_id: str) -> int:
         r = self._replicas.get(replica_id)
@@ -207,8 +207,8 @@ class KvIndex:
         out: dict[str, int] = {}
         for rid, n in overlap.items():
             r = self._replicas.get(rid)
-            if r is not None and r.offloaded_size():
-                k = r.offloaded_run(self._query(hashes)[n:])
+            if r is not None and r.tier is not None and r.tier.size:
+                k = r.tier.run(self._query(hashes)[n:])
                 if k:
                     out[rid] = k
         return out
@@ -330,5 +330,7 @@ class KvIndex:
         if r is None:
             return 0
         keys = [engine_key(e) for e in engine_hashes]
-        q = r.unmap(np.fromiter(keys, np.uint64, len(keys)), offloaded=offloaded)
-        return r.drop_offloaded(q) if offloaded else r.drop(q)
+        engine = np.fromiter(keys, np.uint64, len(keys))
+        if offloaded:
+            return r.tier.drop(engine) if r.tier is not None else 0
+        return r.drop_engine(engine)

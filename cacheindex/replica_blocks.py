@@ -12,10 +12,11 @@ Tables (keys are kvgate's block hashes, salted; `q` below is an array of them, i
   oldest go, in batches of capacity/64 (so it holds 98.4-100% of its capacity).
 - `ghosts`: blocks routed within the window that have left `blocks` (evicted by the LRU, removed by an event): the
   rest of the hot footprint. Bounded by the capacity; the oldest epochs go first.
-- `engine_map`: the engine's block hashes -> kvgate's (KV events name blocks by the engine's), bounded by
-  the capacity (the engine holds no more); past it, entries whose block `blocks` no longer holds go.
-- `offloaded` and `offload_map`: the same for the second tier (vLLM's KV offloading to CPU memory: KV events with
-  `medium="CPU"`), bounded by `max(8 x capacity, 65,536)`; created on first use, like `engine_map`.
+- `engine_map` (cacheindex.engine_maps): the engine's block hashes -> kvgate's (KV events name blocks by the
+  engine's), bounded by the capacity (the engine holds no more); past it, entries whose block `blocks` no longer
+  holds go.
+- `tier` (cacheindex.engine_maps): the second tier's blocks and map (vLLM's KV offloading to CPU memory: KV
+  events with `medium="CPU"`), bounded by `max(8 x capacity, 65,536)`; created on first use, like `engine_map`.
 - the hot footprint's count: distinct blocks routed per epoch over the last 64 (a ring), moved between epochs as
   blocks are routed again, so `hot()` reads it in O(64).
 
@@ -34,13 +35,12 @@ from collections.abc import Callable
 import numpy as np
 
 from cacheindex.block_table import BlockTable, Keys, Slots
+from cacheindex.engine_maps import EngineMap, OffloadTier
 
 EPOCHS = 64  # the hot window in epochs
 _WRAP = 0xFFFF
 _USE_BITS = np.uint64(20)
 _USE_MASK = (1 << 20) - 1
-_OFFLOAD_FACTOR = 8
-_OFFLOAD_MIN = 65_536
 _SCALAR = 16  # up to this many blocks, lookups and inserts go one block at a time in Python (fewer numpy calls)
 _SCALAR_NEW = 64  # and up to this many new blocks are placed one at a time
 
@@ -59,9 +59,8 @@ class ReplicaBlocks:
             columns["expiry"] = np.uint32
         self.blocks = BlockTable(bound, columns, order="stamp")
         self.ghosts = BlockTable(bound, {"routed": np.uint16}, order="routed")
-        self.engine_map: BlockTable | None = None
-        self.offloaded: BlockTable | None = None
-        self.offload_map: BlockTable | None = None
+        self.engine_map: EngineMap | None = None
+        self.tier: OffloadTier | None = None
         self.inserts = 0  # new blocks taken so far (the LRU age clock)
         self.touches = 0
         self.age_estimate: float | None = None  # exponential mean of the LRU ages of blocks found evicted
@@ -76,7 +75,7 @@ class ReplicaBlocks:
         self._found_scalar: tuple[object, int, list[int]] = (None, -1, [])
 
     def nbytes(self) -> int:
-        tables = (self.blocks, self.ghosts, self.engine_map, self.offloaded, self.offload_map)
+        tables = (self.blocks, self.ghosts, self.engine_map, self.tier)
         return sum(t.nbytes() for t in tables if t is not None)
 
     # --- lookup -----------------------------------------------------------------------------------------------
@@ -408,88 +407,27 @@ class ReplicaBlocks:
         """The engine's cache is gone (restart, event gap): hold nothing; what was routed recently stays hot."""
         self._leave(self.blocks.occupied())
         self.blocks.clear()
-        self.engine_map = self.offloaded = self.offload_map = None
+        self.engine_map, self.tier = None, None
 
     # --- engine hashes (KV events) -----------------------------------------------------------------------------
-    def map_engine(self, engine_keys: Keys, q: Keys, *, offloaded: bool = False) -> None:
-        if offloaded:
-            if self.offload_map is None:
-                self.offload_map = BlockTable(self._offload_bound(), {"value": np.uint64})
-            _map(self.offload_map, engine_keys, q, self.offloaded)
-        else:
-            if self.engine_map is None:
-                self.engine_map = BlockTable(self.bound, {"value": np.uint64})
-            _map(self.engine_map, engine_keys, q, self.blocks)
+    def map_engine(self, engine_keys: Keys, q: Keys) -> None:
+        if self.engine_map is None:
+            self.engine_map = EngineMap(self.bound)
+        self.engine_map.put(engine_keys, q, self.blocks)
 
     def kvgate_key(self, engine_key: int) -> int | None:
         """The kvgate key of a block named by the engine, from the GPU's map or else the tier's."""
-        for m in (self.engine_map, self.offload_map):
-            if m is not None and (slot := m.find_one(engine_key)) >= 0:
-                return int(m.cols["value"][slot])
+        for m in (self.engine_map, self.tier.engine_map if self.tier is not None else None):
+            if m is not None and (key := m.get(engine_key)) is not None:
+                return key
         return None
 
-    def unmap(self, engine_keys: Keys, *, offloaded: bool = False) -> Keys:
-        """Remove engine hashes from a map; returns the kvgate keys they named."""
-        m = self.offload_map if offloaded else self.engine_map
-        if m is None:
-            return np.empty(0, np.uint64)
-        slots = np.unique(m.find(engine_keys))
-        slots = slots[slots >= 0]
-        values = m.cols["value"][slots].copy()
-        m.remove(slots)
-        return values
-
-    # --- the second tier --------------------------------------------------------------------------------------
-    def _offload_bound(self) -> int:
-        return max(_OFFLOAD_FACTOR * self.capacity, _OFFLOAD_MIN)
+    def drop_engine(self, engine_keys: Keys) -> int:
+        """Forget the GPU blocks these engine keys name (a removal event); returns how many were held."""
+        return self.drop(self.engine_map.pop(engine_keys)) if self.engine_map is not None else 0
 
     def offload(self, engine_keys: Keys, q: Keys) -> int:
-        """Store blocks in the second tier (refreshing those it holds), evicting its LRU past its bound."""
-        if self.offloaded is None:
-            self.offloaded = BlockTable(self._offload_bound(), {"stamp": np.uint64}, order="stamp")
-        tier = self.offloaded
-        slots = tier.find(q)
-        new = slots < 0
-        if new.any():
-            slots[new] = tier.place(q[new])
-        tier.cols["stamp"][slots] = self.touches + np.arange(1, len(q) + 1, dtype=np.uint64)
-        self.touches += len(q)
-        over = tier.count - tier.max_entries
-        if over > 0:
-            occ = tier.occupied()
-            tier.remove(occ[np.argpartition(tier.cols["stamp"][occ], over - 1)[:over]])
-        self.map_engine(engine_keys, q, offloaded=True)
-        return len(q)
-
-    def offloaded_run(self, q: Keys) -> int:
-        if self.offloaded is None or not self.offloaded.count:
-            return 0
-        missing = np.flatnonzero(self.offloaded.find(q) < 0)
-        return int(missing[0]) if len(missing) else len(q)
-
-    def drop_offloaded(self, q: Keys) -> int:
-        if self.offloaded is None:
-            return 0
-        slots = np.unique(self.offloaded.find(q))
-        slots = slots[slots >= 0]
-        self.offloaded.remove(slots)
-        return len(slots)
-
-    def offloaded_size(self) -> int:
-        return self.offloaded.count if self.offloaded is not None else 0
-
-
-def _map(m: BlockTable, engine_keys: Keys, q: Keys, holder: BlockTable | None) -> None:
-    """Map engine keys to kvgate keys; past the map's bound, entries whose block `holder` no longer holds go."""
-    slots = m.find(engine_keys)
-    new = slots < 0
-    if new.any():
-        slots[new] = m.place(engine_keys[new])
-    m.cols["value"][slots] = q
-    if m.count > m.max_entries:
-        occ = m.occupied()
-        stale = occ if holder is None else occ[holder.find(m.cols["value"][occ]) < 0]
-        excess = m.count - m.max_entries
-        if len(stale) > excess:  # as the keys fall, not by position (buckets stay even)
-            stale = stale[np.argpartition(m.keys[stale], excess - 1)[:excess]]
-        m.remove(stale)
+        """Store blocks in the second tier, created on first use."""
+        if self.tier is None:
+            self.tier = OffloadTier(self.capacity)
+        return self.tier.store(engine_keys, q)
