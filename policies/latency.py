@@ -117,15 +117,14 @@ def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int) -> Predic
     return Prediction(r.replica, wait, ttft, tpot, batch, r.margin_s, tokens, r.decode_learned)
 
 
-def _prefer(
-    no_wait: Sequence[Prediction], meeting: Sequence[Prediction], predictions: Sequence[Prediction]
-) -> tuple[str, ...]:
+def _prefer(no_wait: Sequence[Prediction], best: Prediction, predictions: Sequence[Prediction]) -> tuple[str, ...]:
     """Where routing should look first: nowhere in particular while every replica has KV room (the routing policy
-    weighs cache against load); the replicas with room when some have none (what the policy does not see);
-    those that meet the targets when all must wait."""
+    weighs cache against load); the replicas with room when some have none (what the policy does not see); the
+    one predicted first when all must wait (its prediction counts its cached prefix; elsewhere the request waits
+    longer than it was admitted for)."""
     if len(no_wait) == len(predictions):
         return ()
-    return tuple(p.replica for p in (no_wait or meeting))
+    return tuple(p.replica for p in no_wait) or (best.replica,)
 
 
 def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
@@ -143,10 +142,10 @@ def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
     no_wait = [p for p in fast_enough if p.wait_s == 0.0]
     if meeting:
         best = min(meeting, key=lambda p: p.ttft_s)
-        return Verdict(True, "within-target", 0.0, best, _prefer(no_wait, meeting, predictions))
+        return Verdict(True, "within-target", 0.0, best, _prefer(no_wait, best, predictions))
     if no_wait:  # its own prefill is longer than the target: nowhere better than where it starts at once
         best = min(no_wait, key=lambda p: p.ttft_s)
-        return Verdict(True, "no-wait", 0.0, best, _prefer(no_wait, no_wait, predictions))
+        return Verdict(True, "no-wait", 0.0, best, _prefer(no_wait, best, predictions))
     if not fast_enough:
         return Verdict(False, "tpot-target", 1.0, None, ())
     drain = min(p.wait_s for p in fast_enough)
