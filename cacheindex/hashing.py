@@ -15,6 +15,7 @@ zero-copy memoryview slice. An 8k-token prompt hashes in tens of microseconds (b
 
 from __future__ import annotations
 
+import functools
 import sys
 from array import array
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import xxhash
 _U64_MASK = 0xFFFFFFFFFFFFFFFF
 
 
+@functools.lru_cache(maxsize=4096)  # per request; the contexts are few (models x adapters x tenants' salts)
 def context_seed(model: str, lora: str | None = None, cache_salt: str | None = None) -> int:
     """The chain's root: a 64-bit hash of the cache context (model or adapter name and the tenant's cache salt).
     Fields are length-prefixed so ("ab", "c") and ("a", "bc") differ."""
