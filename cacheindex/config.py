@@ -28,6 +28,13 @@ class CacheConfig(BaseModel):
     )
     session_ttl_s: float = Field(600.0, gt=0, description="a session binding expires this long after last use")
     session_max_entries: int = Field(100_000, gt=0, description="LRU bound of the session table")
+    awaited_ttl_s: float = Field(
+        30.0,
+        ge=0,
+        description="a session whose answer ended in a tool call (`finish_reason: tool_calls`, `stop_reason: "
+        "tool_use`, a Responses `function_call`) is expected back this long: placement prices evicting its blocks "
+        "(`routing.params.awaited_cost`); 0 = off",
+    )
     speculative_ttl_s: float = Field(
         2.0, ge=0, description="routed-but-unconfirmed blocks expire after this on replicas with KV events; 0 = never"
     )

@@ -21,6 +21,7 @@ class PrefixMetrics:
         index_sizes: Callable[[], Mapping[str, int]],
         capacities: Callable[[], Mapping[str, tuple[int, bool, int]]],
         sessions: Callable[[], int],
+        awaited: Callable[[], int],
         offloaded_sizes: Callable[[], Mapping[str, int]],
     ) -> None:
         r = registry
@@ -114,3 +115,10 @@ class PrefixMetrics:
             lambda: [((), sum(index_sizes().values()))],
         )  # fmt: skip
         CallbackGauge("kvgate_sessions", "session bindings held", [], r, lambda: [((), sessions())])
+        CallbackGauge(
+            "kvgate_sessions_awaited",
+            "sessions whose last answer was a tool call, expected back (placement avoids evicting their blocks)",
+            [],
+            r,
+            lambda: [((), awaited())],
+        )

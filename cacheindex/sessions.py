@@ -6,6 +6,11 @@ refreshes its TTL and moves it to the end, so the order is also expiry order: ea
 expired entries at the front (amortized O(1)), and a bind past `max_entries` evicts the least recently used entry.
 All operations are O(1) amortized except `drop_replica`, O(entries), run only when a replica leaves the pool.
 The `*_digest` forms take the digest itself (`session_digest`): what gateways sharing their sessions exchange.
+
+`AwaitedSessions`: the sessions expected back soon (their last answer ended in a tool call: an agent runs the tool
+and sends its next turn within seconds), each with its replica and the blocks its conversation holds there, so that
+placement can price evicting them. The same ordered-by-expiry map, plus a running total of blocks per replica:
+`mark`, `back` and `blocks` O(1) amortized.
 """
 
 from __future__ import annotations
@@ -73,3 +78,62 @@ class SessionTable:
         for k in gone:
             del self._entries[k]
         return len(gone)
+
+
+class AwaitedSessions:
+    def __init__(self, *, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic):
+        """`ttl_s`: how long after its tool call a session is still expected back."""
+        if ttl_s <= 0 or max_entries <= 0:
+            raise ValueError("awaited ttl_s and max_entries must be positive")
+        self._ttl = ttl_s
+        self._max = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[bytes, tuple[str, int, float]] = OrderedDict()
+        self._blocks: dict[str, int] = {}  # replica -> the blocks of the sessions awaited there
+
+    def __len__(self) -> int:
+        self._expire(self._clock())
+        return len(self._entries)
+
+    def _drop(self, digest: bytes) -> None:
+        replica, blocks, _ = self._entries.pop(digest)
+        left = self._blocks[replica] - blocks
+        if left:
+            self._blocks[replica] = left
+        else:
+            del self._blocks[replica]
+
+    def _expire(self, now: float) -> None:
+        entries = self._entries
+        while entries:
+            digest, (_, _, expiry) = next(iter(entries.items()))
+            if expiry >= now:
+                return
+            self._drop(digest)
+
+    def mark(self, digest: bytes, replica: str, blocks: int) -> None:
+        """The session's answer on `replica` ended in a tool call; its conversation holds `blocks` blocks there."""
+        now = self._clock()
+        self._expire(now)
+        if digest in self._entries:
+            self._drop(digest)
+        self._entries[digest] = (replica, blocks, now + self._ttl)
+        self._blocks[replica] = self._blocks.get(replica, 0) + blocks
+        while len(self._entries) > self._max:
+            self._drop(next(iter(self._entries)))
+
+    def back(self, digest: bytes) -> None:
+        """The session sent its next turn: no longer awaited."""
+        if digest in self._entries:
+            self._drop(digest)
+
+    def blocks(self, replica: str, excluding: bytes | None = None) -> int:
+        """The blocks of the sessions awaited on `replica` (less `excluding`'s own, when it is awaited there)."""
+        self._expire(self._clock())
+        total = self._blocks.get(replica, 0)
+        own = self._entries.get(excluding) if excluding is not None else None
+        return total - own[1] if own is not None and own[0] == replica else total
+
+    def drop_replica(self, replica: str) -> None:
+        for digest in [d for d, (r, _, _) in self._entries.items() if r == replica]:
+            self._drop(digest)

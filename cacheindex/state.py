@@ -34,7 +34,7 @@ from cacheindex.kv_events import KvEvent, KvEventSubscriber
 from cacheindex.kv_index import KvIndex
 from cacheindex.metrics import PrefixMetrics
 from cacheindex.routed import Routed, RoutedRequests
-from cacheindex.sessions import SessionTable, session_digest
+from cacheindex.sessions import AwaitedSessions, SessionTable, session_digest
 from cacheindex.shared import EarlyDecisions, SharedRouting
 from cacheindex.tokenize_pool import TokenizePool
 from cacheindex.tokenizers import PromptTokenizer
@@ -72,12 +72,18 @@ class CacheAwareState:
         self.registry = registry
         self.index = KvIndex(speculative_ttl_s=config.speculative_ttl_s, hot_window_s=config.hot_window_s)
         self.sessions = SessionTable(ttl_s=config.session_ttl_s, max_entries=config.session_max_entries)
+        self.awaited = (
+            AwaitedSessions(ttl_s=config.awaited_ttl_s, max_entries=config.session_max_entries)
+            if config.awaited_ttl_s > 0
+            else None
+        )
         self.metrics = PrefixMetrics(
             registry,
             index_sizes=self.index.sizes,
             capacities=self._capacities,
             offloaded_sizes=self.index.offloaded_sizes,
             sessions=lambda: len(self.sessions),
+            awaited=lambda: len(self.awaited) if self.awaited is not None else 0,
         )
         self._replicas: dict[str, _Replica] = {}
         self.tokenize_pool = TokenizePool(config, self.metrics)
@@ -190,6 +196,8 @@ class CacheAwareState:
         self.index.remove_replica(replica_id)
         self.routed.drop_replica(replica_id)
         self.sessions.drop_replica(replica_id)
+        if self.awaited is not None:
+            self.awaited.drop_replica(replica_id)
         if r is not None and r.subscriber is not None:
             task = r.subscriber.cancel()
             if task is not None:
@@ -277,7 +285,15 @@ class CacheAwareState:
         return self.index.holders(info.block_hashes[0]) if info.block_hashes else []
 
     def footprint(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, Footprint]:
-        return self.index.footprint(info.block_hashes, replica_ids)
+        """The index's footprints, each with the blocks of the other sessions awaited on its replica."""
+        result = self.index.footprint(info.block_hashes, replica_ids)
+        awaited = self.awaited
+        if awaited is not None and len(awaited):
+            own = self._session_digest(info)
+            for rid, fp in result.items():
+                if blocks := awaited.blocks(rid, own):
+                    result[rid] = fp._replace(awaited_blocks=blocks)
+        return result
 
     def overlap(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, int]:
         """Per replica, the prompt's leading blocks it holds. Admission's latency check and the router both ask
@@ -333,6 +349,8 @@ class CacheAwareState:
         digest = self._session_digest(info)
         if digest is not None and rid in self._replicas:
             self.sessions.bind_digest(digest, rid)
+            if self.awaited is not None:
+                self.awaited.back(digest)
         if self.shared is not None and (info.block_hashes or digest is not None):
             self.shared.publish(rid, info.block_hashes, digest)
 
@@ -350,9 +368,16 @@ class CacheAwareState:
         if session is not None:
             self.sessions.bind_digest(session, replica)
 
-    def on_finished(self, info: RequestInfo, replica_id: str | None, reported_cached_tokens: int | None) -> None:
+    def on_finished(
+        self, info: RequestInfo, replica_id: str | None, reported_cached_tokens: int | None, tool_call: bool = False
+    ) -> None:
         """A routed request ended (`reported_cached_tokens` None: it failed or reported none). With a report, the
-        index learns from it and live parity compares it with the prediction."""
+        index learns from it and live parity compares it with the prediction. `tool_call`: its answer ended in a
+        tool call, so its session is expected back (`awaited`)."""
+        if tool_call and self.awaited is not None and replica_id is not None and replica_id in self._replicas:
+            digest = self._session_digest(info)
+            if digest is not None:
+                self.awaited.mark(digest, replica_id, len(info.block_hashes))
         if not isinstance(info, PrefixRequestInfo):
             return
         routed = self.routed.pop(info.request_id)

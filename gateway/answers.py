@@ -2,11 +2,13 @@
 
 Costs: `usage_of` parses only the usage object of a whole answer (a reverse search for `"usage"` and the braces
 that close it; the whole answer only when that slice is not JSON: a string in it held a brace); `usage_event` parses
-one SSE event, only those that carry usage; `answer_id` one JSON object. One codec: orjson.
+one SSE event, only those that carry usage; `answer_id` one JSON object; `ends_in_tool_call` one regex search of
+an answer or event (run only for requests of a session). One codec: orjson.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -15,6 +17,15 @@ from engine_pool.http_client import UpstreamResponse
 from gateway.context import RequestContext
 from gateway.errors import UpstreamError
 from gateway.migration import whole_usage
+
+# an answer (or stream event) that ends in a tool call: chat's finish_reason, the Messages API's stop_reason, a
+# Responses output item of type function_call
+_TOOL_CALL = re.compile(rb'"(?:finish|stop)_reason"\s*:\s*"(?:tool_calls|tool_use)"|"type"\s*:\s*"function_call"')
+
+
+def ends_in_tool_call(data: bytes) -> bool:
+    """The answer (or the stream event) says the model called a tool: the agent will be back with its result."""
+    return _TOOL_CALL.search(data) is not None
 
 
 async def upstream_error(upstream: UpstreamResponse) -> UpstreamError:

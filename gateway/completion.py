@@ -251,7 +251,7 @@ class CompletionService:
         if info is not None and self.cache is not None:
             # a split request's cached tokens are the handed-over KV, not the prefix the index predicted
             reported = ctx.cached_tokens if ctx.status == 200 and not ctx.split else None
-            self.cache.on_finished(info, ctx.replica, reported)
+            self.cache.on_finished(info, ctx.replica, reported, ctx.tool_call and ctx.status == 200)
         if ctx.answer_id is not None and ctx.status == 200:
             self.holders.record(ctx.answer_id, ctx.replica)
         ctx.duration_s = time.monotonic() - ctx.started

@@ -46,6 +46,7 @@ class RequestContext:
     client_disconnected: bool = False
     answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
     answered: bool = False  # the engine's whole answer reached the client (who may still leave before its end)
+    tool_call: bool = False  # the answer ended in a tool call (watched for requests of a session only)
     split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
     prefill_done_at: float | None = None  # time.monotonic() when a split request's prefill step answered
     # admission by predicted latency (gateway.admission.targets): the KV the request holds and where, its prediction

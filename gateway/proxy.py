@@ -32,7 +32,7 @@ from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, Ups
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.targets import place
-from gateway.answers import answer_id, upstream_error, usage_of
+from gateway.answers import answer_id, ends_in_tool_call, upstream_error, usage_of
 from gateway.config import RetryConfig, TimeoutConfig
 from gateway.disagg import PrefillStep, transfer_params
 from gateway.engines_config import DisaggregationConfig
@@ -214,6 +214,7 @@ class UpstreamProxy:
             )
         finally:
             ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
+            ctx.tool_call = ex.info.session_key is not None and ends_in_tool_call(raw)
             if ex.parsed.records_id:
                 ctx.answer_id = answer_id(raw)
         ctx.answered = True

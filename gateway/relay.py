@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-from gateway.answers import answer_id, usage_event
+from gateway.answers import answer_id, ends_in_tool_call, usage_event
 from gateway.exchange import Exchange
 from gateway.migration import Relayed, split_usage, whole_usage, without_role
 from gateway.request_parse import ParsedRequest
@@ -69,12 +69,13 @@ class SseSplitter:
 class ClientEvents:
     """The client's side of one attempt's stream."""
 
-    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "done", "end", "failed")
+    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "_tools", "done", "end", "failed")
 
     def __init__(self, ex: Exchange, itl: Observer) -> None:
         self._ex = ex
         self._itl = itl
         self._continuing = ex.out.started  # a continuation: the client has the stream's opening already
+        self._tools = ex.info.session_key is not None  # watch for a tool call: its session will be back
         self._last_write = 0.0
         self.end = end_marker(ex.parsed)
         self.done = False  # the answer's end reached the client (`end`); it may leave before the terminator
@@ -87,6 +88,8 @@ class ClientEvents:
         out: list[bytes] = []
         before = relayed.tokens_before if relayed is not None else 0
         for event in events:
+            if self._tools and ends_in_tool_call(event):
+                self._tools, ex.ctx.tool_call = False, True
             if relayed is not None and relayed.seam is not None:  # a Messages stream continued through chat
                 out.extend(self._from_chat(event, relayed))
                 continue

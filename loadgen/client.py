@@ -42,6 +42,9 @@ class RequestSpec:
     est_prompt_tokens: int = 0  # workload's own estimate of the new text, for reporting
     group: int | None = None  # shared-prefix group
     final: bool = True  # last turn of its session
+    # an agent's step: the request offers a tool and requires a call of it (tool_choice "required"); the answer is
+    # a tool call, whose result the session's next turn brings
+    tool_call: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,13 @@ class RequestResult:
         }
 
 
-def build_body(target: Target, messages: tuple[Message, ...], max_tokens: int) -> dict[str, Any]:
+AGENT_TOOL = {"type": "function", "function": {"name": "run", "description": "run a command",
+                                               "parameters": {"type": "object"}}}  # fmt: skip
+
+
+def build_body(
+    target: Target, messages: tuple[Message, ...], max_tokens: int, tool_call: bool = False
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": target.model,
         "max_tokens": max_tokens,
@@ -124,10 +133,22 @@ def build_body(target: Target, messages: tuple[Message, ...], max_tokens: int) -
         body["temperature"] = target.temperature
     if target.endpoint == "chat":
         body["messages"] = [{"role": role, "content": content} for role, content in messages]
+        if tool_call:
+            body["tools"], body["tool_choice"] = [AGENT_TOOL], "required"
     else:
         body["prompt"] = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
     body.update(target.extra_body)
     return body
+
+
+def _arguments(delta: Mapping[str, Any]) -> str:
+    """The tool-call arguments a chat delta carries: generated tokens like content (a tool call's first token is its
+    time to first token)."""
+    calls = delta.get("tool_calls")
+    if not isinstance(calls, list):
+        return ""
+    functions = (c.get("function") for c in calls if isinstance(c, Mapping))
+    return "".join(str(f.get("arguments") or "") for f in functions if isinstance(f, Mapping))
 
 
 def _chunk_text(chunk: Mapping[str, Any], endpoint: str) -> tuple[str, str | None]:
@@ -137,7 +158,7 @@ def _chunk_text(chunk: Mapping[str, Any], endpoint: str) -> tuple[str, str | Non
     choice = choices[0]
     if endpoint == "chat":
         delta = choice.get("delta") or {}
-        text = (delta.get("content") or "") if isinstance(delta, Mapping) else ""
+        text = (delta.get("content") or _arguments(delta)) if isinstance(delta, Mapping) else ""
     else:
         text = choice.get("text") or ""
     return str(text), choice.get("finish_reason")
@@ -223,7 +244,7 @@ async def send_request(
     result = RequestResult(spec.session_id, spec.user_id, spec.turn, tenant=tenant, start_s=start_s)
     hdrs = dict(spec.headers)
     hdrs.update(headers or {})
-    body = build_body(target, messages, spec.max_tokens)
+    body = build_body(target, messages, spec.max_tokens, spec.tool_call)
     if spec.send_user:
         body["user"] = spec.user_id
     timeout = aiohttp.ClientTimeout(total=target.timeout_s)

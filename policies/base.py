@@ -64,13 +64,15 @@ class RequestInfo:
 
 
 class Footprint(NamedTuple):
-    """A replica's hot working set (distinct blocks routed there recently) against its KV capacity, in blocks, and
-    how many leading blocks of the request being routed are part of that working set (routed there recently,
-    whether or not the engine still holds them)."""
+    """A replica's hot working set (distinct blocks routed there recently) against its KV capacity, in blocks, how
+    many leading blocks of the request being routed are part of that working set (routed there recently, whether or
+    not the engine still holds them), and the blocks of other sessions expected back there soon (their last answer
+    was a tool call)."""
 
     hot_blocks: int
     capacity_blocks: int
     hot_overlap: int = 0
+    awaited_blocks: int = 0
 
 
 EMPTY_MAPPING: Mapping[str, Any] = MappingProxyType({})  # the empty default of the mapping fields below

@@ -13,6 +13,7 @@ made continuous, for every request):
                + waiting_request_cost * waiting(r)
                + kv_pressure_cost    * max(0, kv_usage(r) - kv_usage_threshold) / (1 - kv_usage_threshold)
                + prefill_token_cost  * block_size * eviction_cost * evicted_hot_blocks(r)
+               + prefill_token_cost  * block_size * awaited_cost * evicted_awaited_blocks(r)
                + prefill_token_cost  * placement_cost * new_tokens(r) * hot_blocks(r) / capacity_blocks(r)
                + imbalance_cost      * max(0, load(r) - min_load - imbalance_gap) ** 2
    where uncached_tokens = prompt_tokens - (overlap(r) + offloaded(r)) x block_size (overlap = leading prompt
@@ -31,6 +32,11 @@ made continuous, for every request):
    leaves costs more than the prefill and the evictions the copy causes, and on a full pool a request stays where
    its prefix is. A prefix the engine evicted but that was routed there recently is no new footprint there: it
    goes back where it was placed, and the partition holds. Without a footprint (no index) both terms are 0.
+   evicted_awaited_blocks = min(awaited_blocks, evicted_hot_blocks): of those, the blocks of agents expected back
+   within seconds (their last answer was a tool call, `view.footprint[r].awaited_blocks`). A waiting agent's blocks
+   were released when its answer ended and are among the least recently used, so the engine's LRU takes them
+   first; their miss is certain and on the agent's critical path. So on a full pool a cold placement goes to the
+   replica whose evictions cost waiting agents least.
    The imbalance term is SGLang's guard (a replica loaded more than `imbalance_gap` past the least-loaded candidate
    gives way) made continuous: its square grows past any cache saving as the excess grows, so the requests that
    move to the idle replica are those with the least cache to lose (a new session sharing only a system prompt
@@ -98,6 +104,10 @@ class CacheAwareParams(PolicyParams):
     )  # fmt: skip
     session_max_ratio: float = Field(1.5, ge=1, description="see session_max_gap")
     eviction_cost: float = Field(1.0, ge=0, description="future misses counted per hot block a placement evicts")
+    awaited_cost: float = Field(
+        1.0, ge=0, description="further future misses counted per block of an agent expected back (its last answer a "
+        "tool call) that a placement evicts",
+    )  # fmt: skip
     placement_cost: float = Field(
         1.0, ge=0, description="weight of the destination's cache occupancy on the request's new tokens"
     )
@@ -167,7 +177,11 @@ class CacheAware:
             cost += (
                 p.prefill_token_cost
                 * req.block_size
-                * (p.eviction_cost * evicted + p.placement_cost * new_blocks * occupancy)
+                * (
+                    p.eviction_cost * evicted
+                    + p.awaited_cost * min(fp.awaited_blocks, evicted)
+                    + p.placement_cost * new_blocks * occupancy
+                )
             )
         return cost
 

@@ -50,6 +50,7 @@ class GenRequest:
     include_usage: bool
     continuous_usage: bool
     remote_decode: bool = False  # kv_transfer_params.do_remote_decode: a prefill step whose decode runs elsewhere
+    tool: str | None = None  # chat's tool_choice "required" or a named function: the answer calls this tool
 
 
 def check_model(body: Mapping[str, Any], cfg: SimConfig, adapters: Collection[str]) -> str:
@@ -137,6 +138,24 @@ def responses_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def forced_tool(body: Mapping[str, Any]) -> str | None:
+    """The tool a chat request makes the model call, as vLLM's guided tool choice does: with `tool_choice`
+    "required" the first of `tools`, with a named function that one; None when the model may answer in text."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not isinstance(tools, list) or not tools:
+        return None
+    if choice == "required":
+        function = tools[0].get("function") if isinstance(tools[0], dict) else None
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        function = choice.get("function")
+    else:
+        return None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise bad_request("a forced tool call needs a function name", "tool_choice")
+    return name
+
+
 def parse_generation(kind: Kind, body: Any, cfg: SimConfig, adapters: Collection[str]) -> GenRequest:
     """Validate a chat or completions body; raises `OpenAIError`."""
     if not isinstance(body, dict):
@@ -181,6 +200,7 @@ def parse_generation(kind: Kind, body: Any, cfg: SimConfig, adapters: Collection
         continuous_usage=bool(options.get("continuous_usage_stats")),
         remote_decode=isinstance(transfer := body.get("kv_transfer_params"), dict)
         and bool(transfer.get("do_remote_decode")),
+        tool=forced_tool(body) if kind == "chat" else None,
     )
 
 
@@ -210,20 +230,31 @@ class ResponseWriter:
         head = dumps({"id": self.id, "object": self.chunk_object, "created": self.created, "model": req.model})
         opener = '"delta":{"content":' if req.kind == "chat" else '"text":'
         closer = "}" if req.kind == "chat" else ""
+        if req.tool is not None:  # a tool call's arguments, streamed: {"input": "<the generated text>"}
+            opener, closer = '"delta":{"tool_calls":[{"index":0,"function":{"arguments":', "}}]}"
         self._tok_pre = f'data: {head[:-1]},"choices":[{{"index":0,{opener}'
         self._tok_post = f'{closer},"logprobs":null,"finish_reason":null}}]}}\n\n'
+
+    def _call(self, arguments: str) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-tool-{self.id}",
+            "type": "function",
+            "function": {"name": self.req.tool, "arguments": arguments},
+        }
 
     def full(self, text: str, use: dict[str, Any]) -> dict[str, Any]:
         choice: dict[str, Any]
         if self.req.kind == "chat":
+            tool = self.req.tool
             message: dict[str, Any] = {
                 "role": "assistant",
-                "content": text,
+                "content": text if tool is None else None,
                 "refusal": None,
-                "tool_calls": [],
+                "tool_calls": [] if tool is None else [self._call(dumps({"input": text}))],
                 "reasoning": None,
             }
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            finish = "length" if tool is None else "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None}
         else:
             choice = {
                 "index": 0,
@@ -264,15 +295,26 @@ class ResponseWriter:
         if self.req.kind != "chat" or role_in_first_token:
             return ""
         use = usage(prompt_tokens, 0, 0) if self.req.continuous_usage else None
-        delta = {"role": "assistant", "content": ""}
-        return self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], use)
+        delta: dict[str, Any] = {"role": "assistant", "content": ""}
+        opening = self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], use)
+        if self.req.tool is None:
+            return opening
+        delta = {"tool_calls": [{"index": 0, **self._call('{"input":"')}]}  # the call, then its arguments in pieces
+        return opening + self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], None)
 
     def token_event(self, text: str, last: bool, use: dict[str, Any] | None, with_role: bool = False) -> str:
+        tool = self.req.tool
+        if tool is not None:  # a piece of the call's arguments: the text as JSON string content
+            text = json.dumps(text)[1:-1] + ('"}' if last else "")
         if not last and not self.req.continuous_usage and not with_role:
             return self._tok_pre + json.dumps(text) + self._tok_post
-        finish = "length" if last else None
+        finish = ("length" if tool is None else "tool_calls") if last else None
         if self.req.kind == "chat":
-            delta = {"role": "assistant", "content": text} if with_role else {"content": text}
+            delta: dict[str, Any]
+            if tool is not None:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            else:
+                delta = {"role": "assistant", "content": text} if with_role else {"content": text}
             choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}

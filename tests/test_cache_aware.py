@@ -237,6 +237,31 @@ def test_on_full_replicas_only_the_request_own_evictions_count() -> None:
     assert (d.replica, d.reason) == ("a", "cache-hit")
 
 
+def test_a_cold_placement_spares_the_replica_where_agents_are_expected_back() -> None:
+    # both caches full; a's evictions would push out the blocks of agents waiting on their tool calls (30 blocks),
+    # b's only blocks nobody is waiting for: the cold prompt goes to b although b has one more request in flight
+    d = decide_fp([rep("a", 1), rep("b", 2)], {"a": (160, 160, 0, 30), "b": (160, 160, 0, 0)})
+    assert (d.replica, d.reason) == ("b", "cold-least-load")
+    # the same snapshot with nobody awaited goes by load; awaited_cost 0 turns the term off
+    assert decide_fp([rep("a", 1), rep("b", 2)], {"a": (160, 160), "b": (160, 160)}).replica == "a"
+    off = decide_fp([rep("a", 1), rep("b", 2)], {"a": (160, 160, 0, 30), "b": (160, 160)}, awaited_cost=0)
+    assert off.replica == "a"
+
+
+def test_awaited_blocks_cost_nothing_while_the_cold_prompt_fits() -> None:
+    # a has room for the 20-block prompt: nothing is evicted, the awaited agents lose nothing, load decides
+    d = decide_fp([rep("a", 1), rep("b", 2)], {"a": (100, 160, 0, 90), "b": (100, 160, 0, 0)})
+    assert d.replica == "a"
+
+
+def test_the_priced_awaited_blocks_are_at_most_the_request_own_evictions() -> None:
+    # a would evict 20 blocks, so at most 20 of the 100 awaited there count: 20 x 16 tokens = 320, against b's 5
+    # more requests in flight (5 x 64 = 320) and its imbalance (32): a wins, by 32 (all 100 counted: b would)
+    d = decide_fp([rep("a", 0), rep("b", 5)], {"a": (160, 160, 0, 100), "b": (160, 160, 0, 0)})
+    assert d.replica == "a"
+    assert d.scores["b"] < 1.0
+
+
 def test_footprint_terms_can_be_turned_off() -> None:
     d = decide_fp([rep("a", 1), rep("b", 2)], {"a": (150, 160), "b": (40, 160)}, eviction_cost=0, placement_cost=0)
     assert d.replica == "a"

@@ -93,3 +93,52 @@ async def test_a_prefix_the_gpu_evicted_but_cpu_memory_holds_is_routed_back_and_
         assert cache.loaded_tokens >= 28 * 16
         metrics = await (await http.get(gw.url + "/metrics")).text()
         assert "kvgate_prefix_index_offloaded_blocks{" in metrics
+
+
+TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+
+
+async def _agent_between_cold_prompts(http: aiohttp.ClientSession, **overrides: object) -> tuple[int, int, str]:
+    """Two engines of 64 blocks, both filled past capacity by cold prompts of 20 blocks; an agent's turn whose
+    answer is a tool call (streamed, as agents stream); six more cold prompts while its tool runs; the agent's next
+    turn. Returns how many of the six went to the agent's replica, the cached tokens of its next turn, and what
+    `kvgate_sessions_awaited` read after its tool call."""
+    small = SIM.model_copy(update={"num_blocks": 64})
+    async with gateway_over_sims([small, small], **{**CACHE_AWARE, **overrides}) as (gw, _):
+        await wait_for(
+            lambda: gw.app[CACHE] is not None and all(c[1] for c in gw.app[CACHE].index.capacities().values()),
+            what="engine capacities known",
+        )
+        cold = iter(f"document {d}: " + "lorem ipsum dolor sit amet " * 40 for d in range(16))  # ~20 blocks each
+        for _ in range(8):
+            await chat(http, gw.url, next(cold), "summarise")
+        system, task = "you are a coding agent. " + "follow the rules. " * 60, "fix the failing test"
+        turn: dict[str, object] = {
+            "model": "sim", "max_tokens": 8, "stream": True, "tools": TOOLS, "tool_choice": "required",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": task}],
+        }  # fmt: skip
+        headers = {"x-session-id": "agent-1"}
+        async with http.post(gw.url + "/v1/chat/completions", json=turn, headers=headers) as resp:
+            home, events = resp.headers["x-kvgate-replica"], (await resp.read()).decode()
+        assert '"finish_reason":"tool_calls"' in events
+        await wait_for(lambda: gw.app[CACHE].awaited is None or len(gw.app[CACHE].awaited) == 1, what="awaited")
+        awaited = [ln for ln in (await (await http.get(gw.url + "/metrics")).text()).splitlines()]
+        gauge = next(ln for ln in awaited if ln.startswith("kvgate_sessions_awaited "))
+        placed = [(await chat(http, gw.url, next(cold), "summarise"))[0] for _ in range(6)]
+        replica, reason, cached = await chat(http, gw.url, system, task, **headers)
+        assert (replica, reason) == (home, "session")
+        return placed.count(home), cached, gauge
+
+
+async def test_cold_placements_spare_an_agent_waiting_on_its_tool(http: aiohttp.ClientSession) -> None:
+    on_home, cached, gauge = await _agent_between_cold_prompts(http)
+    assert gauge == "kvgate_sessions_awaited 1.0"
+    assert on_home == 0  # every cold prompt went where no agent is expected back
+    assert cached >= 16 * 18  # the agent's whole conversation (18 full blocks) was still cached when it came back
+    # the same without it (awaited_ttl_s: 0): cold prompts are placed by load alone, half of them on the agent's
+    # replica, and its blocks, the least recently used there, are evicted before it returns
+    on_home, cached_off, gauge = await _agent_between_cold_prompts(http, cache={"tokenizers": {"sim": "sim"},
+                                                                                "awaited_ttl_s": 0})  # fmt: skip
+    assert gauge == "kvgate_sessions_awaited 0.0"
+    assert on_home == 3
+    assert cached_off < cached

@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 
-from cacheindex.sessions import SessionTable
+from cacheindex.sessions import AwaitedSessions, SessionTable
 
 
 class Clock:
@@ -77,3 +77,33 @@ def test_a_session_key_of_any_size_costs_the_same() -> None:
         tracemalloc.stop()
     assert after - before < 64 * 1024  # 40 MiB of keys given, a few KiB kept
     assert t.get("7-" + "u" * (1 << 20)) == "r0"
+
+
+def test_awaited_sessions_count_their_blocks_per_replica_until_back_or_expired() -> None:
+    clock = Clock()
+    t = AwaitedSessions(ttl_s=30, max_entries=10, clock=clock)
+    t.mark(b"s1", "r1", 40)
+    t.mark(b"s2", "r1", 25)
+    t.mark(b"s3", "r2", 7)
+    assert (t.blocks("r1"), t.blocks("r2"), t.blocks("r3"), len(t)) == (65, 7, 0, 3)
+    assert t.blocks("r1", excluding=b"s1") == 25  # a session's own blocks do not count against its own placement
+    assert t.blocks("r2", excluding=b"s1") == 7
+    t.mark(b"s1", "r2", 50)  # its next answer, on another replica, was a tool call again
+    assert (t.blocks("r1"), t.blocks("r2")) == (25, 57)
+    t.back(b"s2")
+    assert t.blocks("r1") == 0
+    clock.now = 29
+    t.mark(b"s4", "r1", 3)
+    clock.now = 31  # s3 and s1 (marked at 0) expire, s4 (at 29) does not
+    assert (t.blocks("r1"), t.blocks("r2"), len(t)) == (3, 0, 1)
+    t.drop_replica("r1")
+    assert (t.blocks("r1"), len(t)) == (0, 0)
+
+
+def test_awaited_sessions_are_bounded() -> None:
+    t = AwaitedSessions(ttl_s=30, max_entries=2, clock=Clock())
+    for i in range(5):
+        t.mark(bytes([i]), "r1", 10)
+    assert (len(t), t.blocks("r1")) == (2, 20)
+    with pytest.raises(ValueError):
+        AwaitedSessions(ttl_s=0, max_entries=2)

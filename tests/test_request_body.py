@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.answers import usage_of
+from gateway.answers import ends_in_tool_call, usage_of
 from gateway.body import deeper_than, nested_deeper, structure_of
 from gateway.config import ConfigError, load_config
 from gateway.errors import BadRequest
@@ -234,3 +234,25 @@ async def test_an_unterminated_string_after_many_brackets_does_not_hold_the_gate
         async with await hostile_post as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("answer", "tool_call"),
+    [
+        (b'{"choices":[{"index":0,"message":{"tool_calls":[]},"finish_reason":"tool_calls"}]}', True),
+        (b'data: {"choices":[{"index":0,"delta":{},"finish_reason": "tool_calls"}]}\n\n', True),
+        (b'{"type":"message","content":[{"type":"tool_use"}],"stop_reason":"tool_use"}', True),
+        (b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"tool_use"}}\n\n', True),
+        (b'data: {"type":"response.output_item.added","item":{"type":"function_call","name":"run"}}\n\n', True),
+        (b'{"choices":[{"index":0,"message":{"content":"x"},"finish_reason":"stop"}]}', False),
+        (b'{"type":"message","stop_reason":"end_turn"}', False),
+        # the words inside the model's text are escaped: not a key of the answer
+        (
+            b'{"choices":[{"message":{"content":"\\"finish_reason\\":\\"tool_calls\\""},"finish_reason":"length"}]}',
+            False,
+        ),
+        (b'data: {"type":"response.created","response":{"tools":[{"type":"function","name":"run"}]}}\n\n', False),
+    ],
+)
+def test_an_answer_ending_in_a_tool_call_is_recognised(answer: bytes, tool_call: bool) -> None:
+    assert ends_in_tool_call(answer) is tool_call

@@ -8,7 +8,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import aiohttp
 import msgpack
@@ -307,6 +307,40 @@ async def test_completions_json_and_sse_through_aiohttp() -> None:
         chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
         assert len(chunks) == 4  # max_tokens capped at max_model_len - prompt = 4; no usage chunk unrequested
         assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+
+
+async def test_a_forced_tool_choice_is_answered_with_a_tool_call_the_openai_client_reads() -> None:
+    """tool_choice "required" (or a named function) makes the answer a call, as vLLM's guided tool choice does:
+    finish_reason tool_calls, the call's arguments JSON, whole and streamed in pieces; "auto" stays text."""
+    tools: Any = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}},
+                  {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]  # fmt: skip
+    async with run_sim_engine(SimConfig(instant=True, model="sim")) as sim:
+        client = openai.AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="x", max_retries=0)
+        try:
+            whole = await client.chat.completions.create(
+                model="sim", messages=OAI_CHAT, max_tokens=6, tools=tools, tool_choice="required"
+            )
+            choice = whole.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            call = (choice.message.tool_calls or [])[0]
+            assert call.type == "function" and call.function.name == "run"
+            assert json.loads(call.function.arguments)["input"].count(" w") == 6
+            named: Any = {"type": "function", "function": {"name": "read"}}
+            stream = await client.chat.completions.create(
+                model="sim", messages=OAI_CHAT, max_tokens=6, tools=tools, tool_choice=named, stream=True
+            )
+            chunks = [c async for c in stream]
+            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+            assert calls[0].function is not None and calls[0].function.name == "read"
+            arguments = "".join(t.function.arguments or "" for t in calls if t.function is not None)
+            assert json.loads(arguments) == json.loads(call.function.arguments)  # the same tokens, in pieces
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            text = await client.chat.completions.create(
+                model="sim", messages=OAI_CHAT, max_tokens=6, tools=tools, tool_choice="auto"
+            )
+            assert text.choices[0].finish_reason == "length" and text.choices[0].message.content
+        finally:
+            await client.close()
 
 
 async def test_openai_client_chat_stream_usage_and_cached_tokens() -> None:
