@@ -89,7 +89,9 @@ class AwaitedSessions:
         self._max = max_entries
         self._clock = clock
         self._entries: OrderedDict[bytes, tuple[str, int, float]] = OrderedDict()
-        self._blocks: dict[str, int] = {}  # replica -> the blocks of the sessions awaited there
+        # replica -> the blocks of the sessions awaited there (empty: none awaited anywhere, expired ones aside;
+        # read as an attribute, so that a request with nothing awaited makes no call here)
+        self.by_replica: dict[str, int] = {}
 
     def __len__(self) -> int:
         self._expire(self._clock())
@@ -97,11 +99,11 @@ class AwaitedSessions:
 
     def _drop(self, digest: bytes) -> None:
         replica, blocks, _ = self._entries.pop(digest)
-        left = self._blocks[replica] - blocks
+        left = self.by_replica[replica] - blocks
         if left:
-            self._blocks[replica] = left
+            self.by_replica[replica] = left
         else:
-            del self._blocks[replica]
+            del self.by_replica[replica]
 
     def _expire(self, now: float) -> None:
         entries = self._entries
@@ -118,7 +120,7 @@ class AwaitedSessions:
         if digest in self._entries:
             self._drop(digest)
         self._entries[digest] = (replica, blocks, now + self._ttl)
-        self._blocks[replica] = self._blocks.get(replica, 0) + blocks
+        self.by_replica[replica] = self.by_replica.get(replica, 0) + blocks
         while len(self._entries) > self._max:
             self._drop(next(iter(self._entries)))
 
@@ -130,7 +132,7 @@ class AwaitedSessions:
     def blocks(self, replica: str, excluding: bytes | None = None) -> int:
         """The blocks of the sessions awaited on `replica` (less `excluding`'s own, when it is awaited there)."""
         self._expire(self._clock())
-        total = self._blocks.get(replica, 0)
+        total = self.by_replica.get(replica, 0)
         own = self._entries.get(excluding) if excluding is not None else None
         return total - own[1] if own is not None and own[0] == replica else total
 

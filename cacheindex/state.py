@@ -288,7 +288,7 @@ class CacheAwareState:
         """The index's footprints, each with the blocks of the other sessions awaited on its replica."""
         result = self.index.footprint(info.block_hashes, replica_ids)
         awaited = self.awaited
-        if awaited is not None and len(awaited):
+        if awaited is not None and awaited.by_replica:
             own = self._session_digest(info)
             for rid, fp in result.items():
                 if blocks := awaited.blocks(rid, own):

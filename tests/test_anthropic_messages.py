@@ -163,8 +163,11 @@ async def test_errors_are_the_sdks_exception_classes() -> None:
         assert raw.headers["anthropic-ratelimit-requests-limit"] == raw.headers["x-ratelimit-limit-requests"] == "1"
         assert raw.headers["anthropic-ratelimit-requests-remaining"] == "0"
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", raw.headers["anthropic-ratelimit-requests-reset"])
+        # the quota's window is the wall clock's minute: should the request above have been the last of one, the
+        # first request of the next passes, and the one after it is refused (two boundaries are a minute apart)
         with pytest.raises(anthropic.RateLimitError) as limited:
-            await alice.messages.create(model="sim", max_tokens=2, messages=msgs)
+            for _ in range(2):
+                await alice.messages.create(model="sim", max_tokens=2, messages=msgs)
         assert limited.value.type == "rate_limit_error"
         assert int(limited.value.response.headers["retry-after"]) >= 1
         assert limited.value.response.headers["anthropic-ratelimit-requests-remaining"] == "0"

@@ -6,6 +6,7 @@ import pytest
 
 from cacheindex.hashing import chain_hashes, context_seed, prompt_block_hashes
 from cacheindex.kv_index import KvIndex, StoredBlocks
+from policies.base import Footprint
 
 BS = 4
 SEED = context_seed("m")
@@ -198,11 +199,11 @@ def test_footprint_counts_distinct_blocks_routed_within_the_window() -> None:
     idx.add_replica("r", capacity_blocks=100)
     idx.record_routed("r", [1, 2, 3])
     idx.record_routed("r", [1, 2, 4])
-    assert idx.footprint([1, 2, 9], ["r", "unknown"]) == {"r": (4, 100, 2)}
+    assert idx.footprint([1, 2, 9], ["r", "unknown"]) == {"r": Footprint(4, 100, 2)}
     now[0] = 5.0
     idx.record_routed("r", [1, 5])
     now[0] = 12.0  # blocks 2, 3, 4 were last routed at 0 s
-    assert idx.footprint([1, 2, 9], ["r"]) == {"r": (2, 100, 1)}
+    assert idx.footprint([1, 2, 9], ["r"]) == {"r": Footprint(2, 100, 1)}
 
 
 def test_a_routed_prompt_stays_hot_for_the_window_whether_or_not_the_cache_keeps_it() -> None:
@@ -215,16 +216,16 @@ def test_a_routed_prompt_stays_hot_for_the_window_whether_or_not_the_cache_keeps
     idx.record_routed("r", [1, 2, 3])
     now[0] = 8.0
     idx.record_routed("r", [1, 2, 3, 4])  # 1-3 again: 4 distinct blocks
-    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (4, 4, 4)}
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": Footprint(4, 4, 4)}
     idx.record_routed("r", [5, 6])  # the LRU (4 blocks) pushes out 4 and 3, the tail of the older prompt
     assert idx.overlap([1, 2, 3, 4], ["r"]) == {"r": 2}
-    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (6, 4, 4)}
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": Footprint(6, 4, 4)}
     now[0] = 20.0
     idx.record_routed("r", [3, 7])  # 3 comes back from the evicted: still one block of the footprint
-    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (7, 4, 4)}
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": Footprint(7, 4, 4)}
     now[0] = 24.5  # the stamps of 8 s have left the window; those of 20 s have not
-    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": (2, 4, 0)}
-    assert idx.footprint([3, 7], ["r"]) == {"r": (2, 4, 2)}
+    assert idx.footprint([1, 2, 3, 4], ["r"]) == {"r": Footprint(2, 4, 0)}
+    assert idx.footprint([3, 7], ["r"]) == {"r": Footprint(2, 4, 2)}
 
 
 def test_a_miss_drops_only_what_is_older_than_the_missing_block() -> None:
