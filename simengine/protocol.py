@@ -292,14 +292,18 @@ class ResponseWriter:
     def first_event(self, prompt_tokens: int, role_in_first_token: bool = False) -> str:
         """Chat streams open with an empty assistant delta (or the role comes with the first token); completions
         streams have no opening event."""
-        if self.req.kind != "chat" or role_in_first_token:
+        if self.req.kind != "chat":
             return ""
-        use = usage(prompt_tokens, 0, 0) if self.req.continuous_usage else None
-        delta: dict[str, Any] = {"role": "assistant", "content": ""}
-        opening = self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], use)
+        opening = ""
+        if not role_in_first_token:
+            use = usage(prompt_tokens, 0, 0) if self.req.continuous_usage else None
+            delta: dict[str, Any] = {"role": "assistant", "content": ""}
+            opening = self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], use)
         if self.req.tool is None:
             return opening
         delta = {"tool_calls": [{"index": 0, **self._call('{"input":"')}]}  # the call, then its arguments in pieces
+        if role_in_first_token:
+            delta = {"role": "assistant", **delta}
         return opening + self._event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], None)
 
     def token_event(self, text: str, last: bool, use: dict[str, Any] | None, with_role: bool = False) -> str:

@@ -309,12 +309,13 @@ async def test_completions_json_and_sse_through_aiohttp() -> None:
         assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
 
 
-async def test_a_forced_tool_choice_is_answered_with_a_tool_call_the_openai_client_reads() -> None:
+@pytest.mark.parametrize("role_first", [False, True])
+async def test_a_forced_tool_choice_is_answered_with_a_tool_call_the_openai_client_reads(role_first: bool) -> None:
     """tool_choice "required" (or a named function) makes the answer a call, as vLLM's guided tool choice does:
     finish_reason tool_calls, the call's arguments JSON, whole and streamed in pieces; "auto" stays text."""
     tools: Any = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}},
                   {"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]  # fmt: skip
-    async with run_sim_engine(SimConfig(instant=True, model="sim")) as sim:
+    async with run_sim_engine(SimConfig(instant=True, model="sim", role_in_first_token=role_first)) as sim:
         client = openai.AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="x", max_retries=0)
         try:
             whole = await client.chat.completions.create(
