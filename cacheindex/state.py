@@ -191,13 +191,15 @@ class CacheAwareState:
         """The tokenizer specs being loaded now (a request for their models would wait)."""
         return self.tokenize_pool.loading()
 
-    def remove_replica(self, replica_id: str) -> None:
+    def remove_replica(self, replica_id: str, *, keep_sessions: bool = False) -> None:
+        """Forget the replica; `keep_sessions`: its session bindings stay (it is being registered again)."""
         r = self._replicas.pop(replica_id, None)
         self.index.remove_replica(replica_id)
         self.routed.drop_replica(replica_id)
-        self.sessions.drop_replica(replica_id)
-        if self.awaited is not None:
-            self.awaited.drop_replica(replica_id)
+        if not keep_sessions:
+            self.sessions.drop_replica(replica_id)
+            if self.awaited is not None:
+                self.awaited.drop_replica(replica_id)
         if r is not None and r.subscriber is not None:
             task = r.subscriber.cancel()
             if task is not None:

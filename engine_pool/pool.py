@@ -235,8 +235,9 @@ class EnginePool:
         slot_id = f"{m.name}-{index}"
         tokenizer = m.tokenizer or ("sim" if m.kind == "sim" else self._model_paths.get(m.name))
         settings = ReplicaSettings(
-            m.served, tokenizer, m.max_concurrency, m.max_num_seqs, m.role, pooling=m.warmup_path != "/v1/completions"
-        )
+            m.served, tokenizer, m.max_concurrency, m.max_num_seqs, m.role,
+            pooling=m.warmup_path != "/v1/completions", block_size=m.block_size,
+        )  # fmt: skip
         replica = build_replica(
             slot_id, f"http://{host}:{port}", settings, managed=True,
             kv_events_endpoint=tcp_endpoint(host, kv_port), kv_events_replay_endpoint=tcp_endpoint(host, replay_port),

@@ -54,6 +54,7 @@ class ReplicaSettings:
     max_num_seqs: int | None = None
     role: Role = "both"
     pooling: bool = False
+    block_size: int | None = None  # tokens per KV block, as launched; None: known from the engine's metrics
 
 
 def tcp_endpoint(host: str, port: int | None) -> str | None:
@@ -86,6 +87,7 @@ def build_replica(
         managed=managed,
         role=settings.role,
         pooling=settings.pooling,
+        block_size=settings.block_size,
     )
 
 
@@ -110,8 +112,10 @@ class Replica:
         managed: bool = False,
         role: Role = "both",
         pooling: bool = False,
+        block_size: int | None = None,
     ) -> None:
         self.id = replica_id
+        self.block_size = block_size  # as launched (the pool's spec); the engine's metrics say it otherwise
         self.url = url.rstrip("/")
         parts = urlsplit(self.url)
         self.use_tls = parts.scheme == "https"
@@ -221,7 +225,7 @@ class Replica:
         other = Replica(
             f"{self.id}@dp{rank}", self.url, self.model, metrics_url=self.metrics_url, tokenizer=self.tokenizer,
             max_concurrency=self.max_concurrency, max_num_seqs=self.max_num_seqs, role=self.role,
-            pooling=self.pooling,
+            pooling=self.pooling, block_size=self.block_size,
         )  # fmt: skip
         other.dp_rank, other.warm, other.draining, other.managed = rank, self.warm, self.draining, self.managed
         return other

@@ -32,11 +32,13 @@ class CacheReplicaListener:
         self.default_block_size = default_block_size
 
     def replica_up(self, replica: Replica) -> None:
-        self.state.remove_replica(replica.id)
+        """Up, or its KV layout became known: registered anew (its index starts over), its sessions kept (a
+        session placed there before the engine's first metrics stays there)."""
+        self.state.remove_replica(replica.id, keep_sessions=True)
         self.state.add_replica(
             replica.id,
             model=replica.model or "",
-            block_size=replica.metrics.block_size or self.default_block_size,
+            block_size=replica.metrics.block_size or replica.block_size or self.default_block_size,
             num_blocks=replica.metrics.num_blocks,
             kv_events_endpoint=replica.kv_events_endpoint,
             kv_events_replay_endpoint=replica.kv_events_replay_endpoint,
