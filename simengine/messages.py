@@ -7,7 +7,10 @@ simulator has no vision and its template renders text only) and tokenized with t
 Messages prompt caches as the chat prompt it stands for. Answers in Anthropic's shape, as vLLM writes them: usage
 with `input_tokens` the uncached prompt tokens and `cache_read_input_tokens` the cached ones; a stream is
 `message_start` (the prompt's usage), `content_block_start`, one `content_block_delta` per token,
-`content_block_stop`, `message_delta` (stop reason and usage), `message_stop`. Errors are Anthropic-shaped
+`content_block_stop`, `message_delta` (stop reason and usage), `message_stop`. With `tool_choice` `{"type": "any"}`
+(the first of `tools`) or `{"type": "tool", "name": ...}` the answer is that tool's call instead of text, as vLLM's
+guided tool choice makes it: a `tool_use` block whose input is `{"input": "<the generated text>"}` (streamed as
+`input_json_delta` pieces), stop reason `tool_use`. Errors are Anthropic-shaped
 (`{"type": "error", "error": {"type", "message"}}`). The `cut_after_tokens` fault aborts a stream's connection as
 for chat. Written independently of the gateway (it imports nothing of the product). Cost: O(body) per request.
 """
@@ -116,12 +119,41 @@ def _tool_messages(result: Any) -> list[dict[str, Any]]:
     return out
 
 
+def forced_tool(body: dict[str, Any]) -> str | None:
+    """The tool a Messages request makes the model call (`tool_choice` any: the first of `tools`; tool: the named
+    one); None when the model may answer in text."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not isinstance(tools, list) or not tools or not isinstance(choice, dict):
+        return None
+    if choice.get("type") == "any":
+        name = tools[0].get("name") if isinstance(tools[0], dict) else None
+    elif choice.get("type") == "tool":
+        name = choice.get("name")
+    else:
+        return None
+    if not isinstance(name, str) or not name:
+        raise MessagesError(400, "tool_choice: a forced tool call needs a tool name")
+    return name
+
+
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, int]:
     return {"input_tokens": prompt - cached, "output_tokens": completion, "cache_read_input_tokens": cached}
 
 
 def _event(kind: str, payload: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, separators=(',', ':'))}\n\n".encode()
+
+
+def _block(tool: str | None, call_id: str, text: str | None) -> dict[str, Any]:
+    """The answer's content block: its text, or the forced tool's call with the text as its input (None: the block
+    as a stream opens it, empty)."""
+    if tool is None:
+        return {"type": "text", "text": text or ""}
+    return {"type": "tool_use", "id": call_id, "name": tool, "input": {} if text is None else {"input": text}}
+
+
+def _json_delta(piece: str) -> bytes:
+    return _event("content_block_delta", {"index": 0, "delta": {"type": "input_json_delta", "partial_json": piece}})
 
 
 async def _read(request: web.Request, engine: SimEngine) -> tuple[dict[str, Any], str]:
@@ -160,6 +192,7 @@ async def create(request: web.Request, engine: SimEngine) -> web.StreamResponse:
         stream = body.get("stream", False)
         if stream is not None and not isinstance(stream, bool):
             raise MessagesError(400, "stream: must be a boolean")
+        tool = forced_tool(body)
         tokens = tokenize_chat(chat_messages(body))
         if len(tokens) >= engine.config.max_model_len:
             raise MessagesError(400, f"the prompt ({len(tokens)} tokens) exceeds max_model_len")
@@ -168,6 +201,7 @@ async def create(request: web.Request, engine: SimEngine) -> web.StreamResponse:
         return error(exc.status, exc.message)
     max_tokens = min(max_tokens, engine.config.max_model_len - len(tokens))
     rid = engine.new_id("chatcmpl")
+    call_id = "toolu_" + rid.removeprefix("chatcmpl-")
     hashes = engine.cache.block_hashes(tokens)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"})
     words: list[str] = []
@@ -184,10 +218,15 @@ async def create(request: web.Request, engine: SimEngine) -> web.StreamResponse:
             message: dict[str, Any] = {"id": rid, "type": "message", "role": "assistant", "content": [], "model": model,
                        "stop_reason": None, "stop_sequence": None, "usage": _usage(len(tokens), 0, cached)}  # fmt: skip
             out.append(_event("message_start", {"message": message}))
-            out.append(_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}))
+            out.append(_event("content_block_start", {"index": 0, "content_block": _block(tool, call_id, None)}))
+            if tool is not None:
+                out.append(_json_delta('{"input":"'))
         for word in new:
             sent += 1
-            out.append(_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": word}}))
+            if tool is None:
+                out.append(_event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": word}}))
+            else:
+                out.append(_json_delta(json.dumps(word)[1:-1]))
         await resp.write(b"".join(out))
         cut = engine.faults.cut_after_tokens
         if cut is not None and sent >= cut and request.transport:
@@ -204,14 +243,16 @@ async def create(request: web.Request, engine: SimEngine) -> web.StreamResponse:
     finally:
         engine.in_flight -= 1
     use = _usage(res.prompt_tokens, res.completion_tokens, res.cached_tokens)
+    stop = "max_tokens" if tool is None else "tool_use"
     if not stream:
-        answer = {"id": rid, "type": "message", "role": "assistant", "model": model,
-                  "content": [{"type": "text", "text": "".join(words)}], "stop_reason": "max_tokens",
-                  "stop_sequence": None, "usage": use}  # fmt: skip
+        content = [_block(tool, call_id, "".join(words))]
+        answer = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": content,
+                  "stop_reason": stop, "stop_sequence": None, "usage": use}  # fmt: skip
         return web.json_response(answer)
     tail = [
+        *([_json_delta('"}')] if tool is not None else []),
         _event("content_block_stop", {"index": 0}),
-        _event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None}, "usage": use}),
+        _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": use}),
         _event("message_stop", {}),
     ]
     await resp.write(b"".join(tail))

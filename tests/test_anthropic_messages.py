@@ -19,7 +19,7 @@ from cacheindex.tokenizers import SimPromptTokenizer
 from gateway.admission.config import hash_key
 from gateway.anthropic import messages_as_chat
 from gateway.errors import BadRequest, Overloaded, render_error
-from gateway.keys import REPLICAS
+from gateway.keys import CACHE, REPLICAS
 from simengine import SimConfig
 from simengine import messages as sim_messages
 from simengine.config import Faults
@@ -127,6 +127,49 @@ async def test_an_agent_session_stays_on_its_replica(header: str | None, metadat
                 first = raw.headers["x-kvgate-replica"]
             else:
                 assert (raw.headers["x-kvgate-replica"], raw.headers["x-kvgate-route-reason"]) == (first, "session")
+
+
+async def test_an_agents_tool_use_keeps_its_session_awaited_until_its_tool_result() -> None:
+    """An answer that is a tool call (forced: tool_choice any / a named tool, as vLLM's guided choice does) marks
+    the agent expected back on its replica (`kvgate_sessions_awaited`), read by the SDK as a tool_use block whole
+    and streamed; the turn carrying its tool_result comes back to the same replica with its history cached and
+    ends the wait."""
+    tools: list[anthropic.types.ToolParam] = [{"name": "bash", "input_schema": {"type": "object"}},
+                                              {"name": "read", "input_schema": {"type": "object"}}]  # fmt: skip
+    session = {"x-claude-code-session-id": "agent-9"}
+    msgs: list[anthropic.types.MessageParam] = [{"role": "user", "content": "fix the failing test"}]
+    async with gateway_over_sims([SIM, SIM], **CACHE_AWARE) as (gw, _), sdk(gw.url) as client:
+        api = client()
+        whole = await api.messages.create(
+            model="sim", max_tokens=4, system=SYSTEM, messages=msgs, tools=tools, tool_choice={"type": "any"},
+        )  # fmt: skip
+        assert whole.stop_reason == "tool_use" and whole.content[0].type == "tool_use"
+        assert whole.content[0].name == "bash" and whole.content[0].input["input"].count(" w") == 4  # type: ignore[index]
+        assert "kvgate_sessions_awaited 0.0" in await _metrics(gw.url)  # no session: nothing to keep
+        async with api.messages.stream(
+            model="sim", max_tokens=4, system=SYSTEM, messages=msgs, tools=tools,
+            tool_choice={"type": "tool", "name": "read"}, extra_headers=session,
+        ) as stream:  # fmt: skip
+            home = stream.response.headers["x-kvgate-replica"]
+            call = await stream.get_final_message()
+        assert call.stop_reason == "tool_use" and call.content[0].type == "tool_use" and call.content[0].name == "read"
+        assert call.content[0].input == {"input": whole.content[0].input["input"]}  # type: ignore[index]  # same tokens
+        awaited = gw.app[CACHE].awaited
+        await wait_for(lambda: awaited is not None and len(awaited) == 1, what="the session awaited")
+        assert "kvgate_sessions_awaited 1.0" in await _metrics(gw.url)
+        result: list[anthropic.types.MessageParam] = [
+            *msgs,
+            {"role": "assistant", "content": [{"type": "tool_use", "id": call.content[0].id, "name": "read",
+                                                "input": call.content[0].input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.content[0].id,
+                                           "content": "1 failed"}]},
+        ]  # fmt: skip
+        raw_next = await api.messages.with_raw_response.create(
+            model="sim", max_tokens=2, system=SYSTEM, messages=result, extra_headers=session
+        )
+        assert (raw_next.headers["x-kvgate-replica"], raw_next.headers["x-kvgate-route-reason"]) == (home, "session")
+        assert ((await raw_next.parse()).usage.cache_read_input_tokens or 0) >= 16 * 20
+        assert "kvgate_sessions_awaited 0.0" in await _metrics(gw.url)
 
 
 TENANTS = {
