@@ -26,6 +26,10 @@ class SharedRouting(Protocol):
     def publish(self, replica: str, hashes: Sequence[int], session: bytes | None) -> None:
         """This gateway sent a request with these prompt blocks (and session digest) to `replica`."""
 
+    def publish_awaited(self, replica: str, session: bytes, blocks: int) -> None:
+        """This gateway relayed the session's answer on `replica`, and it ended in a tool call (its conversation
+        holds `blocks` blocks there): the session is expected back."""
+
     async def session_replica(self, session: bytes) -> str | None:
         """The replica another gateway bound the session to, when this one may not have heard of it."""
 
@@ -38,6 +42,9 @@ class SharedDecisionSink(Protocol):
 
     def apply_shared(self, replica: str, hashes: Sequence[int], session: bytes | None, *, past: bool = False) -> None:
         """Another gateway sent a request with these blocks (and session) to `replica`."""
+
+    def apply_awaited(self, replica: str, session: bytes, blocks: int) -> None:
+        """Another gateway's answer for the session on `replica` ended in a tool call."""
 
 
 Decision = tuple[Sequence[int], bytes | None, bool]  # block hashes, session digest, from the history

@@ -369,6 +369,13 @@ class CacheAwareState:
             self.index.record_routed(replica, hashes)
         if session is not None:
             self.sessions.bind_digest(session, replica)
+            if self.awaited is not None:
+                self.awaited.back(session)
+
+    def apply_awaited(self, replica: str, session: bytes, blocks: int) -> None:
+        """Another gateway's answer for the session on `replica` ended in a tool call: expected back there."""
+        if self.awaited is not None and replica in self._replicas:
+            self.awaited.mark(session, replica, blocks)
 
     def on_finished(
         self, info: RequestInfo, replica_id: str | None, reported_cached_tokens: int | None, tool_call: bool = False
@@ -380,6 +387,8 @@ class CacheAwareState:
             digest = self._session_digest(info)
             if digest is not None:
                 self.awaited.mark(digest, replica_id, len(info.block_hashes))
+                if self.shared is not None:
+                    self.shared.publish_awaited(replica_id, digest, len(info.block_hashes))
         if not isinstance(info, PrefixRequestInfo):
             return
         routed = self.routed.pop(info.request_id)

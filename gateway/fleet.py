@@ -11,6 +11,11 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
   one task sends the buffer every `flush_ms` in one pipeline: an `XADD ... MAXLEN ~ history` per decision (fields:
   gateway id, replica, block hashes as packed little-endian u64, session digest) and a `SET ... EX ttl` of
   `<prefix>:session:<digest>` per session binding. A full buffer drops its oldest decision (counted).
+- Agents expected back: `publish_awaited` (an answer of a session ended in a tool call, `CacheAwareState.on_finished`)
+  goes into the same buffer, in order with the decisions, as an entry with the session digest and the awaited block
+  count instead of hashes (`w`); the others mark the session awaited on that replica (`apply_awaited`) and clear it
+  when they see its next turn's decision, so cold placements through any gateway spare it. Not applied from the
+  history (a mark outlives its use by seconds).
 - Apply: one task (started with the prefix-cache state as its `SharedDecisionSink`) reads the stream
   (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
   read, so an outage shorter than the history loses nothing) and hands the other gateways' decisions to
@@ -90,7 +95,8 @@ class RoutingShare:
         self.metrics = FleetMetrics(registry)
         self.gateway_id = os.urandom(8).hex().encode()
         self._session_ttl = max(1, round(session_ttl_s))
-        self._pending: deque[tuple[str, Sequence[int], bytes | None]] = deque(maxlen=config.max_pending)
+        # (replica, block hashes, session digest, awaited blocks: None for a routing decision)
+        self._pending: deque[tuple[str, Sequence[int], bytes | None, int | None]] = deque(maxlen=config.max_pending)
         self._responses: deque[tuple[str, str]] = deque(maxlen=config.max_pending)
         self._wake = asyncio.Event()
         timeout = config.timeout_s
@@ -127,9 +133,15 @@ class RoutingShare:
 
     # --- SharedRouting ----------------------------------------------------------------------------------------
     def publish(self, replica: str, hashes: Sequence[int], session: bytes | None) -> None:
+        self._buffer((replica, hashes, session, None))
+
+    def publish_awaited(self, replica: str, session: bytes, blocks: int) -> None:
+        self._buffer((replica, (), session, blocks))
+
+    def _buffer(self, entry: tuple[str, Sequence[int], bytes | None, int | None]) -> None:
         if len(self._pending) == self._pending.maxlen:
             self.metrics.decisions.labels("dropped").inc()
-        self._pending.append((replica, hashes, session))
+        self._pending.append(entry)
         self._wake.set()
 
     def publish_response(self, response_id: str, replica: str) -> None:
@@ -194,13 +206,16 @@ class RoutingShare:
                 async with self._client.pipeline(transaction=False) as pipe:
                     for response_id, replica in responses:
                         pipe.set(self._response_key(response_id), replica, ex=round(cfg.response_ttl_s))
-                    for replica, hashes, session in batch:
+                    for replica, hashes, session, awaited in batch:
                         fields: dict[str, bytes | str] = {
                             "g": self.gateway_id, "r": replica, "h": array("Q", hashes).tobytes()
                         }  # fmt: skip
+                        if awaited is not None:
+                            fields["w"] = str(awaited)
                         if session is not None:
                             fields["s"] = session
-                            pipe.set(self._session_key(session), replica, ex=self._session_ttl)
+                            if awaited is None:
+                                pipe.set(self._session_key(session), replica, ex=self._session_ttl)
                         pipe.xadd(cfg.channel, fields, maxlen=cfg.history, approximate=False)  # type: ignore[arg-type]
                     await pipe.execute()
             except REDIS_ERRORS as exc:
@@ -252,7 +267,15 @@ class RoutingShare:
         except (KeyError, ValueError, UnicodeDecodeError) as exc:
             log.debug("ignoring a malformed routing decision: %r", exc)
             return
-        sink.apply_shared(replica, hashes, fields.get(b"s"), past=past)
+        session, awaited = fields.get(b"s"), fields.get(b"w")
+        if awaited is None:
+            sink.apply_shared(replica, hashes, session, past=past)
+        elif session is not None and awaited.isdigit():
+            if not past:
+                sink.apply_awaited(replica, session, int(awaited))
+        else:
+            log.debug("ignoring a malformed awaited session: %r", fields)
+            return
         self.metrics.decisions.labels("applied").inc()
 
 

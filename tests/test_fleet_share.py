@@ -214,3 +214,40 @@ async def test_a_new_prefix_sent_through_two_gateways_at_once_lands_on_one_repli
                 for o in ("won", "joined")
             }
             assert claims == {"won": 7, "joined": 6}  # the warm-up's prefix was claimed too
+
+
+async def test_an_agent_awaited_through_one_gateway_is_spared_by_the_others_cold_placements(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    """Two engines of 64 blocks filled past capacity through gateway b; an agent's turn through a ends in a tool
+    call (streamed); b's next cold prompts go where no agent waits, and the agent's next turn through b ends the
+    wait in both gateways."""
+    await redis_server.start()
+    small = SimConfig(model=MODEL, num_blocks=64, overhead_ms=0, prefill_us_per_token=0, decode_ms=0,
+                      decode_ms_per_seq=0)  # fmt: skip
+    async with AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(run_sim_engine(small)) for _ in range(2)]
+        a = await stack.enter_async_context(running_gateway(config(servers, redis_server.url)))
+        b = await stack.enter_async_context(running_gateway(config(servers, redis_server.url)))
+        for gw in (a, b):
+            await wait_subscribed(gw, 2)
+            await wait_for(lambda g=gw: all(c[1] for c in g.app[CACHE].index.capacities().values()), what="capacities")
+        cold = iter(f"document {d}: " + "lorem ipsum dolor sit amet " * 40 for d in range(16))  # ~20 blocks each
+        for _ in range(8):
+            await chat(http, b, "summarise", system=next(cold))
+        system, task = "you are a coding agent. " + "follow the rules. " * 60, "fix the failing test"
+        tools = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+        turn = {
+            "model": MODEL, "max_tokens": 8, "stream": True, "tools": tools, "tool_choice": "required",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": task}],
+        }  # fmt: skip
+        async with http.post(f"{a.url}/v1/chat/completions", json=turn, headers={"x-session-id": "agent-1"}) as resp:
+            home, events = resp.headers["x-kvgate-replica"], (await resp.read()).decode()
+        assert '"finish_reason":"tool_calls"' in events
+        await wait_for(lambda: metric(b, "kvgate_sessions_awaited") == 1, what="b heard the agent is expected back")
+        placed = [(await chat(http, b, "summarise", system=next(cold)))[0] for _ in range(6)]
+        assert placed.count(home) == 0
+        assert await chat(http, b, task, session="agent-1", system=system) == (home, "session")
+        assert metric(b, "kvgate_sessions_awaited") == 0
+        await wait_for(lambda: metric(a, "kvgate_sessions_awaited") == 0, what="a heard the agent came back")
