@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -113,3 +113,9 @@ def kvgate(engines: list[str], *extra: str, source: Path | None = None) -> Itera
     with child(args, f"http://127.0.0.1:{port}/health", source=source) as proc:
         wait_http(f"http://127.0.0.1:{port}/ready")
         yield f"http://127.0.0.1:{port}", proc.pid
+
+
+def sglang_argv(python: str, port: int, engines: Sequence[str]) -> list[str]:
+    """sglang-router (Rust, `pip install sglang-router`) with its cache_aware policy in front of `engines`."""
+    argv = [os.path.abspath(python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
+    return [*argv, "--worker-urls", *engines, "--policy", "cache_aware", "--log-level", "warn"]

@@ -34,7 +34,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, free_port, kvgate, process, sim_engine_processes
+from _procs import cpu_seconds, free_port, kvgate, process, sglang_argv, sim_engine_processes
 
 
 def pct(values: list[float], p: float) -> float:
@@ -112,9 +112,7 @@ CACHE_ENV = {"KVGATE__CACHE__TOKENIZERS__SIM": "sim"}
 def sglang_router(python: str, engines: list[str]) -> Iterator[tuple[str, int]]:
     """sglang-router (Rust) with its cache_aware policy in front of `engines`: (URL, pid)."""
     port = free_port()
-    argv = [python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--worker-urls", *engines, "--policy", "cache_aware", "--log-level", "warn"]
-    with process(argv, f"http://127.0.0.1:{port}/health") as proc:
+    with process(sglang_argv(python, port, engines), f"http://127.0.0.1:{port}/health") as proc:
         yield f"http://127.0.0.1:{port}", proc.pid
 
 

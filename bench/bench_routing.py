@@ -38,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.routing_procs import SimCosts, cpu_seconds, gateways, sim_pool, split_cpus
+from bench.routing_procs import SGLANG, SimCosts, cpu_seconds, gateways, sim_pool, split_cpus
 from bench.routing_report import render_markdown, target_checks, update_docs
 from bench.routing_workloads import Workload, best_hit_rate, rebuild_prompts, trace_workload, workloads
 from loadgen.client import Target
@@ -132,7 +132,7 @@ def _measure_row(
         best_hit_rate=best_hit_rate(prompts, costs.block_size, pool_blocks, MODEL),
         best_unbounded=best_hit_rate(prompts, costs.block_size, None, MODEL),
         ttft_p50_ms=1e3 * (s.ttft_s["p50"] or 0.0), ttft_p99_ms=1e3 * (s.ttft_s["p99"] or 0.0),
-        out_tok_s=s.output_tok_per_s, req_s=s.req_per_s, share=[c / n for c in counts],
+        out_tok_s=s.output_tok_per_s, req_s=s.req_per_s, share=[c / n for c in counts] if sum(counts) else [],
         reasons=reasons, gw_cpu_ms=gw_cpu_ms,
     )  # fmt: skip
     errors = s.errors and f" {s.errors}"
@@ -184,6 +184,7 @@ def run_workload(
         "trace": Arrival("trace", max_inflight=4096),  # a trace's own timestamps
     }
     specs = [args.variants.get(p, (p, ca_params if p == "cache-aware" else {})) for p in args.policies]
+    specs = [(SGLANG, {"python": args.sglang_python}) if p == SGLANG else (p, params) for p, params in specs]
     gw_cpus, other_cpus = split_cpus(args.pin)
     with sim_pool(args.replicas, costs, w.num_blocks, MODEL, other_cpus, args.hide_capacity) as sims:
         # a trace is replayed at its own timestamps; the generated workloads have none
@@ -233,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="give the gateway under test the last CPU to itself, the engines and the client the others",
     )
     p.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace: workload 'trace', at its timestamps")
+    p.add_argument(
+        "--sglang-python",
+        default=None,
+        help="the Python of a virtualenv with sglang-router (`pip install sglang-router==0.3.2`): its cache_aware "
+        "policy runs beside kvgate's as policy 'sglang-router'",
+    )
+    p.add_argument("--trace-requests", type=int, default=None, help="replay only the trace's first N requests")
     p.add_argument("--trace-cache-ratio", type=float, default=2.3, help="the trace's working set / the pool's KV")
     p.add_argument("--json", dest="json_out", default=None, help="also write the rows as JSON here")
     p.add_argument("--docs", default=None, help="markdown file to update (default docs/routing.md on a full run)")
@@ -248,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     scale = args.scale if args.scale is not None else (0.3 if args.quick else 1.0)
     args.arrivals = [a for a in args.arrivals.split(",") if a]
     args.policies = [p for p in args.policies.split(",") if p]
+    if args.sglang_python:
+        args.policies.append(SGLANG)
     ca_params: dict[str, Any] = json.loads(args.ca_params)
     args.variants = {}
     for v in args.variant:
@@ -257,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = set(filter(None, args.workloads.split(",")))
     every = workloads(scale)
     if args.trace:
-        every.append(trace_workload(args.trace, args.replicas, args.trace_cache_ratio))
+        every.append(trace_workload(args.trace, args.replicas, args.trace_cache_ratio, requests=args.trace_requests))
     ws = [w for w in every if not chosen or w.name in chosen]
     costs = SimCosts()
     started = time.monotonic()

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import yaml
 
-from bench._procs import free_port, wait_http
+from bench._procs import free_port, sglang_argv, wait_http
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +38,9 @@ class SimCosts:
 
 
 def _spawn(args: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
-    """`args` = [python module, its arguments...]."""
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=log, start_new_session=True)
+    """`args` = [python module, its arguments...], or a whole command line when its first word is an absolute path."""
+    argv = args if os.path.isabs(args[0]) else [sys.executable, "-m", *args]
+    return subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True)
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -128,6 +129,9 @@ def gateway_yaml(
     }
 
 
+SGLANG = "sglang-router"
+
+
 @contextmanager
 def gateways(
     engines: Sequence[str],
@@ -136,12 +140,17 @@ def gateways(
     cpus: set[int] | None = None,
 ) -> Iterator[list[tuple[str, int]]]:
     """One `kvgate serve` (uvloop) per (policy, params), all in front of the same engines (attached with their batch
-    slots when `max_num_seqs` is given, as a user who knows their engines would); yields (base URL, pid) each."""
+    slots when `max_num_seqs` is given, as a user who knows their engines would); yields (base URL, pid) each.
+    Policy `sglang-router` is sglang-router's cache_aware policy instead, from the Python `params["python"]`."""
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         specs: list[tuple[list[str], list[str]]] = []
         urls: list[str] = []
         for i, (policy, params) in enumerate(policies):
             port = free_port()
+            if policy == SGLANG:
+                specs.append((sglang_argv(params["python"], port, engines), [f"http://127.0.0.1:{port}/health"]))
+                urls.append(f"http://127.0.0.1:{port}")
+                continue
             path = os.path.join(tmp, f"gw{i}.yaml")
             with open(path, "w") as f:
                 yaml.safe_dump(gateway_yaml(engines, policy, params, port, max_num_seqs), f)

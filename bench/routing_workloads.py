@@ -18,6 +18,8 @@ Cost: O(prompt tokens) per request to hash, O(blocks) per request for the LRU.
 
 from __future__ import annotations
 
+import gzip
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -127,13 +129,16 @@ def workloads(scale: float) -> list[Workload]:
 TRACE_BLOCK_TOKENS = 512  # the Mooncake traces' hash_ids each name 512 tokens
 
 
-def trace_workload(path: str, replicas: int, cache_ratio: float, max_input_tokens: int = 8192) -> Workload:
+def trace_workload(
+    path: str, replicas: int, cache_ratio: float, max_input_tokens: int = 8192, requests: int | None = None
+) -> Workload:
     """A Mooncake-format JSONL trace (FAST'25's public conversation and tool-agent traces: `timestamp` ms,
-    `input_length`, `output_length`, `hash_ids` of 512-token blocks) replayed at its own timestamps (`--arrivals
-    trace`), prompts clamped to `max_input_tokens`; each replica's KV sized so that the trace's working set is
-    `cache_ratio` times the pool's."""
-    with open(path, encoding="utf-8") as fh:
-        records = parse_mooncake_trace(fh)
+    `input_length`, `output_length`, `hash_ids` of 512-token blocks; gzip-compressed when the name ends in .gz)
+    replayed at its own timestamps (`--arrivals trace`), its first `requests` records (all: None), prompts clamped
+    to `max_input_tokens`; each replica's KV sized so that the trace's working set is `cache_ratio` times the
+    pool's."""
+    with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as fh:
+        records = parse_mooncake_trace(itertools.islice(fh, requests))
     maker = CharTextMaker()
     per_block = min(TRACE_BLOCK_TOKENS, max_input_tokens) // 16  # simulated blocks of 16 tokens per trace block
     working_set = len({h for r in records for h in r.hash_ids}) * per_block
