@@ -12,10 +12,10 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
   gateway id, replica, block hashes as packed little-endian u64, session digest) and a `SET ... EX ttl` of
   `<prefix>:session:<digest>` per session binding. A full buffer drops its oldest decision (counted).
 - Agents expected back: `publish_awaited` (an answer of a session ended in a tool call, `CacheAwareState.on_finished`)
-  goes into the same buffer, in order with the decisions, as an entry with the session digest and the awaited block
-  count instead of hashes (`w`); the others mark the session awaited on that replica (`apply_awaited`) and clear it
+  goes into the same buffer, in order with the decisions, as an entry with the session digest, the awaited block
+  count (`w`) and no hashes; the others mark the session awaited on that replica (`apply_awaited`) and clear it
   when they see its next turn's decision, so cold placements through any gateway spare it. Not applied from the
-  history (a mark outlives its use by seconds).
+  history (a mark matters for seconds only).
 - Apply: one task (started with the prefix-cache state as its `SharedDecisionSink`) reads the stream
   (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
   read, so an outage shorter than the history loses nothing) and hands the other gateways' decisions to
