@@ -69,6 +69,15 @@ class CacheConfig(BaseModel):
         description="the same threshold for tokenizers that run in Python under the GIL (sim, chars): a thread only "
         "adds hand-off latency for them, so only very long prompts leave the event loop",
     )
+    deferred_turn_min_chars: int = Field(
+        4096,
+        ge=0,
+        description="a conversation's new turn (the last assistant message and the messages after it, the rest of "
+        "the conversation tokenized before) at least this long (characters) is tokenized beside the request, after "
+        "the routing decision: no replica holds its blocks beyond the answer's, so routing on the conversation before "
+        "it decides the same, with the prompt's length estimated; set it above the longest prompt to tokenize every "
+        "turn before routing",
+    )
     tokenizer_threads: int = Field(2, gt=0, description="size of the tokenization thread pool")
     parity_window: int = Field(50, gt=0, description="finished requests per parity check (per model)")
     parity_warn_fraction: float = Field(

@@ -9,10 +9,15 @@ the last message boundary of each request and reused by the next turn that start
     entry   = (L, digest of text[:L], token ids of text[:L], block hashes of its full blocks)
               where text[:L] is the rendering of those k messages without the generation prompt
 
-Per request: normalize and render the whole conversation (the template must see all of it), compute key(k) for
-every boundary (xxhash over each message, O(size of the messages) in C), take the longest k with an entry whose
-text digest matches the start of this rendering, and encode only what follows it; the block-hash chain continues
-from the entry's last full block. Then the boundary after the last message is stored for the next turn. On a miss
+Per request, in two steps. `prepare`: normalize and render the whole conversation (the template must see all of
+it), compute key(k) for every boundary (xxhash over each message, O(size of the messages) in C) and take the
+longest k with an entry whose text digest matches the start of this rendering. `finish`: encode only what follows
+it; the block-hash chain continues from the entry's last full block; then the boundary after the last message is
+stored for the next turn. Between them the caller may route: when what follows the reused prefix is the
+conversation's new turn (`ChatPrompt.new_turn`: the last assistant message and the messages after it, e.g. a tool
+call and its result), no replica can hold its blocks beyond the answer's own (on the replica that gave it), so the
+prefix's blocks and an estimated length (`ChatPrompt.estimate`) route it as well and `finish` runs beside the
+request (cacheindex.tokenize_pool). The same conversation sent again reuses its last boundary: nothing new. On a miss
 with two messages or more, the boundary after the first message is stored too (its rendering alone, when that is a
 safe prefix of this one: one more template render), so single-turn prompts that share a system prompt encode only
 what follows it.
@@ -21,7 +26,8 @@ Exactness: encode(A + B) == encode(A) + encode(B) holds when A ends with one of 
 (Hugging Face tokenizers split the text on added special tokens before anything else); a boundary that does not
 end with one is never stored (`unsafe`). A template that rewrites earlier messages when later ones arrive renders
 a different prefix text: the digest check fails and the full path runs (`rewritten`). Counted by outcome:
-`hit` (a prefix reused), `miss` (none stored), `unsafe`, `rewritten`, `full` (no generation prompt: not cached).
+`hit` (a prefix reused), `miss` (none stored), `unsafe`, `rewritten`, `full` (no generation prompt: not cached),
+counted by `finish`.
 tests/test_prefix_incremental.py checks incremental == full token for token over random conversations.
 
 Bounds: entries evicted least recently used past `max_bytes` (4 bytes per token id, 8 per block hash). Thread-safe
@@ -34,7 +40,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import orjson
@@ -72,6 +78,47 @@ class _Entry:
         return 4 * len(self.tokens) + 8 * len(self.hashes) + 128
 
 
+@dataclass(slots=True)
+class ChatPrompt:
+    """A rendered conversation between `ChatPrefixCache.prepare` and `finish`: the tokens and full-block hashes of
+    its reused prefix (`text[:start]`), and what is left to encode (`end` -1: the whole text, nothing stored)."""
+
+    tok: ChatRenderer
+    text: str
+    block_size: int
+    seed: int
+    outcome: Outcome
+    end: int = -1
+    suffix: str = ""
+    key: int = 0
+    start: int = 0
+    tokens: array[int] = field(default_factory=lambda: array("I"))
+    hashes: list[int] = field(default_factory=list)
+    new_turn: bool = False  # what follows `start` is the last assistant message and what came after it
+
+    def reuse(self, entry: _Entry, outcome: Outcome) -> None:
+        self.start, self.tokens, self.hashes, self.outcome = (
+            entry.text_len,
+            array("I", entry.tokens),
+            list(entry.hashes),
+            outcome,
+        )
+
+    def estimate(self) -> int:
+        """The prompt's token count before `finish`: the reused tokens, the rest at their characters per token."""
+        rest = len(self.text) - self.start
+        return len(self.tokens) + (-(-rest * len(self.tokens) // self.start) if self.start else rest // 4)
+
+
+def _new_turn(conversation: Sequence[Mapping[str, Any]], reused: int) -> bool:
+    """Whether the messages after the first `reused` are the last assistant message and those after it."""
+    return (
+        reused < len(conversation)
+        and conversation[reused].get("role") == "assistant"
+        and all(m.get("role") != "assistant" for m in conversation[reused + 1 :])
+    )
+
+
 def _text_digest(text: str) -> int:
     return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
 
@@ -102,9 +149,22 @@ class ChatPrefixCache:
         seed: int,
     ) -> tuple[int, list[int]]:
         """The prompt's token count and block hashes (chained from `seed`), exactly as a full tokenization."""
+        return self.finish(self.prepare(tok, messages, add_generation_prompt, kwargs, block_size=block_size, seed=seed))
+
+    def prepare(
+        self,
+        tok: ChatRenderer,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        kwargs: Mapping[str, Any],
+        *,
+        block_size: int,
+        seed: int,
+    ) -> ChatPrompt:
+        """Render the conversation and reuse its longest stored prefix; what follows it is left to `finish`."""
         conversation, text = tok.render_chat(messages, add_generation_prompt, kwargs)
         if not add_generation_prompt or kwargs.get("continue_final_message"):
-            return self._full(tok, text, block_size, seed, "full")
+            return ChatPrompt(tok, text, block_size, seed, "full")
         context = orjson.dumps([tok.template_id, kwargs, block_size, seed], default=str)
         keys = [xxhash.xxh3_64_intdigest(context)]
         for message in conversation:
@@ -112,54 +172,62 @@ class ChatPrefixCache:
         suffix = tok.generation_suffix(kwargs)
         end = len(text) - len(suffix)  # where the last message ends
         if not text.endswith(suffix) or not text[:end].endswith(tok.special_tokens):
-            return self._full(tok, text, block_size, seed, "unsafe")
-        start, tokens, hashes, outcome = 0, array("I"), [], "miss"
-        entry = self._longest(keys[1:-1])
-        if entry is not None:
+            return ChatPrompt(tok, text, block_size, seed, "unsafe")
+        prompt = ChatPrompt(tok, text, block_size, seed, "miss", end=end, suffix=suffix, key=keys[-1])
+        found = self._longest(keys[1:])
+        if found is not None:
+            k, entry = found
             if entry.text_len <= end and _text_digest(text[: entry.text_len]) == entry.text_digest:
-                start, tokens, hashes, outcome = entry.text_len, array("I", entry.tokens), list(entry.hashes), "hit"
+                prompt.reuse(entry, "hit")
+                prompt.new_turn = _new_turn(conversation, k)
             else:
-                outcome = "rewritten"
-        if outcome == "miss" and len(conversation) > 1:
-            start = self._first_boundary(tok, messages, kwargs, text, end, keys[1], tokens, hashes, block_size, seed)
-        tokens.extend(tok.encode(text[start:end]))
-        hashes.extend(chain_hashes(tokens[len(hashes) * block_size :], block_size, hashes[-1] if hashes else seed))
-        self._store(keys[-1], _Entry(end, _text_digest(text[:end]), array("I", tokens), tuple(hashes)))
-        tokens.extend(tok.encode(suffix))
-        hashes.extend(chain_hashes(tokens[len(hashes) * block_size :], block_size, hashes[-1] if hashes else seed))
-        self._count(outcome)  # type: ignore[arg-type]
+                prompt.outcome = "rewritten"
+        if prompt.outcome == "miss" and len(conversation) > 1:
+            self._first_boundary(prompt, messages, kwargs, keys[1])
+        return prompt
+
+    def finish(self, prompt: ChatPrompt) -> tuple[int, list[int]]:
+        """Encode what `prepare` left (all of the text when nothing was reused) and store the conversation's
+        boundary for its next turn: the prompt's token count and block hashes."""
+        tok, tokens, hashes, bs = prompt.tok, prompt.tokens, prompt.hashes, prompt.block_size
+        if prompt.end < 0:
+            tokens.extend(tok.encode(prompt.text))
+        else:
+            if prompt.start < prompt.end:
+                tokens.extend(tok.encode(prompt.text[prompt.start : prompt.end]))
+                hashes.extend(chain_hashes(tokens[len(hashes) * bs :], bs, hashes[-1] if hashes else prompt.seed))
+                text_digest = _text_digest(prompt.text[: prompt.end])
+                self._store(prompt.key, _Entry(prompt.end, text_digest, array("I", tokens), tuple(hashes)))
+            tokens.extend(tok.encode(prompt.suffix))
+        hashes.extend(chain_hashes(tokens[len(hashes) * bs :], bs, hashes[-1] if hashes else prompt.seed))
+        self._count(prompt.outcome)
         return len(tokens), hashes
 
     def _first_boundary(
-        self, tok: ChatRenderer, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any], text: str, end: int,
-        key: int, tokens: array[int], hashes: list[int], block_size: int, seed: int,
-    ) -> int:  # fmt: skip
+        self, prompt: ChatPrompt, messages: Sequence[Mapping[str, Any]], kwargs: Mapping[str, Any], key: int
+    ) -> None:
         """On a miss, also store the boundary after the first message (a shared system prompt: prompts that share
-        only it start from there); fills `tokens` and `hashes` up to it and returns where encoding continues (0 when
-        the first message's rendering is not a safe prefix of this one)."""
+        only it start from there) and reuse it for this prompt, when its rendering is a safe prefix of this one."""
+        tok, text = prompt.tok, prompt.text
         _, head = tok.render_chat(messages[:1], False, kwargs)
-        if not head or len(head) >= end or not text.startswith(head) or not head.endswith(tok.special_tokens):
-            return 0
-        tokens.extend(tok.encode(head))
-        hashes.extend(chain_hashes(tokens, block_size, seed))
-        self._store(key, _Entry(len(head), _text_digest(head), array("I", tokens), tuple(hashes)))
-        return len(head)
+        if not head or len(head) >= prompt.end or not text.startswith(head) or not head.endswith(tok.special_tokens):
+            return
+        tokens = array("I", tok.encode(head))
+        entry = _Entry(
+            len(head), _text_digest(head), tokens, tuple(chain_hashes(tokens, prompt.block_size, prompt.seed))
+        )
+        self._store(key, entry)
+        prompt.reuse(entry, "miss")
 
-    def _full(
-        self, tok: ChatRenderer, text: str, block_size: int, seed: int, outcome: Outcome
-    ) -> tuple[int, list[int]]:
-        tokens = tok.encode(text)
-        self._count(outcome)
-        return len(tokens), chain_hashes(tokens, block_size, seed)
-
-    def _longest(self, keys: Sequence[int]) -> _Entry | None:
-        """The entry of the longest boundary among `keys` (ordered by boundary), refreshed in LRU order."""
+    def _longest(self, keys: Sequence[int]) -> tuple[int, _Entry] | None:
+        """The entry of the longest boundary among `keys` (ordered by boundary) and its number of messages,
+        refreshed in LRU order."""
         with self._lock:
-            for key in reversed(keys):
-                entry = self._entries.get(key)
+            for i in range(len(keys) - 1, -1, -1):
+                entry = self._entries.get(keys[i])
                 if entry is not None:
-                    self._entries.move_to_end(key)
-                    return entry
+                    self._entries.move_to_end(keys[i])
+                    return i + 1, entry
         return None
 
     def _store(self, key: int, entry: _Entry) -> None:

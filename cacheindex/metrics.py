@@ -84,6 +84,13 @@ class PrefixMetrics:
             ["outcome"],
             r,
         )
+        self.new_turns = FastCounter(
+            "kvgate_prefix_new_turns_after_routing",
+            "conversations' new turns (the last answer and the messages after it) tokenized after the routing "
+            "decision, beside the request (cache.deferred_turn_min_chars)",
+            [],
+            r,
+        ).labels()
         self.corrections = FastCounter(
             "kvgate_prefix_index_corrections",
             "index entries dropped because a replica reported fewer cached tokens than kvgate believed (no events)",

@@ -6,7 +6,8 @@ prompt as the target engine will, cuts it into full blocks and hashes them in th
 adapter name + `cache_salt`).
 `overlap` / `session_replica` fill the `RoutingView`; `on_routed` records the speculative insert and binds the
 session, and hands both to `shared` (the other gateways, gateway.fleet, given at construction) when any;
-`apply_shared` learns theirs.
+`apply_shared` learns theirs. A prompt whose new turn is hashed after routing (`PrefixRequestInfo.rest`) is
+recorded, predicted and checked with its whole blocks once they are known (`_whole`), in call order.
 `on_finished` compares the predicted cached tokens with the engine's `cached_tokens` (live parity).
 
 Replicas: `add_replica` registers a replica's block size and capacity and, when KV events are enabled and its
@@ -21,8 +22,8 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import zmq.asyncio
@@ -50,6 +51,9 @@ class PrefixRequestInfo(RequestInfo):
     request_id: int = 0  # state-assigned, links on_routed to on_finished
     tokenizer_kind: str = ""
     approximate: bool = False  # pseudo tokens: overlaps are estimates
+    # a conversation's new turn being encoded after routing: then `prompt_tokens` is an estimate, `block_hashes` the
+    # blocks before it, and this the whole prompt's count and hashes (tokenize_pool.Tokenized)
+    rest: asyncio.Future[tuple[int, tuple[int, ...]] | None] | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True)
@@ -258,7 +262,7 @@ class CacheAwareState:
         block_size = self._block_size(base_model or model)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
-        n_tokens, hashes = await self.tokenize_pool.tokens_and_hashes(
+        tokenized = await self.tokenize_pool.tokens_and_hashes(
             tok, model=model, endpoint=endpoint, body=body, block_size=block_size, salt=salt
         )
         if session_key is None and self.config.session_from_user:
@@ -272,14 +276,15 @@ class CacheAwareState:
                     self.sessions.bind_digest(digest, replica)
         return PrefixRequestInfo(
             model=model,
-            prompt_tokens=n_tokens,
-            block_hashes=tuple(hashes),
+            prompt_tokens=tokenized.tokens,
+            block_hashes=tokenized.hashes,
             block_size=block_size,
             session_key=session_key,
             tenant=tenant,
             request_id=next(self._ids),
             tokenizer_kind=tok.kind,
             approximate=tok.approximate,
+            rest=tokenized.rest,
         )
 
     def holders(self, info: RequestInfo) -> list[str]:
@@ -339,22 +344,42 @@ class CacheAwareState:
 
     def on_routed(self, info: RequestInfo, decision: Decision) -> None:
         rid = decision.replica
+        digest = self._session_digest(info)
+        if digest is not None and rid in self._replicas:
+            self.sessions.bind_digest(digest, rid)
+            if self.awaited is not None:
+                self.awaited.back(digest)
+        self._whole(info, lambda whole: self._record_routed(whole, rid, digest, predict=whole is info))
+
+    def _record_routed(self, info: RequestInfo, rid: str, digest: bytes | None, *, predict: bool) -> None:
+        """Record the routed prompt's blocks on `rid` (and the prediction live parity checks); `predict`: the
+        overlap the decision just computed is the prediction (the prompt was whole when routed)."""
         if isinstance(info, PrefixRequestInfo):
             last_id, last = self._last_overlap
-            predicted = last[rid] if last_id == info.request_id and rid in last else None
+            predicted = last[rid] if predict and last_id == info.request_id and rid in last else None
             if predicted is None:
                 predicted = self.index.overlap(info.block_hashes, (rid,))[rid]
             if rid in self._replicas:
                 ages = self.index.ages(rid, info.block_hashes, predicted, self.routed.settled_before(rid))
                 self.routed.add(info.request_id, Routed(rid, predicted, ages, self.index.inserts(rid)))
         self.index.record_routed(rid, info.block_hashes)
-        digest = self._session_digest(info)
-        if digest is not None and rid in self._replicas:
-            self.sessions.bind_digest(digest, rid)
-            if self.awaited is not None:
-                self.awaited.back(digest)
         if self.shared is not None and (info.block_hashes or digest is not None):
             self.shared.publish(rid, info.block_hashes, digest)
+
+    @staticmethod
+    def _whole(info: RequestInfo, then: Callable[[RequestInfo], None]) -> None:
+        """`then(info)` now, or, for a prompt whose new turn is still being encoded (`PrefixRequestInfo.rest`),
+        with the whole prompt once it is (in call order: what `on_routed` deferred runs before `on_finished`)."""
+        if not isinstance(info, PrefixRequestInfo) or info.rest is None:
+            then(info)
+            return
+        prompt, rest = info, info.rest
+
+        def whole(_: object) -> None:
+            done = None if rest.cancelled() or rest.exception() is not None else rest.result()
+            then(prompt if done is None else replace(prompt, prompt_tokens=done[0], block_hashes=done[1], rest=None))
+
+        rest.add_done_callback(whole)
 
     def apply_shared(self, replica: str, hashes: Sequence[int], session: bytes | None, *, past: bool = False) -> None:
         """Another gateway sent a request with these blocks (and session) to `replica`: learn it as if this one
@@ -383,6 +408,11 @@ class CacheAwareState:
         """A routed request ended (`reported_cached_tokens` None: it failed or reported none). With a report, the
         index learns from it and live parity compares it with the prediction. `tool_call`: its answer ended in a
         tool call, so its session is expected back (`awaited`)."""
+        self._whole(info, lambda whole: self._finished(whole, replica_id, reported_cached_tokens, tool_call))
+
+    def _finished(
+        self, info: RequestInfo, replica_id: str | None, reported_cached_tokens: int | None, tool_call: bool
+    ) -> None:
         if tool_call and self.awaited is not None and replica_id is not None and replica_id in self._replicas:
             digest = self._session_digest(info)
             if digest is not None:

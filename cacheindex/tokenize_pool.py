@@ -8,7 +8,11 @@ Per request, `tokens_and_hashes` tokenizes the prompt as the target engine will 
 the first prompt of a batch, or the token ids as given) and hashes its full blocks in the cache context. Prompts of
 at least `tokenizer_thread_min_chars` characters are tokenized in the pool (an 8k-token HF chat prompt takes ~20 ms
 on this machine); shorter ones inline (pure-Python tokenizers, which hold the GIL, only from
-`python_tokenizer_thread_min_chars`). It never raises: a prompt it cannot tokenize carries no blocks (counted).
+`python_tokenizer_thread_min_chars`). A conversation's new turn of at least `deferred_turn_min_chars` (the last answer
+and the messages after it, with the rest reused from the chat prefix cache) is encoded after this returns, in the
+pool: the caller routes on the blocks before it with the length estimated and gets the whole prompt from
+`Tokenized.rest` (an agent's 10,000-character tool result is about 5 ms of HF encoding taken off time to first
+token). It never raises: a prompt it cannot tokenize carries no blocks (counted).
 Cost: O(prompt) per request, and an O(messages) size estimate that decides inline or pool.
 """
 
@@ -20,11 +24,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from cacheindex.config import CacheConfig
 from cacheindex.hashing import context_seed, prompt_block_hashes
-from cacheindex.incremental import ChatPrefixCache
+from cacheindex.incremental import ChatPrefixCache, ChatPrompt
 from cacheindex.metrics import PrefixMetrics
 from cacheindex.tokenizers import CharsPromptTokenizer, HfPromptTokenizer, PromptTokenizer, build_tokenizer
 
@@ -69,6 +73,15 @@ def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> l
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return list(prompt)
     raise ValueError("prompt must be a string, a list of strings or a list of token ids")
+
+
+class Tokenized(NamedTuple):
+    """A prompt's token count and full-block hashes; with `rest`, those of a conversation before its new turn (the
+    count estimated) and, once it is encoded, the whole prompt's (None: it could not be)."""
+
+    tokens: int
+    hashes: tuple[int, ...]
+    rest: asyncio.Future[tuple[int, tuple[int, ...]] | None] | None = None
 
 
 class TokenizePool:
@@ -150,32 +163,51 @@ class TokenizePool:
         body: Mapping[str, Any],
         block_size: int,
         salt: str | None,
-    ) -> tuple[int, list[int]]:
-        """The prompt's token count and block hashes (seeded with `model` and `salt`); (0, []) when it cannot be
-        tokenized (`kvgate_prefix_tokenize_errors_total`)."""
+    ) -> Tokenized:
+        """The prompt's token count and block hashes (seeded with `model` and `salt`); (0, ()) when it cannot be
+        tokenized (`kvgate_prefix_tokenize_errors_total`). A conversation's long new turn is encoded after this
+        returns (`Tokenized.rest`)."""
 
-        def work() -> tuple[int, list[int]]:
+        def work() -> tuple[int, list[int]] | ChatPrompt:
             if endpoint == "chat" and isinstance(tok, HfPromptTokenizer):  # exact, and only the new tokens encoded
                 add_generation_prompt = bool(body.get("add_generation_prompt", True))
-                return self.chat_prefixes.tokens_and_hashes(
+                prompt = self.chat_prefixes.prepare(
                     tok, body["messages"], add_generation_prompt, _chat_kwargs(body),
                     block_size=block_size, seed=context_seed(model, None, salt),
                 )  # fmt: skip
+                if prompt.new_turn and len(prompt.text) - prompt.start >= self.config.deferred_turn_min_chars:
+                    return prompt
+                return self.chat_prefixes.finish(prompt)
             tokens = _tokenize(tok, endpoint, body)
             return len(tokens), prompt_block_hashes(tokens, block_size, model=model, cache_salt=salt)
 
         started = time.perf_counter()
+        loop = asyncio.get_running_loop()
         try:
             cfg = self.config
             min_chars = cfg.python_tokenizer_thread_min_chars if tok.pure_python else cfg.tokenizer_thread_min_chars
-            if _prompt_chars(endpoint, body) >= min_chars:
-                n_tokens, hashes = await asyncio.get_running_loop().run_in_executor(self._pool, work)
+            done = (
+                await loop.run_in_executor(self._pool, work) if _prompt_chars(endpoint, body) >= min_chars else work()
+            )
+            if isinstance(done, ChatPrompt):  # its known part taken before `finish` extends it in the pool
+                known = Tokenized(done.estimate(), tuple(done.hashes))
+                tokenized = known._replace(rest=loop.run_in_executor(self._pool, self._finish, done, tok.kind))
+                self.metrics.new_turns.inc()
             else:
-                n_tokens, hashes = work()
+                tokenized = Tokenized(done[0], tuple(done[1]))
         except Exception as exc:  # the router's prediction must never fail the request; the engine validates
             log.debug("could not tokenize a %s request for %s: %r", endpoint, model, exc)
             self.metrics.tokenize_errors.labels(tok.kind).inc()
-            n_tokens, hashes = 0, []
+            tokenized = Tokenized(0, ())
         self.metrics.tokenize_seconds.labels(tok.kind).observe(time.perf_counter() - started)
         self.metrics.requests.labels(tok.kind, "true" if tok.approximate else "false").inc()
-        return n_tokens, hashes
+        return tokenized
+
+    def _finish(self, prompt: ChatPrompt, kind: str) -> tuple[int, tuple[int, ...]] | None:
+        try:
+            n_tokens, hashes = self.chat_prefixes.finish(prompt)
+        except Exception as exc:  # as above: the request goes on with the blocks known before
+            log.debug("could not tokenize a conversation's new turn: %r", exc)
+            self.metrics.tokenize_errors.labels(kind).inc()
+            return None
+        return n_tokens, tuple(hashes)

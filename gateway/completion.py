@@ -229,8 +229,11 @@ class CompletionService:
             raw = await read_body(request, self.config.server, json=False)
             parsed = parse_multipart(raw, request.headers.get("Content-Type", ""))
         else:
-            raw = await read_body(request, self.config.server)
-            parsed = parse_request(endpoint.body, raw, model_optional=endpoint.model_optional)
+            server = self.config.server
+            raw = await read_body(request, server, json=False)  # (its nesting checked as it is decoded)
+            parsed = parse_request(
+                endpoint.body, raw, max_depth=server.max_json_depth, model_optional=endpoint.model_optional
+            )
             previous = parsed.body.get("previous_response_id") if endpoint.records_id else None
             if isinstance(previous, str):  # a conversation stored on one replica continues there
                 holder = await self.holders.get(previous)

@@ -53,7 +53,11 @@ class ServerConfig(StrictModel):
         8 * 1024 * 1024, gt=0, description="largest /v1/realtime message either way; a larger one closes it (1009)"
     )
     max_json_depth: int = Field(
-        64, ge=4, le=512, description="request bodies nested deeper (arrays and objects) get 400 before any parsing"
+        64,
+        ge=4,
+        le=512,
+        description="request bodies nested deeper (arrays and objects) get 400 and never reach an engine (checked "
+        "on orjson's decoded value, which stops at 1,024 levels itself, else before any parser reads the text)",
     )
     max_header_bytes: int = Field(8190, ge=256, description="longest request line or header line; longer gets 431")
     max_headers: int = Field(128, ge=8, description="most header lines in a request; more gets 431")

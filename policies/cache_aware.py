@@ -170,7 +170,9 @@ class CacheAware:
             cost += p.imbalance_cost * excess * excess
         fp = view.footprint.get(r.id)
         if fp is not None and fp.capacity_blocks > 0:
-            new_blocks = max(0, len(req.block_hashes) - max(held, fp.hot_overlap))
+            # a conversation's new turn is hashed after routing: its blocks counted from the estimated length
+            blocks = max(len(req.block_hashes), req.prompt_tokens // req.block_size if req.block_size else 0)
+            new_blocks = max(0, blocks - max(held, fp.hot_overlap))
             # the hot blocks this request pushes out: none while it fits, at most its own new blocks once full
             evicted = min(new_blocks, max(0, fp.hot_blocks + new_blocks - fp.capacity_blocks))
             occupancy = min(1.0, fp.hot_blocks / fp.capacity_blocks)

@@ -19,6 +19,9 @@ model has 2 layers x 2 KV heads x head dim 32 x K and V x 2 bytes), small enough
    vLLM's block pool predicts 0.0; with the groups shuffled per round instead, 0.26-0.55 depending on the order);
    cache-aware keeps each group on one replica and hits on all but a group's first request (about 0.80).
    Live parity: kvgate's predicted cached tokens equal what the engine reports (`--enable-prompt-tokens-details`).
+3. A growing conversation whose new turns (the last answer and the user's reply) are hashed after the routing
+   decision (`cache.deferred_turn_min_chars`): each turn stays on its replica and kvgate's predicted cached tokens,
+   taken from the whole prompt once it is hashed, equal what the engine reports.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "startup_deadline_s": READY_S,
     }
     tmp = tmp_path_factory.mktemp("vllm-cache")
-    with pool_gateway(tmp, admin_key=KEY, model=model, routing={"policy": "cache-aware"}) as gw:
+    cache = {"deferred_turn_min_chars": 256}  # an agent's new turns of test 3 are hashed after routing
+    with pool_gateway(tmp, admin_key=KEY, model=model, routing={"policy": "cache-aware"}, cache=cache) as gw:
         yield gw
 
 
@@ -392,3 +396,40 @@ async def test_cache_aware_hit_rate_far_above_round_robin(gateway: Gateway) -> N
         # live parity: what kvgate predicted each replica had cached vs what vLLM reported, over the same requests
         assert reported == pytest.approx(h1 - h0, rel=0.02)
         assert predicted == pytest.approx(reported, rel=0.02)
+
+
+# --- 3. new turns hashed after routing ------------------------------------------------------------------------------
+@pytest.mark.timeout(READY_S + 120)
+async def test_new_turns_hashed_after_routing_keep_parity(gateway: Gateway) -> None:
+    async with aiohttp.ClientSession() as http:
+        await ready_replicas(http, gateway)
+        tok = await asyncio.to_thread(HfPromptTokenizer, str(gateway.model_dir))
+        rng = random.Random(SEED + 3)
+        system = await asyncio.to_thread(text_of_tokens, tok, "Agent session for the kvgate test.", 6 * BLOCK, rng)
+        words = corpus_text().split()
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Start the task."}]
+        gw0 = await scrape(http, gateway.url)
+        routes, cached = [], []
+        for _ in range(4):
+            reply, headers = await chat(http, gateway.url, messages)
+            routes.append((headers["x-kvgate-replica"], headers["x-kvgate-route-reason"]))
+            cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+            answer = " ".join(rng.choice(words) for _ in range(30))
+            reply_text = " ".join(rng.choice(words) for _ in range(60))  # over 256 characters
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": reply_text}]
+        reported = "kvgate_prefix_reported_cached_tokens_total"
+        end = time.monotonic() + 20
+        while (gw1 := await scrape(http, gateway.url)) and total(gw1, reported) - total(gw0, reported) < sum(cached):
+            assert time.monotonic() < end, "the requests' parity samples were not taken"  # (as each one finishes)
+            await asyncio.sleep(0.05)
+
+        def delta(name: str, **labels: str) -> float:
+            return total(gw1, name, **labels) - total(gw0, name, **labels)
+
+        print(f"\nnew turns: routes {routes}, cached tokens {cached}")
+        assert delta("kvgate_prefix_new_turns_after_routing_total") == 3
+        home = routes[0][0]
+        assert all(route == (home, "cache-hit") for route in routes[1:]), routes
+        assert all(c >= 6 * BLOCK for c in cached[1:]), cached  # the history came from the engine's cache
+        predicted = delta("kvgate_prefix_predicted_cached_tokens_total", model=MODEL)
+        assert predicted == delta(reported, model=MODEL) == sum(cached)

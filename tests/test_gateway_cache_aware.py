@@ -3,8 +3,15 @@ holds them, sessions stay put, and the gateway's prediction of cached tokens mat
 
 from __future__ import annotations
 
-import aiohttp
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
 
+import aiohttp
+import pytest
+
+from cacheindex.tokenizers import HfPromptTokenizer
 from gateway.keys import CACHE
 from simengine import SimConfig
 from simengine.tokenize import tokenize_text
@@ -142,3 +149,47 @@ async def test_cold_placements_spare_an_agent_waiting_on_its_tool(http: aiohttp.
     assert gauge == "kvgate_sessions_awaited 0.0"
     assert on_home == 3
     assert cached_off < cached
+
+
+async def _metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:
+    text = await (await http.get(url + "/metrics")).text()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(sample + " "))
+
+
+async def test_an_agents_long_new_turns_are_hashed_after_routing_and_still_recorded(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Each turn of a tool-using agent appends the answer (a tool call) and a long tool result: routed on the
+    conversation before them, on its replica, and the whole prompt, hashed beside the request, recorded there."""
+    pytest.importorskip("transformers", reason="the tokenizer extra is not installed")
+    from engine_pool.tiny_model import _build_tokenizer
+
+    _build_tokenizer(tmp_path, 1 << 20)
+    tok = HfPromptTokenizer(str(tmp_path))
+    cache = {"tokenizers": {"sim": str(tmp_path)}, "deferred_turn_min_chars": 1000}
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent; use the tools. " * 50},
+        {"role": "user", "content": "Find the failing test and fix it."},
+    ]
+    async with gateway_over_sims([SIM, SIM], routing={"policy": "cache-aware"}, cache=cache) as (gw, _):
+        routes = []
+        for turn in range(4):
+            body = {"model": "sim", "max_tokens": 2, "messages": messages}
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                routes.append((resp.headers["x-kvgate-replica"], resp.headers["x-kvgate-route-reason"]))
+            # the prompt's every full block (its new turn's included) is recorded on its replica (an agent's next
+            # turn comes after its tool ran; an instant engine answers before the new turn is hashed)
+            blocks = len(tok.tokenize_chat(messages, True, {})) // 16
+            held = f'kvgate_prefix_index_blocks{{replica="{routes[0][0]}"}}'
+            deadline = time.monotonic() + 10
+            while await _metric(http, gw.url, held) < blocks:
+                assert time.monotonic() < deadline, f"turn {turn}'s blocks were not recorded"
+                await asyncio.sleep(0.02)
+            call = {"id": f"call_{turn}", "type": "function",
+                    "function": {"name": "read_file", "arguments": f'{{"path": "src/m{turn}.py"}}'}}  # fmt: skip
+            result = "".join(f"line {i} of module {turn}: x = compute({i})\n" for i in range(80))  # ~3,000 chars
+            messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": f"call_{turn}", "content": result}]  # fmt: skip
+        assert routes[1:] == [(routes[0][0], "cache-hit")] * 3
+        assert await _metric(http, gw.url, "kvgate_prefix_new_turns_after_routing_total") == 3

@@ -60,8 +60,10 @@ def grow(tok: HfPromptTokenizer, conversation: list[dict[str, Any]], kwargs: dic
         if conversation[end - 1]["role"] != "user":
             continue
         messages = conversation[:end]
-        got = cache.tokens_and_hashes(tok, messages, True, kwargs, block_size=BS, seed=SEED)
-        assert got == full(tok, messages, kwargs), f"turn {end}"
+        prompt = cache.prepare(tok, messages, True, kwargs, block_size=BS, seed=SEED)
+        # after a turn's reuse, what is left is the answer and the user's reply: encoded after routing when long
+        assert prompt.new_turn == (prompt.outcome == "hit"), f"turn {end}"
+        assert cache.finish(prompt) == full(tok, messages, kwargs), f"turn {end}"
     return outcomes
 
 
@@ -173,3 +175,35 @@ def test_prompts_that_share_only_a_system_prompt_encode_just_their_question(tiny
     head = len(tiny.render_chat([system], False, {})[1])
     first = sum(encoded) - sum(encoded[-4 * 2 :])  # each later prompt encodes its question and the suffix
     assert first >= head and sum(encoded[-8:]) < head / 2  # the system prompt was encoded once, by the first
+
+
+def test_a_new_turn_is_known_up_to_the_answer_before_it_is_encoded(tiny: HfPromptTokenizer) -> None:
+    """What routing sees of a conversation's new turn before `finish`: the blocks of everything before the last
+    answer (a prefix of the whole chain), the length estimated; `finish` gives the exact whole."""
+    cache = ChatPrefixCache(1 << 24)
+    conversation: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent with tools. " * 20},
+        {"role": "user", "content": "Read the module and fix the bug."},
+    ]
+    cache.tokens_and_hashes(tiny, conversation, True, {}, block_size=BS, seed=SEED)
+    call = {"id": "call_0", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+    conversation += [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "def f(x):\n    return x + 1  # line\n" * 60},
+    ]
+    whole = full(tiny, conversation, {})
+    prompt = cache.prepare(tiny, conversation, True, {}, block_size=BS, seed=SEED)
+    assert prompt.outcome == "hit" and prompt.new_turn
+    known = list(prompt.hashes)
+    assert 0 < len(known) < len(whole[1]) and whole[1][: len(known)] == known
+    assert abs(prompt.estimate() - whole[0]) < 0.25 * whole[0]
+    assert cache.finish(prompt) == whole
+
+    again = cache.prepare(tiny, conversation, True, {}, block_size=BS, seed=SEED)  # the same request once more
+    assert not again.new_turn and again.start == again.end  # reused through its last message: nothing new
+    assert cache.finish(again) == whole
+
+    question = [*conversation[:1], {"role": "user", "content": "Another task, same system prompt."}]
+    fresh = cache.prepare(tiny, question, True, {}, block_size=BS, seed=SEED)
+    assert not fresh.new_turn  # a new user question after a shared system prompt is routed on all of it
+    assert cache.finish(fresh) == full(tiny, question, {})

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.answers import ends_in_tool_call, usage_of
-from gateway.body import deeper_than, nested_deeper, structure_of
+from gateway.body import deeper_than, nested_deeper, scan_value, structure_of
 from gateway.config import ConfigError, load_config
 from gateway.errors import BadRequest
 from gateway.request_parse import engine_body, parse_request
@@ -24,6 +24,7 @@ from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
 BIG = 1180591620717411303424  # beyond 64 bits: orjson reads it as a float
+DEPTH = 64  # server.max_json_depth's default
 
 
 @pytest.mark.parametrize(
@@ -36,31 +37,31 @@ BIG = 1180591620717411303424  # beyond 64 bits: orjson reads it as a float
     ],
 )
 def test_what_orjson_refuses_the_standard_library_reads(raw: bytes) -> None:
-    parsed = parse_request("completions", raw)
+    parsed = parse_request("completions", raw, max_depth=DEPTH)
     assert parsed.stdlib_json and parsed.model == "m"
 
 
 def test_invalid_json_is_still_a_400() -> None:
     with pytest.raises(BadRequest) as info:
-        parse_request("completions", b'{"model": "m",')
+        parse_request("completions", b'{"model": "m",', max_depth=DEPTH)
     assert info.value.code == "invalid_json"
 
 
 def test_the_engine_gets_the_clients_bytes_unless_the_gateway_changes_a_field() -> None:
     raw = b'{"model":"m","prompt":"x","seed":%d}' % BIG
-    assert engine_body(parse_request("completions", raw), raw, salted=False) is raw
+    assert engine_body(parse_request("completions", raw, max_depth=DEPTH), raw, salted=False) is raw
 
 
 def test_a_streams_usage_option_is_spliced_in() -> None:
     raw = b' {"model":"m","prompt":"x","stream":true,"seed":%d}' % BIG
-    sent = json.loads(engine_body(parse_request("completions", raw), raw, salted=False))
+    sent = json.loads(engine_body(parse_request("completions", raw, max_depth=DEPTH), raw, salted=False))
     assert sent["stream_options"] == {"include_usage": True} and sent["seed"] == BIG
 
 
 @pytest.mark.parametrize("seed", [BIG, -(2**63) - 1], ids=["beyond-64-bits", "below-int64"])
 def test_a_rewrite_keeps_every_value_exactly(seed: int) -> None:
     raw = b'{"model":"m","prompt":"x","stream":true,"stream_options":{"x":1},"seed":%d}' % seed
-    parsed = parse_request("completions", raw)
+    parsed = parse_request("completions", raw, max_depth=DEPTH)
     parsed.body["cache_salt"] = "kvgate:abc"
     sent = json.loads(engine_body(parsed, raw, salted=True))
     assert sent["seed"] == seed and sent["cache_salt"] == "kvgate:abc"
@@ -108,6 +109,15 @@ json_values = st.recursive(
 def test_nesting_check_agrees_with_the_parsed_depth(value: object, limit: int) -> None:
     raw = json.dumps(value).encode()  # brackets inside strings must not count
     assert nested_deeper(raw, limit) == (_depth(value) > limit)
+    assert scan_value(value, limit) == (_depth(value) > limit, False)  # the check on a decoded value agrees
+
+
+@pytest.mark.parametrize(
+    ("value", "rounded"),
+    [([1, 2.5, {"a": [-(2.0**63) - 4096]}], True), ({"t": [1e300]}, True), ([2**63, 1.5e18, 0.5], False)],
+)
+def test_a_float_an_integer_literal_may_have_become_is_found_at_any_depth(value: object, rounded: bool) -> None:
+    assert scan_value(value, DEPTH) == (False, rounded)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +129,7 @@ def test_nesting_check_agrees_with_the_parsed_depth(value: object, limit: int) -
         '{"model": "sim", "prompt": ' + "[" * 100_000,  # not even valid JSON
     ],
 )
-async def test_deeply_nested_bodies_are_400_before_any_parser(body: str, http: aiohttp.ClientSession) -> None:
+async def test_deeply_nested_bodies_are_400_and_never_reach_an_engine(body: str, http: aiohttp.ClientSession) -> None:
     sim = SimConfig(model="sim", instant=True)
     async with gateway_over_sims([sim], admin={"key": "adm"}) as (gw, sims):
         for path, headers in (("/v1/chat/completions", {}), ("/admin/reload", {"Authorization": "Bearer adm"})):
@@ -143,13 +153,13 @@ async def test_deeply_nested_bodies_are_400_before_any_parser(body: str, http: a
 def test_a_body_with_a_duplicate_key_is_refused(raw: bytes) -> None:
     endpoint = "chat" if b"messages" in raw else "completions"
     with pytest.raises(BadRequest) as caught:
-        parse_request(endpoint, raw)
+        parse_request(endpoint, raw, max_depth=DEPTH)
     assert caught.value.code == "duplicate_key"
 
 
 def test_repeated_field_names_inside_strings_are_fine() -> None:
     raw = b'{"model":"m","prompt":"say \\"model\\" and \\"model\\" again"}'
-    assert parse_request("completions", raw).model == "m"
+    assert parse_request("completions", raw, max_depth=DEPTH).model == "m"
 
 
 def test_cache_isolation_needs_a_secret() -> None:
