@@ -8,12 +8,19 @@ last used before it were used by finished requests, so the engine held them (see
 
 Bounds: at most `max_entries` requests (the oldest forgotten first, e.g. after lost `pop` calls). Cost: O(1) per
 add, pop and `settled_before`.
+
+`ParityWindows`: when they end, per model, the gap between predicted and reported cached tokens over windows of
+`size` requests; a window whose gaps exceed `warn_fraction` of its prompt tokens is logged (a tokenizer or chat
+template that differs from the engine's). O(1) per request, amortized; one window per model.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+from collections import OrderedDict, deque
 from typing import NamedTuple
+
+log = logging.getLogger(__name__)
 
 
 class Routed(NamedTuple):
@@ -53,3 +60,24 @@ class RoutedRequests:
         requests = self._by_replica.get(replica)
         # a replica's requests are kept in routing order and its insert count only grows: the first is the oldest
         return next(iter(requests.values())).inserts_at if requests else None
+
+
+class ParityWindows:
+    def __init__(self, size: int, warn_fraction: float) -> None:
+        self.size, self.warn_fraction = size, warn_fraction
+        self._windows: dict[str, deque[tuple[int, int]]] = {}
+
+    def add(self, model: str, gap: int, prompt_tokens: int) -> None:
+        window = self._windows.setdefault(model, deque(maxlen=self.size))
+        window.append((gap, prompt_tokens))
+        if len(window) < self.size:
+            return
+        gaps = sum(g for g, _ in window)
+        prompts = sum(p for _, p in window) or 1
+        if gaps / prompts > self.warn_fraction:
+            log.warning(
+                "prefix prediction for %s is off by %.0f%% of prompt tokens over the last %d requests "
+                "(tokenizer or chat template mismatch with the engine?)",
+                model, 100 * gaps / prompts, len(window),
+            )  # fmt: skip
+        window.clear()

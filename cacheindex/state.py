@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -34,7 +33,7 @@ from cacheindex.event_sink import KvEventApplier
 from cacheindex.kv_events import KvEvent, KvEventSubscriber
 from cacheindex.kv_index import KvIndex
 from cacheindex.metrics import PrefixMetrics
-from cacheindex.routed import Routed, RoutedRequests
+from cacheindex.routed import ParityWindows, Routed, RoutedRequests
 from cacheindex.sessions import AwaitedSessions, SessionTable, session_digest
 from cacheindex.shared import EarlyDecisions, SharedRouting
 from cacheindex.tokenize_pool import TokenizePool
@@ -96,7 +95,7 @@ class CacheAwareState:
         self.routed = RoutedRequests(_MAX_PENDING)
         self._last_overlap: tuple[int, dict[str, int]] = (0, {})
         self._overlap_memo: tuple[int, int, dict[str, int]] = (0, -1, {})  # request, index version, overlaps
-        self._parity: dict[str, deque[tuple[int, int]]] = {}
+        self.parity = ParityWindows(config.parity_window, config.parity_warn_fraction)
         self._zmq: zmq.asyncio.Context | None = None
         self._stopping: set[asyncio.Task[None]] = set()
         self._events = KvEventApplier(self.index, self.metrics)
@@ -440,18 +439,7 @@ class CacheAwareState:
         self.metrics.gap.labels(info.model).observe(gap)
         if info.approximate:
             return
-        window = self._parity.setdefault(info.model, deque(maxlen=self.config.parity_window))
-        window.append((gap, info.prompt_tokens))
-        if len(window) == window.maxlen:
-            gaps = sum(g for g, _ in window)
-            prompts = sum(p for _, p in window) or 1
-            if gaps / prompts > self.config.parity_warn_fraction:
-                log.warning(
-                    "prefix prediction for %s is off by %.0f%% of prompt tokens over the last %d requests "
-                    "(tokenizer or chat template mismatch with the engine?)",
-                    info.model, 100 * gaps / prompts, len(window),
-                )  # fmt: skip
-            window.clear()
+        self.parity.add(info.model, gap, info.prompt_tokens)
 
     # --- KV event sink (the subscriber calls these) -----------------------------------------------------------
     def on_kv_events(self, replica_id: str, events: Iterable[KvEvent]) -> None:

@@ -271,8 +271,9 @@ class RoutingShare:
         if awaited is None:
             sink.apply_shared(replica, hashes, session, past=past)
         elif session is not None and awaited.isdigit():
-            if not past:
-                sink.apply_awaited(replica, session, int(awaited))
+            if past:  # a mark lives seconds: one from the history is over, not applied (nor counted)
+                return
+            sink.apply_awaited(replica, session, int(awaited))
         else:
             log.debug("ignoring a malformed awaited session: %r", fields)
             return
