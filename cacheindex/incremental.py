@@ -97,12 +97,8 @@ class ChatPrompt:
     new_turn: bool = False  # what follows `start` is the last assistant message and what came after it
 
     def reuse(self, entry: _Entry, outcome: Outcome) -> None:
-        self.start, self.tokens, self.hashes, self.outcome = (
-            entry.text_len,
-            array("I", entry.tokens),
-            list(entry.hashes),
-            outcome,
-        )
+        self.start, self.outcome = entry.text_len, outcome
+        self.tokens, self.hashes = array("I", entry.tokens), list(entry.hashes)
 
     def estimate(self) -> int:
         """The prompt's token count before `finish`: the reused tokens, the rest at their characters per token."""

@@ -46,8 +46,12 @@ async def read_body(request: web.Request, limits: ServerConfig, *, json: bool = 
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
     if json and nested_deeper(raw, limits.max_json_depth):
-        raise BadRequest(f"the JSON body is nested deeper than {limits.max_json_depth} levels", code="too_deep")
+        raise too_deep(limits.max_json_depth)
     return raw
+
+
+def too_deep(limit: int) -> BadRequest:
+    return BadRequest(f"the JSON body is nested deeper than {limit} levels", code="too_deep")
 
 
 # A JSON string's escapes, resolved before the quotes are read: an escaped backslash, then an escaped quote.

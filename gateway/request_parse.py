@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.body import nested_deeper, scan_value
+from gateway.body import nested_deeper, scan_value, too_deep
 from gateway.errors import ApiShape, BadRequest
 
 BodyKind = Literal["chat", "completions", "json", "multipart", "held"]  # see gateway.endpoints
@@ -139,19 +139,15 @@ def decode(raw: bytes, max_depth: int) -> tuple[Any, bool]:
     else:
         deep, rounded = scan_value(value, max_depth)
         if deep:
-            raise _too_deep(max_depth)
+            raise too_deep(max_depth)
         if not rounded:
             return value, False
     if nested_deeper(raw, max_depth):
-        raise _too_deep(max_depth)
+        raise too_deep(max_depth)
     try:
         return json.loads(raw), True
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-
-
-def _too_deep(limit: int) -> BadRequest:
-    return BadRequest(f"the JSON body is nested deeper than {limit} levels", code="too_deep")
 
 
 def encode(body: dict[str, Any], parsed: ParsedRequest) -> bytes:
