@@ -134,19 +134,6 @@ class ChatPrefixCache:
     def bytes(self) -> int:
         return self._bytes
 
-    def tokens_and_hashes(
-        self,
-        tok: ChatRenderer,
-        messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool,
-        kwargs: Mapping[str, Any],
-        *,
-        block_size: int,
-        seed: int,
-    ) -> tuple[int, list[int]]:
-        """The prompt's token count and block hashes (chained from `seed`), exactly as a full tokenization."""
-        return self.finish(self.prepare(tok, messages, add_generation_prompt, kwargs, block_size=block_size, seed=seed))
-
     def prepare(
         self,
         tok: ChatRenderer,
@@ -157,7 +144,8 @@ class ChatPrefixCache:
         block_size: int,
         seed: int,
     ) -> ChatPrompt:
-        """Render the conversation and reuse its longest stored prefix; what follows it is left to `finish`."""
+        """Render the conversation and reuse its longest stored prefix; what follows it is left to `finish`
+        (`finish(prepare(...))`: the prompt's token count and block hashes, exactly as a full tokenization)."""
         conversation, text = tok.render_chat(messages, add_generation_prompt, kwargs)
         if not add_generation_prompt or kwargs.get("continue_final_message"):
             return ChatPrompt(tok, text, block_size, seed, "full")

@@ -46,6 +46,13 @@ def tiny(tiny_dir: Path) -> HfPromptTokenizer:
     return HfPromptTokenizer(str(tiny_dir))
 
 
+def tokens_and_hashes(
+    cache: ChatPrefixCache, tok: HfPromptTokenizer, messages: Any, agp: bool, kwargs: Any, *, block_size: int, seed: int
+) -> tuple[int, list[int]]:
+    """A prompt through the cache at once, as the gateway does for all but a conversation's long new turn."""
+    return cache.finish(cache.prepare(tok, messages, agp, kwargs, block_size=block_size, seed=seed))
+
+
 def full(tok: HfPromptTokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> tuple[int, list[int]]:
     tokens = tok.tokenize_chat(messages, True, kwargs)
     return len(tokens), chain_hashes(tokens, BS, SEED)
@@ -109,7 +116,7 @@ def test_a_long_history_is_encoded_once(tiny: HfPromptTokenizer) -> None:
     try:
         for i in range(10):
             conversation.append({"role": "user", "content": f"question {i} " * 50})
-            cache.tokens_and_hashes(tiny, conversation, True, {}, block_size=BS, seed=SEED)
+            tokens_and_hashes(cache, tiny, conversation, True, {}, block_size=BS, seed=SEED)
             conversation.append({"role": "assistant", "content": f"answer {i} " * 50})
     finally:
         del tiny.encode
@@ -138,9 +145,9 @@ def test_template_kwargs_and_salt_are_part_of_the_key(tiny: HfPromptTokenizer) -
     cache = ChatPrefixCache(1 << 24)
     first = [{"role": "user", "content": "hello there"}]
     second = [*first, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
-    cache.tokens_and_hashes(tiny, first, True, {}, block_size=BS, seed=SEED)
+    tokens_and_hashes(cache, tiny, first, True, {}, block_size=BS, seed=SEED)
     other_seed = context_seed("m", None, "another tenant")
-    got = cache.tokens_and_hashes(tiny, second, True, {}, block_size=BS, seed=other_seed)
+    got = tokens_and_hashes(cache, tiny, second, True, {}, block_size=BS, seed=other_seed)
     tokens = tiny.tokenize_chat(second, True, {})
     assert got == (len(tokens), chain_hashes(tokens, BS, other_seed))
 
@@ -148,7 +155,7 @@ def test_template_kwargs_and_salt_are_part_of_the_key(tiny: HfPromptTokenizer) -
 def test_the_cache_is_bounded_by_bytes(tiny: HfPromptTokenizer) -> None:
     cache = ChatPrefixCache(4096)
     for i in range(50):
-        cache.tokens_and_hashes(tiny, [{"role": "user", "content": f"{i} " * 40}], True, {}, block_size=BS, seed=SEED)
+        tokens_and_hashes(cache, tiny, [{"role": "user", "content": f"{i} " * 40}], True, {}, block_size=BS, seed=SEED)
     assert 0 < len(cache) < 50 and cache.bytes <= 4096
 
 
@@ -167,7 +174,7 @@ def test_prompts_that_share_only_a_system_prompt_encode_just_their_question(tiny
 
     tiny.encode = counting  # type: ignore[method-assign]
     try:
-        got = [cache.tokens_and_hashes(tiny, messages, True, {}, block_size=BS, seed=SEED) for messages in prompts]
+        got = [tokens_and_hashes(cache, tiny, messages, True, {}, block_size=BS, seed=SEED) for messages in prompts]
     finally:
         del tiny.encode
     assert got == expected  # exactly what a full tokenization gives
@@ -185,7 +192,7 @@ def test_a_new_turn_is_known_up_to_the_answer_before_it_is_encoded(tiny: HfPromp
         {"role": "system", "content": "You are an agent with tools. " * 20},
         {"role": "user", "content": "Read the module and fix the bug."},
     ]
-    cache.tokens_and_hashes(tiny, conversation, True, {}, block_size=BS, seed=SEED)
+    tokens_and_hashes(cache, tiny, conversation, True, {}, block_size=BS, seed=SEED)
     call = {"id": "call_0", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
     conversation += [
         {"role": "assistant", "content": None, "tool_calls": [call]},
