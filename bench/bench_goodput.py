@@ -61,11 +61,11 @@ def workload(prompt: int, output: int, n: int, shift_at: int | None = None) -> A
     return factory
 
 
-def gateway_yaml(policy: str, admission: dict[str, Any]) -> str:
+def gateway_yaml(policy: str, admission: dict[str, Any], params: dict[str, Any] | None = None) -> str:
     cfg = {
         "server": {"access_log": "off", "shutdown_grace_s": 1},
         "health": {"interval_s": 0.5, "metrics_interval_s": 0.25},
-        "routing": {"policy": policy},
+        "routing": {"policy": policy, "params": params or {}},
         "admission": admission,
     }
     fd, path = tempfile.mkstemp(suffix=".yaml", prefix="kvgate-goodput-")
@@ -74,17 +74,19 @@ def gateway_yaml(policy: str, admission: dict[str, Any]) -> str:
     return path
 
 
-def configs(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any]]]:
+def configs(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any], dict[str, Any]]]:
     off = {"targets": {"enabled": False}}
     out = {
-        "round-robin": ("round-robin", off),
-        "least-load": ("least-load", off),
-        "cache-aware": ("cache-aware", off),
+        "round-robin": ("round-robin", off, {}),
+        "least-load": ("least-load", off, {}),
+        "cache-aware": ("cache-aware", off, {}),
     }
     for gate in args.gates:
-        out[f"gate {gate}"] = ("cache-aware", {**off, "replica_max_concurrency": gate})
+        out[f"gate {gate}"] = ("cache-aware", {**off, "replica_max_concurrency": gate}, {})
     targets = {"default": {"ttft_s": args.ttft, "tpot_s": args.tpot}}
-    out["targets"] = ("cache-aware", {"targets": targets})
+    out["targets"] = ("cache-aware", {"targets": targets}, {})
+    # the same, cache-aware's cost in token equivalents instead of predicted seconds (the previous default)
+    out["targets-tokens"] = ("cache-aware", {"targets": targets}, {"unit": "tokens"})
     return out
 
 
@@ -137,10 +139,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         with ExitStack() as es:
             engines = es.enter_context(sim_engines(2, *sim, model=MODEL))
             gateways = {}
-            for name, (policy, admission) in configs(args).items():
+            for name, (policy, admission, params) in configs(args).items():
                 if args.configs and name not in args.configs:
                     continue
-                paths.append(gateway_yaml(policy, admission))
+                paths.append(gateway_yaml(policy, admission, params))
                 gateways[name] = es.enter_context(kvgate(engines, "--config", paths[-1]))[0]
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as http:
@@ -221,7 +223,7 @@ def _line(row: dict[str, Any]) -> str:
 
 def table(doc: dict[str, Any], gates: list[int]) -> str:
     """Medians over the repeats: goodput (req/s) and attainment per rate and configuration."""
-    names = ["round-robin", "least-load", "cache-aware", "best static gate", "targets"]
+    names = ["round-robin", "least-load", "cache-aware", "best static gate", "targets", "targets-tokens"]
     lines = ["| rate | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for rate, by_name in doc["rates"].items():
         cells = []
@@ -237,8 +239,8 @@ def table(doc: dict[str, Any], gates: list[int]) -> str:
         shift = doc["shift"]
         gated = [shift[f"gate {g}"] for g in gates if f"gate {g}" in shift]
         best = _cell(max(gated, key=lambda rs: statistics.median(_g(rs)))) if gated else "-"
-        targets = _cell(shift["targets"]) if "targets" in shift else "-"
-        lines.append(f"| context shift | - | - | - | {best} | {targets} |")
+        targets = [_cell(shift[n]) if n in shift else "-" for n in ("targets", "targets-tokens")]
+        lines.append(f"| context shift | - | - | - | {best} | {' | '.join(targets)} |")
     if doc.get("oracle"):
         lines.append(f"\nper-phase oracle gate (context shift): {statistics.median(_g(doc['oracle'])):.2f} req/s")
     return "\n".join(lines)

@@ -16,7 +16,8 @@ Reported per run, from the engines' own metrics (`vllm:prefix_cache_{hits,querie
 engine finished, `vllm:request_success_total`): engine-side prefix hit rate, the split of requests between the
 two replicas, wall time. Routers:
 - `kvgate-cache-aware`, `kvgate-round-robin`: `kvgate serve` with the engines attached (their KV events and the
-  model's tokenizer configured);
+  model's tokenizer configured); `kvgate-cache-aware-tokens`: cache-aware's cost in token equivalents (`unit:
+  tokens`) instead of predicted seconds;
 - `sglang-cache-aware`: sglang-router's `cache_aware` policy (text radix tree, no events, no tokenizer), from the
   Python given by `--sglang-python` (a separate virtualenv: `python -m venv .kvgate/sglang-venv &&
   .kvgate/sglang-venv/bin/pip install sglang-router`).
@@ -116,9 +117,12 @@ def router(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if name.startswith("kvgate-"):
+        policy = name.removeprefix("kvgate-").removesuffix("-tokens")
+        if name.endswith("-tokens"):  # cache-aware's cost in token equivalents (before predicted seconds)
+            params = {**params, "unit": "tokens"}
         cfg = {
             "server": {"host": "127.0.0.1", "port": port, "access_log": "off", "route_headers": True},
-            "routing": {"policy": name.removeprefix("kvgate-"), "params": params if "cache" in name else {}},
+            "routing": {"policy": policy, "params": params if "cache" in name else {}},
             "cache": {"tokenizers": {MODEL: str(model_dir)}},
             "engines": [{"url": e["url"], "model": MODEL, "kv_events_endpoint": e["kv_events_endpoint"]} for e in eng],
             "health": {"interval_s": 0.5, "metrics_interval_s": 0.5},

@@ -9,12 +9,14 @@ so queueing never reads as prefill.
 Estimator: a Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last `WINDOW`
 samples of each kind, refitted once half of them are new: robust to the outliers a noisy engine gives (a pause, a
 preemption, a scrape that lagged) up to about 29% of the window, and it forgets an engine that changed within
-`WINDOW` answers. Until `MIN_SAMPLES` are in, the engine's own counters are the prior where known (`QueuePrice`,
-learned from its /metrics, for prefill and the per-sequence cost; the mean inter-token latency since the engine
-started, warm-up included, for the decode step: without it a first burst's requests would all be predicted to end
-at once), else 0: a model that knows nothing predicts no cost beyond the wait for KV room, so it never refuses on a
-guess. The KV a request holds: its prompt plus its max_tokens, or plus the mean output seen
-(`mean_output`, an exponentially weighted mean) when it gave none.
+`WINDOW` answers; samples that all share one x (prompts of one length, a replica that only ever ran one sequence)
+say nothing of a slope, and the line stays unknown. Until it is known, the engine's own counters are the prior
+where known (`QueuePrice`, learned from its /metrics, for prefill and the per-sequence cost; the mean inter-token
+latency since the engine started, warm-up included, for the decode step: without it a first burst's requests would
+all be predicted to end at once), else 0: a model that knows nothing predicts no cost beyond the wait for KV room,
+so it never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or plus the mean output seen
+(`mean_output`: the plain mean of the first answers, then an exponentially weighted one; `DEFAULT_OUTPUT` before
+any) when it gave none.
 The margin: the `MARGIN_QUANTILE` of how much later than predicted the last `WINDOW` first tokens came (0 while
 they came early), added to every prediction (`policies.latency`).
 Costs: O(1) per sample; a refit O(WINDOW^2) (496 slopes, in numpy: about 35 us) once half the samples are new (every
@@ -54,7 +56,7 @@ class _Line:
         self.samples.append((x, y))
         self._since_fit += 1
         n = len(self.samples)
-        if n >= MIN_SAMPLES and (self._since_fit >= max(MIN_SAMPLES, n // 2) or self.slope is None):
+        if n >= MIN_SAMPLES and self._since_fit >= max(MIN_SAMPLES, n // 2):
             self._fit()
 
     def _fit(self) -> None:
@@ -63,16 +65,18 @@ class _Line:
         i, j = _PAIRS if len(x) == WINDOW else np.triu_indices(len(x), 1)
         dx = x[j] - x[i]
         pair = dx != 0
-        slope = max(0.0, float(np.median((y[j] - y[i])[pair] / dx[pair]))) if pair.any() else 0.0
+        self._since_fit = 0
+        if not pair.any():  # samples of one x say nothing of a slope: the line stays unknown (its prior is used)
+            return
+        slope = max(0.0, float(np.median((y[j] - y[i])[pair] / dx[pair])))
         self.slope = slope
         self.intercept = max(0.0, float(np.median(y - slope * x)))
-        self._since_fit = 0
 
 
 class LatencyLearner:
     """The learned terms of one replica's latency model (seconds)."""
 
-    __slots__ = ("_decode", "_late", "_margin", "_prefill", "mean_output")
+    __slots__ = ("_answers", "_decode", "_late", "_margin", "_prefill", "mean_output")
 
     def __init__(self) -> None:
         self._prefill = _Line()  # time to first token against computed prompt tokens
@@ -80,6 +84,7 @@ class LatencyLearner:
         self._late: deque[float] = deque(maxlen=WINDOW)  # observed - predicted time to first token
         self._margin: float | None = None
         self.mean_output = float(DEFAULT_OUTPUT)
+        self._answers = 0
 
     def observe_late(self, observed_s: float, predicted_s: float) -> None:
         """A first token against its prediction (without the margin)."""
@@ -103,8 +108,10 @@ class LatencyLearner:
         """A finished request: its decode seconds per token, the batch it ran in, the tokens it produced."""
         if s_per_token >= 0 and batch >= 1 and output_tokens >= MIN_DECODE_TOKENS:
             self._decode.add(float(batch), s_per_token)
-        if output_tokens > 0:
-            self.mean_output += OUTPUT_WEIGHT * (output_tokens - self.mean_output)
+        if output_tokens > 0:  # the first answers' plain mean (the default is a guess), then weighted to the recent
+            self._answers += 1
+            weight = max(OUTPUT_WEIGHT, 1.0 / self._answers)
+            self.mean_output += weight * (output_tokens - self.mean_output)
 
     @property
     def decode_learned(self) -> bool:

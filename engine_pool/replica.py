@@ -208,16 +208,18 @@ class Replica:
             self.in_flight = 0
             self._idle.set()
 
-    def latency_view(self) -> ReplicaLatency:
-        """What the latency model knows of this replica now (`policies.latency.predict`)."""
-        m, price = self.metrics, self.queue_price
+    def latency_view(self, without: Held | None = None) -> ReplicaLatency:
+        """What the latency model knows of this replica now (`policies.latency.predict`); `without`: a hold not to
+        count (the request being routed, held where admission predicted it best)."""
+        m, price, learner = self.metrics, self.queue_price, self.latency
         kv = m.num_blocks * m.block_size if m.num_blocks and m.block_size else None
         itl = m.counters.itl_sum / m.counters.itl_count if m.counters.itl_count else None
-        overhead, prefill, step, per_seq = self.latency.terms(price.prefill_s_per_token, price.slope(), itl)
-        held = tuple(self.held.values())
+        overhead, prefill, step, per_seq = learner.terms(price.prefill_s_per_token, price.slope(), itl)
+        held = tuple([h for h in self.held.values() if h is not without])
         return ReplicaLatency(
-            self.id, kv, held, overhead, prefill, step, per_seq, self.latency.margin(), self.latency.decode_learned
-        )
+            self.id, kv, held, overhead, prefill, step, per_seq, learner.margin(), learner.decode_learned,
+            learner.mean_output,
+        )  # fmt: skip
 
     def for_rank(self, rank: int) -> Replica:
         """The replica of another data-parallel rank of this engine: the same URL and settings, its KV events

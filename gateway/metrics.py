@@ -90,6 +90,13 @@ class GatewayMetrics:
         self.decisions = FastCounter(
             "kvgate_routing_decisions", "Routing decisions by policy and reason.", ["policy", "reason"], r
         )
+        self.decisions_in_seconds = FastCounter(
+            "kvgate_routing_seconds_decisions",
+            "Routing decisions priced in predicted seconds (cache-aware, once every candidate's latency model knows "
+            "its prefill speed); the rest are priced in token equivalents.",
+            ["policy"],
+            r,
+        )
         self.cancelled = FastCounter(
             "kvgate_client_disconnects", "Requests whose client left before the end.", ["model"], r
         )

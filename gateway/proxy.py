@@ -144,10 +144,10 @@ class UpstreamProxy:
             others = [r.id for r in self.replicas.for_model(ex.parsed.model) if r.id not in prefer]
             if others:
                 try:
-                    return await self.router.choose(ex.info, others, prefill=False)
+                    return await self.router.choose(ex.info, others, prefill=False, hold=ex.ctx.hold)
                 except GatewayError:
                     pass
-        return await self.router.choose(ex.info, ex.tried, prefill=prefill)
+        return await self.router.choose(ex.info, ex.tried, prefill=prefill, hold=ex.ctx.hold)
 
     async def _attempt(self, ex: Exchange, replica: Replica, decision: Decision, relay: Relay[T]) -> T:
         """Send `ex` to `replica` and hand its answer to `relay`; a 5xx or a failure before any byte reached the

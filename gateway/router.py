@@ -22,6 +22,7 @@ from gateway.request_parse import BodyKind
 from policies.base import EMPTY_MAPPING, Decision, Footprint, NoCandidate, Policy, RequestInfo, RoutingView
 from policies.disagg import Split, split
 from policies.filters import routable
+from policies.latency import Held, ReplicaLatency
 
 
 class CacheHooks(Protocol):
@@ -106,9 +107,12 @@ class Router:
                 self._plain[key] = info
         return info
 
-    def view(self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False) -> RoutingView:
+    def view(
+        self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False, hold: Held | None = None
+    ) -> RoutingView:
         """The snapshot for one decision: the model's replicas that answer whole requests (roles both, decode), or
-        with `prefill` its prefill replicas (the first step of a disaggregated request)."""
+        with `prefill` its prefill replicas (the first step of a disaggregated request); with each one's latency
+        model for a policy that prices in seconds, the request's own `hold` (admission's) left out."""
         now = time.monotonic()
         replicas = self.replicas.for_model(info.model)
         if prefill or (replicas and self.replicas.disaggregated(info.model)):
@@ -129,8 +133,11 @@ class Router:
                 offloaded = self.cache.offloaded(info, overlap)
                 footprint = self.cache.footprint(info, ids)
             session = self.cache.session_replica(info)
+        latency: Mapping[str, ReplicaLatency] = EMPTY_MAPPING
+        if getattr(self.policy, "uses_latency", False):
+            latency = {r.id: r.latency_view(hold) for r in replicas}
         self._seq += 1
-        return RoutingView(info, snaps, overlap, session, self._seq, footprint, offloaded)
+        return RoutingView(info, snaps, overlap, session, self._seq, footprint, offloaded, latency, now)
 
     def _candidates(self, info: RequestInfo, replicas: Sequence[Replica]) -> list[Replica]:
         """A bounded subset of a large pool: the session's replica, the holders of the prompt's first block (as
@@ -165,11 +172,11 @@ class Router:
         )  # fmt: skip
 
     async def choose(
-        self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False
+        self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False, hold: Held | None = None
     ) -> tuple[Replica, Decision]:
         """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it. A prefix
         placed cold may go where another gateway just placed it instead (`CacheHooks.claim_cold`)."""
-        view = self.view(info, exclude, prefill=prefill)
+        view = self.view(info, exclude, prefill=prefill, hold=hold)
         try:
             decision = self.policy.decide(view)
         except NoCandidate as exc:
@@ -180,11 +187,13 @@ class Router:
         if decision.reason == "cold-least-load" and self.cache is not None:
             claimed = await self.cache.claim_cold(info, decision.replica)
             if claimed != decision.replica and any(r.id == claimed for r in routable(view.replicas)):
-                decision = Decision(claimed, "fleet-claim", decision.scores)
+                decision = Decision(claimed, "fleet-claim", decision.scores, decision.seconds)
         replica = self.replicas.get(decision.replica)
         if replica is None:  # a policy may only pick from the view; this is a policy bug
             raise RuntimeError(f"policy {self.policy.name} picked unknown replica {decision.replica!r}")
         self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
+        if decision.seconds:
+            self.metrics.decisions_in_seconds.labels(self.policy.name).inc()
         if self.cache is not None:
             self.cache.on_routed(info, decision)
         return replica, decision

