@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 
 from bench.routing_procs import SGLANG, SimCosts, cpu_seconds, gateways, sim_pool, split_cpus
-from bench.routing_report import render_markdown, target_checks, update_docs
+from bench.routing_report import SECONDS, render_markdown, target_checks, update_docs
 from bench.routing_workloads import Workload, best_hit_rate, rebuild_prompts, trace_workload, workloads
 from loadgen.client import Target
 from loadgen.promscrape import prefix_cache_report, scrape_all
@@ -88,6 +88,8 @@ async def _reasons(http: aiohttp.ClientSession, gw: str) -> dict[str, int]:
         if line.startswith("kvgate_routing_decisions_total{") and 'reason="' in line:
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = out.get(reason, 0) + int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("kvgate_routing_seconds_decisions_total{"):  # of those, priced in predicted seconds
+            out[SECONDS] = out.get(SECONDS, 0) + int(float(line.rsplit(" ", 1)[1]))
     return out
 
 

@@ -28,10 +28,16 @@ def _share(share: Sequence[float]) -> str:
     return " / ".join(f"{100 * s:.0f}" for s in share)
 
 
+SECONDS = "(in seconds)"  # the decisions cache-aware priced in predicted seconds, beside the reasons
+
+
 def _reasons(reasons: Mapping[str, int]) -> str:
-    total = sum(reasons.values()) or 1
-    top = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
-    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top)
+    seconds = reasons.get(SECONDS, 0)
+    counted = {k: v for k, v in reasons.items() if k != SECONDS}
+    total = sum(counted.values()) or 1
+    top = sorted(counted.items(), key=lambda kv: -kv[1])[:3]
+    text = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top)
+    return f"{text}; {100 * seconds / total:.0f}% in seconds" if seconds else text
 
 
 def render_markdown(

@@ -114,6 +114,11 @@ class LatencyLearner:
             self.mean_output += weight * (output_tokens - self.mean_output)
 
     @property
+    def output_learned(self) -> bool:
+        """Whether `mean_output` comes from answers (else it is `DEFAULT_OUTPUT`, a guess)."""
+        return self._answers > 0
+
+    @property
     def decode_learned(self) -> bool:
         return self._decode.slope is not None
 

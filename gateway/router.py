@@ -1,7 +1,8 @@
 """The async shell around a routing policy: gathers a snapshot, calls the pure `decide`, records the outcome.
 
 Per decision: O(r) to snapshot the model's r replicas, plus whatever the cache hooks cost (O(prompt blocks) per
-replica for the prefix index), plus the policy itself. With the cache hooks and more than `max_candidates`
+replica for the prefix index), plus, for a policy that prices in seconds, each replica's latency model (O(its held
+requests)), plus the policy itself. With the cache hooks and more than `max_candidates`
 replicas, r is bounded: the view holds only the replicas holding the prompt's first block (the index's hints,
 O(those)), the session's, and a seeded random sample of the others (`max_candidates` in all, at least
 `_MIN_SAMPLE` sampled): a cold prompt is placed by the power of d choices, a cached one among its holders.

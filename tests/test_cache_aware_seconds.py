@@ -58,8 +58,8 @@ def decide(
 def test_a_hot_prefix_stays_or_spreads_by_what_the_engines_decode_and_prefill_were_learned_to_cost(
     engine: dict[str, float], chosen: str, reason: str
 ) -> None:
-    # the holder runs 3 requests: on a GPU their decode slowdown (2 x 0.1 ms x 128 tokens x 3 = 77 ms) is less
-    # than the 1,024-token prefill the cache saves (102 ms); on a CPU it is 3.8 s against 1 s
+    # the holder runs 3 requests: on a GPU the slowdown the request's decode adds to them (0.1 ms x 128 tokens x 3 =
+    # 38 ms) is less than the 1,024-token prefill the cache saves (102 ms); on a CPU it is 1.9 s against 1 s
     replicas = [rep("a", 3), rep("b", 0)]
     latency = {r: lat(r, **engine) for r in ("a", "b")}
     d = decide(replicas, {"a": 64}, latency)
@@ -87,6 +87,12 @@ def test_until_every_candidate_knows_its_prefill_speed_the_cost_is_in_tokens() -
     half_known = {"a": lat("a", **CPU), "b": lat("b", prefill=0.0, per_seq=5e-3)}
     assert decide(replicas, {"a": 64}, half_known).replica == "a"  # CPU rates would spread it (test above)
     assert decide(replicas, {"a": 64}, {"a": lat("a", **CPU)}).replica == "a"
+    # nor before any answer says how long outputs are (a guess would price every load)
+    unanswered = {r: lat(r, **CPU, output=0.0) for r in ("a", "b")}
+    assert not decide(replicas, {"a": 64}, unanswered).seconds
+    # the output length is the traffic's: one replica's answers say it for all
+    one_answered = {**unanswered, "b": lat("b", **CPU)}
+    assert decide(replicas, {"a": 64}, one_answered).seconds
 
 
 def test_the_pools_mean_speed_prices_every_candidate_so_a_noisy_fit_does_not_pick_a_cold_requests_replica() -> None:
@@ -98,8 +104,8 @@ def test_the_pools_mean_speed_prices_every_candidate_so_a_noisy_fit_does_not_pic
 def test_scores_are_token_equivalents_one_for_the_cheapest() -> None:
     d = decide([rep("a", 3), rep("b", 0)], {"a": 64}, {r: lat(r, **CPU) for r in ("a", "b")})
     assert d.scores["b"] == 1.0
-    # a: 2 x 5 ms x 128 x 3 = 3.84 s + 5 tokens' prefill, in tokens of 1 ms; b: 1,029 tokens
-    assert d.scores["a"] == pytest.approx((1.0 + 1029) / (1.0 + 3840 + 5))
+    # a: 5 ms x 128 x 3 = 1.92 s + 5 tokens' prefill, in tokens of 1 ms; b: 1,029 tokens
+    assert d.scores["a"] == pytest.approx((1.0 + 1029) / (1.0 + 1920 + 5))
 
 
 def test_the_request_being_routed_is_not_counted_in_what_its_replica_holds() -> None:
