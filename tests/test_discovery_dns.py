@@ -33,18 +33,35 @@ needs_dnsmasq = pytest.mark.skipif(DNSMASQ is None, reason="needs dnsmasq (apt i
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+    """A port free for both UDP and TCP on 127.0.0.1 at this moment (dnsmasq binds both)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, socket.socket() as tcp:
+            udp.bind(("127.0.0.1", 0))
+            port: int = udp.getsockname()[1]
+            try:
+                tcp.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class Dnsmasq:
-    """dnsmasq answering only from a hosts file (re-read on SIGHUP) and `extra` options, on a free loopback port."""
+    """dnsmasq answering only from a hosts file (re-read on SIGHUP) and `extra` options, on a free loopback port.
+    A port taken between the probe and dnsmasq's bind (another test's socket) is retried on a new port."""
 
     def __init__(self, tmp: Path, *extra: str) -> None:
         self.hosts = tmp / "hosts"
         self.hosts.touch()
+        for _ in range(5):
+            err = self._start(extra)
+            if err is None:
+                return
+            if b"Address already in use" not in err:
+                break
+        raise RuntimeError(f"dnsmasq did not start: {err!r}")
+
+    def _start(self, extra: tuple[str, ...]) -> bytes | None:
+        """None once dnsmasq accepts on its TCP port, else what it printed."""
         self.port = _free_port()
         argv = [str(DNSMASQ), "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
                 "--bind-interfaces", "--listen-address=127.0.0.1", f"--port={self.port}",
@@ -56,11 +73,11 @@ class Dnsmasq:
         while True:  # up once it accepts on its TCP port
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
+                    return None
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 err = self.proc.stderr.read() if self.proc.stderr and self.proc.poll() is not None else b""
                 self.stop()
-                raise RuntimeError(f"dnsmasq did not start: {err!r}")
+                return err or b"timed out"
             time.sleep(0.05)
 
     @property
