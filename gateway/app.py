@@ -210,12 +210,18 @@ async def _completions_ctx(app: web.Application) -> AsyncIterator[None]:
             await asyncio.to_thread(tracer.close)  # after in-flight requests finished: their spans go out
 
 
+async def _gc_ctx(app: web.Application) -> AsyncIterator[None]:
+    with app[METRICS].gc_pauses():
+        yield
+
+
 def build_app(config: GatewayConfig, *, registry: CollectorRegistry | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
     app[CONFIG] = config
     app[IDS] = IdSource()
     app[REGISTRY] = registry or CollectorRegistry()
     app[METRICS] = GatewayMetrics(app[REGISTRY])
+    app.cleanup_ctx.append(_gc_ctx)
     app.cleanup_ctx.extend([_client_ctx, _replicas_ctx, cache_ctx, _pool_ctx, _router_ctx])  # pool: launched engines
     app.cleanup_ctx.append(_admission_ctx)  # after the router: tenants, quotas, the fair queue
     app.cleanup_ctx.append(_completions_ctx)  # the completion endpoints, over everything above

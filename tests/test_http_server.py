@@ -4,7 +4,9 @@ and an old client would use it: framing, pipelining, limits, timeouts, smuggling
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import re
 import socket
 from typing import Any
 
@@ -377,3 +379,19 @@ async def test_shutdown_finishes_running_requests_and_closes_idle_connections() 
         await stopping
         await idle.close()
         await busy.close()
+
+
+async def test_every_garbage_collection_is_timed_as_the_pause_it_is() -> None:
+    """A collection stops the event loop and so every request in flight: the gateway's metrics time each one by
+    generation, from its start to its end, and stop timing when the gateway stops."""
+    before = list(gc.callbacks)
+    async with gateway_over_sims([SIM]) as (gw, _):
+        gc.collect()
+        conn = await RawClient.connect(gw.port)
+        await conn.send(get("/metrics"))
+        scraped = (await conn.response()).body.decode()
+        await conn.close()
+    assert gc.callbacks == before
+    full = re.search(r'^kvgate_gc_pause_seconds_count\{generation="2"\} (\S+)$', scraped, re.M)
+    total = re.search(r'^kvgate_gc_pause_seconds_sum\{generation="2"\} (\S+)$', scraped, re.M)
+    assert full and float(full.group(1)) >= 1 and total and float(total.group(1)) > 0
