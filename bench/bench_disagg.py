@@ -183,7 +183,7 @@ def run(n: int) -> list[dict[str, Any]]:
 def vllm_config(port: int, tmp: str, min_prefill: int | None) -> dict[str, Any]:
     common = {
         "kind": "vllm", "device": "cpu", "block_size": 32, "kv_cache_bytes": 64 * 1024 * 1024,
-        "max_model_len": 2048, "max_num_seqs": 16, "dtype": "bfloat16", "startup_deadline_s": 420,
+        "max_model_len": 2048, "max_num_seqs": 16, "dtype": "float16", "startup_deadline_s": 420,
     }  # fmt: skip
     if min_prefill is None:
         models = [{**common, "name": "tiny", "replicas": 2, "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}]}]

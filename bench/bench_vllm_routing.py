@@ -98,7 +98,7 @@ def engines(model_dir: Path, kv_blocks: int, work: Path) -> Iterator[list[dict[s
             port, events = free_port(), free_port()
             spec = EngineLaunchSpec(
                 model=str(model_dir), port=port, served_model_name=MODEL, block_size=BLOCK, max_model_len=2048,
-                kv_cache_memory_bytes=kv_blocks * kv_bytes_per_block(model_dir, BLOCK), dtype="bfloat16",
+                kv_cache_memory_bytes=kv_blocks * kv_bytes_per_block(model_dir, BLOCK), dtype="float16",
                 kv_events_port=events, cpu_threads_bind=str(cpus[i % len(cpus)]), cache_root=str(work / "vllm"),
                 extra_args=("--enable-prompt-tokens-details",),
             )  # fmt: skip

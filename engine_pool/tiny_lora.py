@@ -2,7 +2,7 @@
 
 What is built: a PEFT-format adapter (`adapter_config.json`, `adapter_model.safetensors`) of rank `rank` on every
 layer's q_proj and v_proj, weights drawn from a seeded torch generator (A and B both non-zero, so the adapter
-changes the model's output), bfloat16, about 15 KB. vLLM serves it with `--enable-lora --lora-modules name=DIR`
+changes the model's output), float16 like the model, about 15 KB. vLLM serves it with `--enable-lora --lora-modules name=DIR`
 or loads it at run time (`/v1/load_lora_adapter`). Rebuilding with the same seed and rank gives the same bytes.
 """
 
@@ -30,8 +30,8 @@ def build_tiny_lora(out_dir: Path, *, seed: int = 1, rank: int = 8) -> Path:
     for layer in range(NUM_LAYERS):
         for proj, (fan_in, fan_out) in TARGETS.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.05).to(torch.bfloat16)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.05).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=gen) * 0.05).to(torch.float16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=gen) * 0.05).to(torch.float16)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",

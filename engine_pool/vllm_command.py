@@ -66,7 +66,7 @@ class EngineLaunchSpec:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine cores behind the one port; rank r publishes KV events on port + r
     enforce_eager: bool = True  # skips compilation: start-up about 25 s instead of 35-70 s on CPU
-    dtype: str = "auto"  # "bfloat16" on CPU; "auto" follows the model config
+    dtype: str = "auto"  # "bfloat16", "float16"; "auto" follows the model config
     seed: int | None = 0
     cache_root: str | None = None  # VLLM_CACHE_ROOT; None = vLLM's (~/.cache/vllm)
     access_log: bool = False

@@ -45,7 +45,7 @@ MODEL = "tiny-llama"
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     model = {
         "name": MODEL, "replicas": 2, "device": "cpu", "devices": [{"cpu_bind": "0"}, {"cpu_bind": "1"}],
-        "block_size": 32, "kv_cache_bytes": 64 * 1024 * 1024, "max_model_len": 12288, "dtype": "bfloat16",
+        "block_size": 32, "kv_cache_bytes": 64 * 1024 * 1024, "max_model_len": 12288, "dtype": "float16",
         "kv_events": True, "startup_deadline_s": 420,
         "extra_args": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                        "--override-generation-config", '{"max_new_tokens": 64}'],  # Codex sends no output bound

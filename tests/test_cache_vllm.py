@@ -76,7 +76,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "block_size": BLOCK,
         "kv_cache_bytes": KV_CACHE_BYTES,
         "max_model_len": 2048,
-        "dtype": "bfloat16",
+        "dtype": "float16",
         "kv_events": True,
         "env": {"VLLM_SERVER_DEV_MODE": "1"},  # /reset_prefix_cache
         "startup_deadline_s": READY_S,

@@ -42,7 +42,7 @@ def group(name: str, role: str, cpu: str, kv: Path) -> dict[str, Any]:
         "block_size": 32,
         "kv_cache_bytes": 64 * 1024 * 1024,
         "max_model_len": 2048,
-        "dtype": "bfloat16",
+        "dtype": "float16",
         "kv_transfer_config": {
             "kv_connector": "ExampleConnector",
             "kv_role": "kv_both",

@@ -50,7 +50,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "block_size": BLOCK,
         "kv_cache_bytes": NUM_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN,
         "max_model_len": 2048,
-        "dtype": "bfloat16",
+        "dtype": "float16",
         "kv_events": True,
         "startup_deadline_s": READY_S,
     }

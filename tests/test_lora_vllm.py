@@ -40,7 +40,7 @@ SYSTEM = " ".join(f"rule {i}: answer in one short sentence about item {i * 7 % 1
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     tmp = tmp_path_factory.mktemp("vllm-lora")
     sql, chat = build_tiny_lora(tmp / "sql", seed=1), build_tiny_lora(tmp / "chat", seed=2)
-    common = {"device": "cpu", "dtype": "bfloat16", "max_model_len": 1024, "startup_deadline_s": READY_S}
+    common = {"device": "cpu", "dtype": "float16", "max_model_len": 1024, "startup_deadline_s": READY_S}
     generate = {
         **common,
         "name": MODEL,

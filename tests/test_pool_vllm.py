@@ -47,7 +47,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
         "block_size": 32,
         "kv_cache_bytes": 64 * 1024 * 1024,
         "max_model_len": 2048,
-        "dtype": "bfloat16",
+        "dtype": "float16",
         "kv_events": True,
         "startup_deadline_s": 420,
         "drain_grace_s": 60,
