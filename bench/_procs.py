@@ -107,10 +107,12 @@ def _stack(specs: list[tuple[list[str], str]]) -> Iterator[list[int]]:
 
 
 @contextmanager
-def kvgate(engines: list[str], *extra: str, source: Path | None = None) -> Iterator[tuple[str, int]]:
+def kvgate(
+    engines: list[str], *extra: str, source: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, int]]:
     port = free_port()
     args = ["serve", "--port", str(port), *[a for e in engines for a in ("--engine", e)], *extra]
-    with child(args, f"http://127.0.0.1:{port}/health", source=source) as proc:
+    with child(args, f"http://127.0.0.1:{port}/health", env=env, source=source) as proc:
         wait_http(f"http://127.0.0.1:{port}/ready")
         yield f"http://127.0.0.1:{port}", proc.pid
 

@@ -5,11 +5,14 @@ Side by side in one run, on the same engines:
   see the same machine state; reported as p50/p99 of each and their difference;
 - gateway CPU per request at high concurrency: kvgate's own process CPU seconds (from /proc) over N requests,
   streaming and not;
-- the default policy of the shipped configs (cache-aware) and least-load, with and without the access log;
+- the default policy of the shipped configs (cache-aware) and least-load, with and without the access log and
+  admission by latency targets (what each part of the path costs);
 - with `--baseline DIR`, the same modes of another checkout (the previous release) in the same run;
 - with `--sglang-python PY` (a virtualenv with sglang-router: `python -m venv .kvgate/sglang-venv &&
   .kvgate/sglang-venv/bin/pip install sglang-router==0.3.2`), sglang-router's cache_aware policy in front of the
   same engines, measured the same way (its process CPU from /proc, all its threads);
+- the floor: a Python proxy on kvgate's parts that only relays (`bench/floor_proxy.py`: aiohttp server on uvloop,
+  kvgate's engine client, round-robin, nothing parsed or counted), what any gateway on these parts pays at least;
 - every mode measured once per round, over `--repeat` rounds, reported as medians and ranges (this machine's speed
   drifts by 20-30% over minutes: only numbers taken side by side compare).
 kvgate runs as its own process (`kvgate serve`, uvloop), the engines as `kvgate sim-engine --instant`, and this
@@ -102,9 +105,17 @@ async def cpu_per_request(url: str, pid: int, n: int, concurrency: int, stream: 
     return {"cpu_ms_per_request": (c1 - c0) / n * 1000, "requests_per_s": n / (t1 - t0)}
 
 
-# (policy, access log): the default routing policy of the shipped configs (cache-aware, with the simulator's exact
-# tokenizer) with the default access log, then without it, and least-load for comparison.
-MODES = (("cache-aware", "plain"), ("cache-aware", "off"), ("least-load", "off"))
+# (policy, access log, admission by latency targets): the default routing policy of the shipped configs
+# (cache-aware, with the simulator's exact tokenizer) with the default access log and latency targets, then without
+# the log, then without the targets too, and least-load the same two ways: what each part of the path costs.
+MODES = (
+    ("cache-aware", "plain", True),
+    ("cache-aware", "off", True),
+    ("cache-aware", "off", False),
+    ("least-load", "off", True),
+    ("least-load", "off", False),
+)
+TARGETS_OFF = {"KVGATE__ADMISSION__TARGETS__ENABLED": "false"}
 CACHE_ENV = {"KVGATE__CACHE__TOKENIZERS__SIM": "sim"}
 
 
@@ -113,6 +124,17 @@ def sglang_router(python: str, engines: list[str]) -> Iterator[tuple[str, int]]:
     """sglang-router (Rust) with its cache_aware policy in front of `engines`: (URL, pid)."""
     port = free_port()
     with process(sglang_argv(python, port, engines), f"http://127.0.0.1:{port}/health") as proc:
+        yield f"http://127.0.0.1:{port}", proc.pid
+
+
+@contextmanager
+def floor_proxy(engines: list[str]) -> Iterator[tuple[str, int]]:
+    """What relaying alone costs on kvgate's parts (aiohttp server on uvloop, kvgate's engine client): (URL, pid)."""
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).with_name("floor_proxy.py")), "--port", str(port)]
+    argv += [a for e in engines for a in ("--engine", e)]
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    with process(argv, f"http://127.0.0.1:{port}/health", env) as proc:
         yield f"http://127.0.0.1:{port}", proc.pid
 
 
@@ -129,11 +151,13 @@ async def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]
         engines = [url for url, _ in procs]
         gateways = []
         for release, source in sources:
-            for policy, log_mode in MODES:
+            for policy, log_mode, targets in MODES:
                 log_level = "WARNING" if log_mode == "off" else "INFO"
                 extra = ("--policy", policy, "--access-log", log_mode, "--log-level", log_level)
-                cm = kvgate(engines, *extra, source=source)
-                gateways.append((f"{release} {policy} access_log={log_mode}", *stack.enter_context(cm)))
+                cm = kvgate(engines, *extra, source=source, env=None if targets else TARGETS_OFF)
+                name = f"{release} {policy} access_log={log_mode}{'' if targets else ' targets=off'}"
+                gateways.append((name, *stack.enter_context(cm)))
+        gateways.append(("floor: relaying only (bench/floor_proxy.py)", *stack.enter_context(floor_proxy(engines))))
         if args.sglang_python is not None:
             gateways.append(
                 ("sglang-router cache_aware", *stack.enter_context(sglang_router(args.sglang_python, engines)))

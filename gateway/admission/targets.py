@@ -116,9 +116,8 @@ class LatencyGate:
 
     def hold(self, ctx: RequestContext, replica: Replica, prediction: Prediction, max_tokens: int | None) -> None:
         """The request's KV and predicted end, on the replica it is predicted best on (moved by `place`)."""
-        view = replica.latency_view()
         output = replica.latency.held_tokens(0, max_tokens)
-        end = time.monotonic() + prediction.ttft_s + output * (view.step_s + view.step_per_seq_s * prediction.batch)
+        end = time.monotonic() + prediction.ttft_s + output * prediction.tpot_s  # tpot: in the batch it joins
         ctx.hold, ctx.held_on, ctx.prediction = Held(prediction.tokens, end), replica.id, prediction
         replica.held[id(ctx)] = ctx.hold
 
