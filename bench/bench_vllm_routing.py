@@ -17,7 +17,7 @@ engine finished, `vllm:request_success_total`): engine-side prefix hit rate, the
 two replicas, wall time. Routers:
 - `kvgate-cache-aware`, `kvgate-round-robin`: `kvgate serve` with the engines attached (their KV events and the
   model's tokenizer configured); `kvgate-cache-aware-tokens`: cache-aware's cost in token equivalents (`unit:
-  tokens`) instead of predicted seconds;
+  tokens`) instead of predicted seconds; `--variant NAME=JSON`: cache-aware with other `routing.params`, beside;
 - `sglang-cache-aware`: sglang-router's `cache_aware` policy (text radix tree, no events, no tokenizer), from the
   Python given by `--sglang-python` (a separate virtualenv: `python -m venv .kvgate/sglang-venv &&
   .kvgate/sglang-venv/bin/pip install sglang-router`).
@@ -239,22 +239,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang-python", default=".kvgate/sglang-venv/bin/python")
     ap.add_argument("--out", default="docs/bench/vllm-routing.json")
     ap.add_argument("--kvgate-params", default="{}", help="routing.params for kvgate's cache-aware policy (JSON)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="a further router, kvgate-cache-aware-NAME: cache-aware with these routing.params over --kvgate-params "
+        "(repeatable; run alternating with the others)",
+    )
     args = ap.parse_args(argv)
+    variants = {f"kvgate-cache-aware-{n}": json.loads(v) for n, _, v in (x.partition("=") for x in args.variant)}
+    names = [*args.routers.split(","), *variants]
     model_dir = build_tiny_model(Path(args.model_dir)).resolve()
     prompts = workload(args, model_dir)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
         work = Path(tmp)
         for run in range(1, args.runs + 1):
-            for name in args.routers.split(","):
+            for name in names:
                 with engines(model_dir, args.kv_blocks, work) as eng:
-                    params = json.loads(args.kvgate_params)
-                    with router(name, eng, model_dir, work, args.sglang_python, params) as url:
+                    params = {**json.loads(args.kvgate_params), **variants.get(name, {})}
+                    policy_name = "kvgate-cache-aware" if name in variants else name
+                    with router(policy_name, eng, model_dir, work, args.sglang_python, params) as url:
                         result = asyncio.run(drive(url, eng, prompts, args))
                 rows.append({"router": name, "run": run, **result})
                 print(json.dumps(rows[-1]), flush=True)
     print("\n| router | hit rate per run | median | request split per run | failed |\n|---|---|---|---|---|")
-    for name in args.routers.split(","):
+    for name in names:
         mine = [r for r in rows if r["router"] == name]
         rates = [r["hit_rate"] for r in mine if r["hit_rate"] is not None]
         per_run = ", ".join(f"{x:.2f}" for x in rates)
