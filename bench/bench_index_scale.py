@@ -5,12 +5,15 @@
     python -m bench.bench_index_scale --replicas 4 1024 --max-candidates 1000000   # without candidate pruning
     python -m bench.bench_index_scale --replicas 16 --blocks 32768 --kv-events     # replicas with KV events
 
-In process, the gateway's own routing step without HTTP: `CacheAwareState.request_info` (sim tokenizer, a
-~1,300-token chat prompt: tokenizing and hashing) then `Router.choose` (the candidates, their snapshots, overlap,
-offloaded, footprint, `decide`, `on_routed`) and `on_finished`, over a real `ReplicaSet` of N replicas (all pointed
-at one instant simulated engine, so they are healthy). The index is filled first as a running pool's would be: 64
-prefix groups (a 1,200-word system prompt each) x 3 questions routed across the replicas; the measured requests
-are new questions on those groups, so every lookup walks a real leading run on its holders. Then every replica's
+In process, the gateway's own routing step without HTTP, as the shipped defaults take it: `Router.request_info`
+(sim tokenizer, a ~1,300-token chat prompt: tokenizing and hashing), admission's verdict on the latency targets
+(`LatencyGate.judge`: a prediction per candidate) and the hold it places, then `Router.choose` (the candidates, their
+snapshots, overlap, offloaded, footprint, latency views, `decide`, `on_routed`) within the verdict's preferred
+replicas when it names some, and `on_finished` and the hold's release, over a real `ReplicaSet` of N replicas (all
+pointed at one instant simulated engine, so they are healthy). `--no-targets`: without the verdict. The index is
+filled first as a running pool's would be: 64 prefix groups (a 1,200-word system prompt each) x 3 questions routed
+across the replicas; the measured requests are new questions on those groups, so every lookup walks a real leading
+run on its holders. Then every replica's
 index is filled as a busy pool's would be: twice its capacity in distinct blocks routed there within the hot
 window (seeded), so its cache is full and so is the hot window's record of what it evicted. Memory: what the index
 allocated for that (tracemalloc, numpy's arrays included, around the fill), per block of capacity (replicas x
@@ -35,12 +38,20 @@ from cacheindex.state import CacheAwareState
 from engine_pool.http_client import UpstreamClient
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
+from gateway.admission.auth import Identity
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.targets import LatencyGate, place
+from gateway.context import RequestContext
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
 from policies.cache_aware import CacheAware
+from policies.latency import Targets
 from simengine import SimConfig, run_sim_engine
 
 GROUPS = 64
+TARGETS = Targets(ttft_s=2.0, tpot_s=0.1)  # the shipped default targets
+IDENTITY = Identity("t", 1, "standard")
 
 
 def body(group: int, question: int) -> dict[str, object]:
@@ -82,7 +93,7 @@ def fill(st: CacheAwareState, n: int, blocks: int, kv_events: bool) -> float:
 
 
 async def per_request_us(
-    url: str, n: int, blocks: int, rounds: int, requests: int, max_candidates: int, kv_events: bool
+    url: str, n: int, blocks: int, rounds: int, requests: int, max_candidates: int, kv_events: bool, targets: bool
 ) -> tuple[float, float]:
     registry = CollectorRegistry()
     st = CacheAwareState(CacheConfig(tokenizers={"m": "sim"}, kv_events=False), registry)
@@ -99,11 +110,20 @@ async def per_request_us(
                     await asyncio.sleep(0.05)
     await st.tokenizer("sim")
     router = Router(CacheAware(), replicas, GatewayMetrics(registry), st, max_candidates=max_candidates)
+    gate = LatencyGate(AdmissionConfig(), replicas, router, AdmissionMetrics(registry))
 
     async def route(b: dict[str, object]) -> None:
-        info = await st.request_info(model="m", endpoint="chat", body=b, tenant="t", session_key=None)
-        replica, _ = await router.choose(info)
+        info = await router.request_info(model="m", endpoint="chat", body=b, tenant="t", session_key=None)
+        ctx, prefer = RequestContext("bench", "chat"), tuple[str, ...]()
+        if targets:  # as gateway.admission.controller and gateway.proxy do
+            verdict = gate.judge(info, info.prompt_tokens, None, TARGETS)
+            if verdict.best is not None and (held := replicas.get(verdict.best.replica)) is not None:
+                gate.hold(ctx, held, verdict.best, None)
+            prefer = verdict.prefer
+        replica, _ = await router.choose(info, hold=ctx.hold, only=prefer)
+        place(ctx, replica, replicas)
         st.on_finished(info, replica.id, None)
+        gate.finish(ctx, IDENTITY, None)
 
     per_block = fill(st, n, blocks, kv_events)
     for g in range(GROUPS):  # the pool's working set
@@ -130,15 +150,18 @@ async def main() -> None:
     p.add_argument("--blocks", type=int, default=4096, help="KV capacity of each replica, in blocks")
     p.add_argument("--max-candidates", type=int, default=16, help="routing.max_candidates (a huge value: off)")
     p.add_argument("--kv-events", action="store_true", help="replicas with KV events (the engine-hash map too)")
+    p.add_argument("--no-targets", action="store_true", help="without admission's verdict (targets off)")
     args = p.parse_args()
     base = None
-    print(f"max_candidates {args.max_candidates}, {args.blocks} blocks per replica")
+    targets = "off" if args.no_targets else "on (the default)"
+    print(f"max_candidates {args.max_candidates}, {args.blocks} blocks per replica, latency targets {targets}")
     print("replicas  index bytes/block  routing CPU us/request  ratio to first")
     async with run_sim_engine(SimConfig(model="m", instant=True)) as sim:
         for n in args.replicas:
             us, per_block = await per_request_us(
-                sim.url, n, args.blocks, args.rounds, args.requests, args.max_candidates, args.kv_events
-            )
+                sim.url, n, args.blocks, args.rounds, args.requests, args.max_candidates, args.kv_events,
+                not args.no_targets,
+            )  # fmt: skip
             base = base or us
             print(f"{n:8d}  {per_block:17.1f}  {us:22.1f}  {us / base:14.2f}", flush=True)
 

@@ -47,7 +47,6 @@ _MAX_PENDING = 65_536  # routed requests awaiting on_finished (parity); oldest f
 
 @dataclass(frozen=True, slots=True)
 class PrefixRequestInfo(RequestInfo):
-    request_id: int = 0  # state-assigned, links on_routed to on_finished
     tokenizer_kind: str = ""
     approximate: bool = False  # pseudo tokens: overlaps are estimates
     # a conversation's new turn being encoded after routing: then `prompt_tokens` is an estimate, `block_hashes` the

@@ -76,7 +76,7 @@ class _Line:
 class LatencyLearner:
     """The learned terms of one replica's latency model (seconds)."""
 
-    __slots__ = ("_answers", "_decode", "_late", "_margin", "_prefill", "mean_output")
+    __slots__ = ("_answers", "_decode", "_late", "_margin", "_prefill", "changes", "mean_output")
 
     def __init__(self) -> None:
         self._prefill = _Line()  # time to first token against computed prompt tokens
@@ -85,11 +85,13 @@ class LatencyLearner:
         self._margin: float | None = None
         self.mean_output = float(DEFAULT_OUTPUT)
         self._answers = 0
+        self.changes = 0  # observations so far: what was read of the terms holds until it moves
 
     def observe_late(self, observed_s: float, predicted_s: float) -> None:
         """A first token against its prediction (without the margin)."""
         self._late.append(observed_s - predicted_s)
         self._margin = None
+        self.changes += 1
 
     def margin(self) -> float:
         """Read per request and replica: kept until the next lateness sample."""
@@ -103,9 +105,11 @@ class LatencyLearner:
         """A request that started at once: its time to first token from when it was sent."""
         if ttft_s >= 0 and computed_tokens >= 0:
             self._prefill.add(float(computed_tokens), ttft_s)
+            self.changes += 1
 
     def observe_decode(self, batch: int, s_per_token: float, output_tokens: int) -> None:
         """A finished request: its decode seconds per token, the batch it ran in, the tokens it produced."""
+        self.changes += 1
         if s_per_token >= 0 and batch >= 1 and output_tokens >= MIN_DECODE_TOKENS:
             self._decode.add(float(batch), s_per_token)
         if output_tokens > 0:  # the first answers' plain mean (the default is a guess), then weighted to the recent

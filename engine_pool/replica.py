@@ -153,7 +153,9 @@ class Replica:
         self.metrics = EngineMetrics()
         self.queue_price = QueuePrice()  # learned from the scrapes: what one more request here costs
         self.latency = LatencyLearner()  # learned from the gateway's answers: policies.latency's terms
-        self.held: dict[int, Held] = {}  # admitted requests placed here: the KV each holds, its predicted end
+        self.held: dict[int, Held] = {}  # admitted requests placed here (by id): the KV each holds, its predicted end
+        self._held_changes = 0
+        self._view: tuple[object, tuple[int, int], ReplicaLatency | None] = (None, (-1, -1), None)  # its memo
         self.dp_rank: int | None = None  # the data-parallel rank this replica is (None: the engine has one)
         self.ranks: list[Replica] = []  # on the first rank: the engine's other ranks
         self._idle = asyncio.Event()
@@ -208,9 +210,30 @@ class Replica:
             self.in_flight = 0
             self._idle.set()
 
+    def hold(self, held: Held) -> None:
+        """An admitted request placed here: its KV and predicted end count in this replica's latency view."""
+        self.held[id(held)] = held
+        self._held_changes += 1
+
+    def release(self, held: Held) -> None:
+        if self.held.pop(id(held), None) is not None:
+            self._held_changes += 1
+
     def latency_view(self, without: Held | None = None) -> ReplicaLatency:
         """What the latency model knows of this replica now (`policies.latency.predict`); `without`: a hold not to
-        count (the request being routed, held where admission predicted it best)."""
+        count (the request being routed, held where admission predicted it best). Read per request and candidate
+        (admission's verdict, then the route): kept until a scrape, an answer or a hold changes it, O(1) until
+        then, O(holds) to build."""
+        if without is not None and id(without) in self.held:
+            return self._latency_view(without)
+        metrics, changes, view = self._view
+        now = (self.latency.changes, self._held_changes)
+        if view is None or metrics is not self.metrics or changes != now:
+            view = self._latency_view(None)
+            self._view = (self.metrics, now, view)
+        return view
+
+    def _latency_view(self, without: Held | None) -> ReplicaLatency:
         m, price, learner = self.metrics, self.queue_price, self.latency
         kv = m.num_blocks * m.block_size if m.num_blocks and m.block_size else None
         itl = m.counters.itl_sum / m.counters.itl_count if m.counters.itl_count else None

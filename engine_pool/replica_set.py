@@ -56,6 +56,7 @@ class ReplicaSet:
         self._replicas: dict[str, Replica] = {}
         self._by_model: dict[str, list[Replica]] = {}  # for_model's cache
         self._split: dict[str, bool] = {}  # disaggregated's cache, dropped with for_model's
+        self._base: dict[str, str] = {}  # base_model's cache, dropped with for_model's
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listeners: list[ReplicaListener] = []
         self.changed = asyncio.Event()  # set whenever routability may have changed (for waiters)
@@ -114,6 +115,7 @@ class ReplicaSet:
     def _forget_models(self) -> None:
         self._by_model.clear()
         self._split.clear()
+        self._base.clear()
 
     def disaggregated(self, model: str) -> bool:
         """Some replica of `model` is a prefill replica (its requests may be split: `gateway.disagg`); cached like
@@ -140,11 +142,14 @@ class ReplicaSet:
         return out
 
     def base_model(self, name: str) -> str:
-        """The base model of a LoRA adapter (whose tokenizer and KV layout it uses); a base model is its own."""
-        for r in self._replicas.values():
-            if name in r.adapters and r.model:
-                return r.model
-        return name
+        """The base model of a LoRA adapter (whose tokenizer and KV layout it uses); a base model is its own.
+        Asked per request: cached like `for_model`, so it costs O(1), not O(pool)."""
+        found = self._base.get(name)
+        if found is None:
+            found = next((r.model for r in self._replicas.values() if name in r.adapters and r.model), name)
+            if len(self._base) < 1024:
+                self._base[name] = found
+        return found
 
     def _notify(self) -> None:
         self.changed.set()

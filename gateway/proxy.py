@@ -141,12 +141,10 @@ class UpstreamProxy:
         none), any replica if none of those can take it."""
         prefer = ex.ctx.prefer
         if not prefill and not ex.tried and prefer:
-            others = [r.id for r in self.replicas.for_model(ex.parsed.model) if r.id not in prefer]
-            if others:
-                try:
-                    return await self.router.choose(ex.info, others, prefill=False, hold=ex.ctx.hold)
-                except GatewayError:
-                    pass
+            try:
+                return await self.router.choose(ex.info, hold=ex.ctx.hold, only=prefer)
+            except GatewayError:
+                pass
         return await self.router.choose(ex.info, ex.tried, prefill=prefill, hold=ex.ctx.hold)
 
     async def _attempt(self, ex: Exchange, replica: Replica, decision: Decision, relay: Relay[T]) -> T:

@@ -1,19 +1,22 @@
 """The async shell around a routing policy: gathers a snapshot, calls the pure `decide`, records the outcome.
 
 Per decision: O(r) to snapshot the model's r replicas, plus whatever the cache hooks cost (O(prompt blocks) per
-replica for the prefix index), plus, for a policy that prices in seconds, each replica's latency model (O(its held
-requests)), plus the policy itself. With the cache hooks and more than `max_candidates`
-replicas, r is bounded: the view holds only the replicas holding the prompt's first block (the index's hints,
-O(those)), the session's, and a seeded random sample of the others (`max_candidates` in all, at least
-`_MIN_SAMPLE` sampled): a cold prompt is placed by the power of d choices, a cached one among its holders.
+replica for the prefix index), plus, for a policy that prices in seconds, each replica's latency view (kept until
+its replica's state changes: `Replica.latency_view`), plus the policy itself. With the cache hooks and more than
+`max_candidates` replicas, r is bounded: the view holds only the replicas holding the prompt's first block (the
+index's hints, O(those)), the session's, and a random sample of the others seeded by the request (`max_candidates`
+in all, at least `_MIN_SAMPLE` sampled): a cold prompt is placed by the power of d choices, a cached one among its
+holders.
+Admission's verdict on latency targets weighs the same candidates (`candidates`).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
@@ -56,6 +59,21 @@ class CacheHooks(Protocol):
 
 
 _MIN_SAMPLE = 8
+T = TypeVar("T")
+_MIX = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads consecutive seeds over 64 bits
+_MASK = (1 << 64) - 1
+
+
+def sample(items: Sequence[T], k: int, seed: int) -> list[T]:
+    """k distinct items (k <= len), each as likely as any other: every step-th from a start, with the start and a
+    step prime to the length drawn from `seed`. O(k), a few integer operations an item (a general random sample
+    costs microseconds a draw in Python)."""
+    n = len(items)
+    h = (seed * _MIX) & _MASK
+    start, step = h % n, 1 + (h >> 32) % max(1, n - 1)
+    while math.gcd(step, n) != 1:
+        step += 1
+    return [items[(start + i * step) % n] for i in range(k)]
 
 
 class Router:
@@ -109,17 +127,23 @@ class Router:
         return info
 
     def view(
-        self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False, hold: Held | None = None
+        self,
+        info: RequestInfo,
+        exclude: Collection[str] = (),
+        *,
+        prefill: bool = False,
+        hold: Held | None = None,
+        only: Collection[str] = (),
     ) -> RoutingView:
-        """The snapshot for one decision: the model's replicas that answer whole requests (roles both, decode), or
-        with `prefill` its prefill replicas (the first step of a disaggregated request); with each one's latency
-        model for a policy that prices in seconds, the request's own `hold` (admission's) left out."""
+        """The snapshot for one decision: the request's candidates (`candidates`), or `only` those replicas; with
+        each one's latency model for a policy that prices in seconds, the request's own `hold` (admission's) left
+        out."""
         now = time.monotonic()
-        replicas = self.replicas.for_model(info.model)
-        if prefill or (replicas and self.replicas.disaggregated(info.model)):
-            replicas = [r for r in replicas if (r.role == "prefill") == prefill]
-        elif self.cache is not None and len(replicas) > self.max_candidates:
-            replicas = self._candidates(info, replicas)
+        replicas: Sequence[Replica]
+        if only:
+            replicas = [r for rid in only if (r := self.replicas.get(rid)) is not None]
+        else:
+            replicas = self.candidates(info, prefill=prefill)
         if exclude:
             replicas = [r for r in replicas if r.id not in exclude]
         snaps = tuple([r.snapshot(now) for r in replicas])
@@ -140,6 +164,18 @@ class Router:
         self._seq += 1
         return RoutingView(info, snaps, overlap, session, self._seq, footprint, offloaded, latency, now)
 
+    def candidates(self, info: RequestInfo, *, prefill: bool = False) -> Sequence[Replica]:
+        """The replicas a decision on the request weighs: the model's that answer whole requests (roles both,
+        decode), or with `prefill` its prefill replicas (the first step of a disaggregated request); over a pool of
+        more than `max_candidates` with the cache hooks, a bounded subset (`_candidates`), so a decision costs the
+        same on 16 replicas as on 1,024. Admission's verdict weighs the same set."""
+        replicas = self.replicas.for_model(info.model)
+        if prefill or (replicas and self.replicas.disaggregated(info.model)):
+            return [r for r in replicas if (r.role == "prefill") == prefill]
+        if self.cache is not None and len(replicas) > self.max_candidates:
+            return self._candidates(info, replicas)
+        return replicas
+
     def _candidates(self, info: RequestInfo, replicas: Sequence[Replica]) -> list[Replica]:
         """A bounded subset of a large pool: the session's replica, the holders of the prompt's first block (as
         many as leave room for the sample), then a random sample of the rest."""
@@ -152,7 +188,10 @@ class Router:
                 chosen[rid] = r
                 if len(chosen) >= self.max_candidates - _MIN_SAMPLE:
                     break
-        for r in self._rng.sample(replicas, min(len(replicas), self.max_candidates - len(chosen))):
+        # seeded by the request where its info is its own (numbered): admission's verdict and the route then weigh
+        # the same replicas and share one lookup of each
+        seed = info.request_id or self._rng.getrandbits(64)
+        for r in sample(replicas, min(len(replicas), self.max_candidates - len(chosen)), seed):
             chosen.setdefault(r.id, r)
         return list(chosen.values())
 
@@ -173,11 +212,18 @@ class Router:
         )  # fmt: skip
 
     async def choose(
-        self, info: RequestInfo, exclude: Collection[str] = (), *, prefill: bool = False, hold: Held | None = None
+        self,
+        info: RequestInfo,
+        exclude: Collection[str] = (),
+        *,
+        prefill: bool = False,
+        hold: Held | None = None,
+        only: Collection[str] = (),
     ) -> tuple[Replica, Decision]:
-        """Route now, or raise Overloaded (503 + Retry-After) when no replica of the model can take it. A prefix
-        placed cold may go where another gateway just placed it instead (`CacheHooks.claim_cold`)."""
-        view = self.view(info, exclude, prefill=prefill, hold=hold)
+        """Route now (among `only` when given), or raise Overloaded (503 + Retry-After) when no replica of the model
+        can take it. A prefix placed cold may go where another gateway just placed it instead
+        (`CacheHooks.claim_cold`)."""
+        view = self.view(info, exclude, prefill=prefill, hold=hold, only=only)
         try:
             decision = self.policy.decide(view)
         except NoCandidate as exc:

@@ -63,6 +63,7 @@ class RequestInfo:
     block_size: int = 0  # tokens per block that block_hashes were computed with
     session_key: str | None = None
     tenant: str = "default"
+    request_id: int = 0  # numbers the request where the info is its own (the prefix state's); 0: shared by requests
 
 
 class Footprint(NamedTuple):

@@ -111,9 +111,16 @@ def test_scores_are_token_equivalents_one_for_the_cheapest() -> None:
 def test_the_request_being_routed_is_not_counted_in_what_its_replica_holds() -> None:
     replica = Replica("r", "http://127.0.0.1:1", "m")
     own, other = Held(1000, 5.0), Held(2000, 6.0)
-    replica.held = {1: own, 2: other}
+    replica.hold(own)
+    assert replica.latency_view().held == (own,)
+    replica.hold(other)
     assert replica.latency_view(own).held == (other,)
     assert replica.latency_view().held == (own, other)
+    replica.release(own)
+    assert replica.latency_view(own).held == replica.latency_view().held == (other,)
+    assert replica.latency_view().mean_output == 0.0
+    replica.latency.observe_decode(1, 0.01, 40)  # an answer: what the view knows moves with it
+    assert replica.latency_view().mean_output == 40.0
 
 
 # --- through the gateway ------------------------------------------------------------------------------------------

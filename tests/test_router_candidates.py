@@ -1,6 +1,8 @@
-"""A large pool (more replicas than routing.max_candidates): cache-aware routing weighs a bounded subset, and still
-sends a cached prefix to its holder, keeps sessions, and spreads cold prompts over the whole pool (not the first
-replicas listed). Real ReplicaSet and Router over one instant simulated engine (every replica id points at it)."""
+"""A large pool (more replicas than routing.max_candidates): cache-aware routing and admission's verdict on the
+latency targets weigh a bounded subset, and still send a cached prefix to its holder, keep sessions, spread cold
+prompts over the whole pool (not the first replicas listed), and route within the replicas the verdict prefers.
+Real ReplicaSet, Router and LatencyGate over one instant simulated engine (every replica id points at it); each
+request takes the shipped default's steps: the verdict and its hold, the route, the release."""
 
 from __future__ import annotations
 
@@ -15,13 +17,20 @@ from cacheindex.state import CacheAwareState
 from engine_pool.http_client import UpstreamClient
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
+from gateway.admission.auth import Identity
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.targets import LatencyGate, place
+from gateway.context import RequestContext
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router
+from gateway.router import Router, sample
 from policies.cache_aware import CacheAware
+from policies.latency import Targets
 from simengine import SimConfig, run_sim_engine
 from tests.conftest import wait_for
 
 POOL = 40
+TARGETS = Targets(ttft_s=2.0, tpot_s=0.1)
 
 
 @asynccontextmanager
@@ -50,10 +59,22 @@ def body(system: str, question: str) -> dict[str, object]:
 
 
 async def route(router: Router, state: CacheAwareState, b: dict[str, object], session: str | None = None) -> str:
-    info = await state.request_info(model="m", endpoint="chat", body=b, tenant="t", session_key=session)
-    replica, _ = await router.choose(info)
-    assert len(router.view(info).replicas) <= 16  # the bound holds
+    """One request as the gateway takes it: admission's verdict (and hold), the route (within the verdict's
+    preferred replicas when it names some), the end."""
+    gate = LatencyGate(AdmissionConfig(), router.replicas, router, AdmissionMetrics(CollectorRegistry()))
+    info = await router.request_info(model="m", endpoint="chat", body=b, tenant="t", session_key=session)
+    assert len(router.candidates(info)) <= 16  # the bound holds, for the verdict and the route alike
+    ctx = RequestContext("test", "chat")
+    verdict = gate.judge(info, info.prompt_tokens, None, TARGETS)
+    assert verdict.admit and verdict.best is not None
+    held = router.replicas.get(verdict.best.replica)
+    assert held is not None
+    gate.hold(ctx, held, verdict.best, None)
+    replica, _ = await router.choose(info, hold=ctx.hold, only=verdict.prefer)
+    place(ctx, replica, router.replicas)
     state.on_finished(info, replica.id, None)
+    gate.finish(ctx, Identity("t", 0, "standard"), None)
+    assert not any(r.held for r in router.replicas)
     return replica.id
 
 
@@ -82,3 +103,29 @@ async def test_cold_prompts_spread_over_the_pool() -> None:
     async with large_pool() as (router, state):
         served = Counter([await route(router, state, body(f"unique {i}", "q")) for i in range(200)])
         assert len(served) >= POOL * 3 // 4  # the sample reaches most of the pool
+
+
+async def test_a_route_within_given_replicas_keeps_to_them_in_a_large_pool() -> None:
+    """Admission prefers the replicas with KV room when some have none: the route keeps to those, whichever of
+    the pool they are (not only those the candidate sample happens to draw)."""
+    async with large_pool() as (router, state):
+        for g in range(20):
+            info = await router.request_info(
+                model="m", endpoint="chat", body=body(f"tool {g}", "q"), tenant="t", session_key=None
+            )
+            only = (f"r{(7 * g) % POOL:02d}", f"r{(7 * g + 3) % POOL:02d}")
+            replica, _ = await router.choose(info, only=only)
+            assert replica.id in only
+            state.on_finished(info, replica.id, None)
+
+
+def test_the_candidate_sample_is_distinct_repeatable_and_fair() -> None:
+    pool = list(range(40))
+    for seed in (1, 2, 3, 2**63 + 5):
+        drawn = sample(pool, 14, seed)
+        assert len(set(drawn)) == 14 and set(drawn) <= set(pool)
+        assert sample(pool, 14, seed) == drawn  # the verdict and the route of one request draw the same
+    assert sorted(sample(pool, 40, 9)) == pool
+    assert sample([7], 1, 12345) == [7]
+    counts = Counter(i for seed in range(1, 4001) for i in sample(pool, 8, seed))
+    assert min(counts.values()) > 0.8 * 800 and max(counts.values()) < 1.2 * 800  # each replica as likely

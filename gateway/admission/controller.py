@@ -258,7 +258,7 @@ class AdmissionController:
         """Refuse at once (503, Retry-After: the predicted drain) where no replica is predicted to meet the
         request's targets; else hold its KV on the best replica. Returns how long it may wait in the queue."""
         latency, targets = self.latency, demand.targets
-        verdict = latency.judge(model, demand.info, prompt_tokens, demand.max_tokens, targets)
+        verdict = latency.judge(demand.info, prompt_tokens, demand.max_tokens, targets)
         if verdict.reason == "no-replica":
             return max_wait  # the capacity gate answers it (no_ready_replica)
         if not verdict.admit:

@@ -100,12 +100,11 @@ class LatencyGate:
         found = _merge(found, self.config.tenant(identity.tenant).targets)
         return found.looser(_asked(headers, "ttft"), _asked(headers, "tpot"))
 
-    def judge(
-        self, model: str, info: RequestInfo, prompt_tokens: int, max_tokens: int | None, targets: Targets
-    ) -> Verdict:
-        """The verdict on the model's routable replicas now."""
+    def judge(self, info: RequestInfo, prompt_tokens: int, max_tokens: int | None, targets: Targets) -> Verdict:
+        """The verdict on the request's routable candidates now (the router's: the model's replicas, or over a large
+        pool a bounded subset, so a verdict costs the same on 16 replicas as on 1,024)."""
         now = time.monotonic()
-        replicas = [r for r in self.replicas.for_model(model) if r.routable(now) and r.role != "prefill"]
+        replicas = [r for r in self.router.candidates(info) if r.routable(now) and r.role != "prefill"]
         cached = self.router.cached_tokens(info, [r.id for r in replicas])
         uncached = {r.id: prompt_tokens - cached.get(r.id, 0) for r in replicas}
         predictions = [
@@ -119,13 +118,13 @@ class LatencyGate:
         output = replica.latency.held_tokens(0, max_tokens)
         end = time.monotonic() + prediction.ttft_s + output * prediction.tpot_s  # tpot: in the batch it joins
         ctx.hold, ctx.held_on, ctx.prediction = Held(prediction.tokens, end), replica.id, prediction
-        replica.held[id(ctx)] = ctx.hold
+        replica.hold(ctx.hold)
 
     def finish(self, ctx: RequestContext, identity: Identity, targets: Targets | None) -> None:
         """The request ended: its hold released, its outcome counted, its latencies learned."""
         replica = self.replicas.get(ctx.held_on) if ctx.held_on is not None else None
-        if replica is not None:
-            replica.held.pop(id(ctx), None)
+        if replica is not None and ctx.hold is not None:
+            replica.release(ctx.hold)
         ctx.held_on, ctx.hold = None, None
         if targets is not None and ctx.status == 200:
             self.outcomes.labels(ctx.model, identity.priority_name, identity.tenant, _outcome(ctx, targets)).inc()
@@ -167,9 +166,9 @@ def place(ctx: RequestContext, replica: Replica, replicas: ReplicaSet) -> None:
         return
     before = replicas.get(ctx.held_on) if ctx.held_on is not None else None
     if before is not None:
-        before.held.pop(id(ctx), None)
+        before.release(ctx.hold)
     ctx.held_on = replica.id
-    replica.held[id(ctx)] = ctx.hold
+    replica.hold(ctx.hold)
 
 
 def _outcome(ctx: RequestContext, targets: Targets) -> str:
