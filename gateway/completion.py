@@ -134,7 +134,8 @@ class CompletionService:
             raw, parsed, holder = await self._read(request, endpoint)
             if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
                 parsed.model = self.aliases.get(parsed.model, parsed.model)
-            await self.adapters.ensure(parsed.model)  # a LoRA adapter kvgate loads on demand (models.dynamic_lora)
+            if parsed.model in self.adapters.catalog:  # a LoRA adapter kvgate loads on demand (models.dynamic_lora)
+                await self.adapters.ensure(parsed.model)
             chain = [parsed.model, *(self._fallbacks.get(parsed.model, ()) if holder is None else ())]
             # metrics label only known models (bounded cardinality); a model with fallbacks is a configured name
             if len(chain) == 1 and not self.replicas.for_model(parsed.model):

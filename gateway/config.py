@@ -78,9 +78,10 @@ class RoutingConfig(StrictModel):
     max_candidates: int = Field(
         16,
         ge=_MIN_CANDIDATES,
-        description="with more replicas of a model than this, cache-aware routing weighs only the replicas that "
-        "hold the prompt's first block, the session's, and a random sample of the others (at least 8: the power of "
-        "d choices), so its cost per request does not grow with the pool",
+        description="with more replicas of a model than this, cache-aware routing (and admission's verdict on "
+        "latency targets) weighs only the replicas that hold the prompt's first block, the session's, and a random "
+        "sample of the others (at least 8: the power of d choices), so its cost per request does not grow with the "
+        "pool",
     )
     params: dict[str, Any] = Field(
         default_factory=dict,

@@ -86,9 +86,10 @@ class PrefillStep:
         self.config = config
 
     async def run(self, ex: Exchange) -> None:
-        """Give a split model's request its prefill step: `ex.data` then carries the prefill's transfer params."""
+        """Give a split model's request (the caller asks `disaggregated`) its prefill step: `ex.data` then carries
+        the prefill's transfer params."""
         parsed, ctx = ex.parsed, ex.ctx
-        if parsed.kind not in ("chat", "completions") or not self.router.replicas.disaggregated(parsed.model):
+        if parsed.kind not in ("chat", "completions"):
             return
         prompt_tokens = ex.info.prompt_tokens or len(ex.data) // 4
         decision = self.router.split(ex.info, prompt_tokens, self.config.min_prefill_tokens)

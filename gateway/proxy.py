@@ -83,8 +83,8 @@ class UpstreamProxy:
 
     async def forward(self, ex: Exchange) -> int:
         """Answer `ex` from a replica (its pinned one: that one only); returns the HTTP status recorded."""
-        if ex.pinned is None:  # a split model's request first takes its prefill step (gateway.disagg)
-            await self.prefill.run(ex)
+        if ex.pinned is None and self.replicas.disaggregated(ex.parsed.model):
+            await self.prefill.run(ex)  # a split model's request first takes its prefill step (gateway.disagg)
         attempts = 1 if ex.pinned is not None else self.settings.retry.max_attempts
         try:
             return await self.retrying(ex, self._relay, attempts)

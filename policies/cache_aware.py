@@ -292,8 +292,9 @@ class CacheAware:
 
         offloaded = view.offloaded
         overlap = {r.id: view.overlap.get(r.id, 0) + offloaded.get(r.id, 0) for r in candidates}
-        best_key = min((costs[r.id], -overlap[r.id], _load_key(r)) for r in candidates)
-        tied = [r for r in candidates if (costs[r.id], -overlap[r.id], _load_key(r)) == best_key]
+        keys = [(costs[r.id], -overlap[r.id], _load_key(r)) for r in candidates]
+        best_key = min(keys)
+        tied = [r for r, key in zip(candidates, keys, strict=True) if key == best_key]
         chosen = tied[view.seq % len(tied)]
 
         max_overlap = max(overlap.values())

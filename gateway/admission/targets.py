@@ -3,12 +3,14 @@
 Per request: its targets (`targets`: the default, then its model's, its priority class's and its tenant's, each
 field over the one before; then a looser one the client asks for by header, in milliseconds: kvgate's
 `x-kvgate-slo-ttft-ms` / `x-kvgate-slo-tpot-ms` or llm-d's `x-llm-d-slo-ttft-ms` / `x-llm-d-slo-tpot-ms`) ->
-the verdict (`judge`: a prediction on every routable replica of the model, from what each holds and what it has
-learned) -> a hold on the best replica (the KV the request will take and its predicted end, so the next request's
-prediction sees it at once, before any engine reports it) -> moved if the router places it elsewhere (`place`) ->
-released and learned from when it ends (`finish`: its time to first token from when it was sent, its decode time).
+the verdict (`judge`: a prediction on every routable candidate the router weighs for it, from what each holds and
+what it has learned) -> a hold on the best replica (the KV the request will take and its predicted end, so the next
+request's prediction sees it at once, before any engine reports it) -> moved if the router places it elsewhere
+(`place`) -> released and learned from when it ends (`finish`: its time to first token from when it was sent, its
+decode time).
 Outcomes per model, priority class and tenant: met, missed (answered late), refused (`kvgate_slo_requests_total`).
-Cost per request: O(replicas x their held requests) for the verdict; O(1) for the rest.
+Cost per request: O(candidates x their held requests) for the verdict (the candidates bounded by
+`routing.max_candidates` over a large pool); O(1) for the rest.
 """
 
 from __future__ import annotations
