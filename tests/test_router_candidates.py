@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 from prometheus_client import CollectorRegistry
 
 from cacheindex.config import CacheConfig
@@ -27,7 +28,7 @@ from gateway.router import Router, sample
 from policies.cache_aware import CacheAware
 from policies.latency import Targets
 from simengine import SimConfig, run_sim_engine
-from tests.conftest import wait_for
+from tests.conftest import gateway_over_sims, wait_for
 
 POOL = 40
 TARGETS = Targets(ttft_s=2.0, tpot_s=0.1)
@@ -129,3 +130,24 @@ def test_the_candidate_sample_is_distinct_repeatable_and_fair() -> None:
     assert sample([7], 1, 12345) == [7]
     counts = Counter(i for seed in range(1, 4001) for i in sample(pool, 8, seed))
     assert min(counts.values()) > 0.8 * 800 and max(counts.values()) < 1.2 * 800  # each replica as likely
+
+
+async def test_a_gateway_over_more_replicas_than_its_candidates_admits_and_routes_to_the_holder() -> None:
+    """Through HTTP, as shipped (cache-aware, latency targets on) over 12 engines with `routing.max_candidates` 9:
+    every request is admitted, and a prefix asked again goes back to the replica that holds it."""
+    sim = SimConfig(model="sim", instant=True, block_size=16)
+    overrides = {"routing": {"max_candidates": 9}, "cache": {"tokenizers": {"sim": "sim"}}}
+    async with aiohttp.ClientSession() as http, gateway_over_sims([sim] * 12, **overrides) as (gw, _):
+
+        async def ask(system: str, question: str) -> tuple[str, str]:
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            body = {"model": "sim", "messages": messages, "max_tokens": 4}
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return resp.headers["x-kvgate-replica"], resp.headers["x-kvgate-route-reason"]
+
+        for g in range(6):
+            system = f"workspace {g} " + "rules " * 120
+            home, _ = await ask(system, "first")
+            for question in ("second", "third"):
+                assert await ask(system, question) == (home, "cache-hit")
