@@ -3,22 +3,24 @@
 Samples are the gateway's own answers (`observe_first_token`, `observe_decode`): a stream's time to first token
 measured from when the gateway sent it, against the prompt tokens the engine computed (prompt less cached, from the
 answer's usage); and its decode seconds per token against the batch it ran in (answers of at least
-`MIN_DECODE_TOKENS` tokens). Only requests predicted to start at once (no wait for KV room) teach the prefill line,
-so queueing never reads as prefill.
+`MIN_DECODE_TOKENS` tokens): the mean of the gateway's requests running on the replica over its decode
+(`Replica.mean_batch`), not the batch it joined (a burst's first request would read as decoding alone). Only
+requests predicted to start at once (no wait for KV room) teach the prefill line, so queueing never reads as
+prefill.
 
 Estimator: a Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last `WINDOW`
 samples of each kind, refitted once half of them are new: robust to the outliers a noisy engine gives (a pause, a
 preemption, a scrape that lagged) up to about 29% of the window, and it forgets an engine that changed within
-`WINDOW` answers; samples that all share one x (prompts of one length, a replica that only ever ran one sequence)
-say nothing of a slope, and the line stays unknown. Until it is known, the engine's own counters are the prior
-where known (`QueuePrice`, learned from its /metrics, for prefill and the per-sequence cost; the mean inter-token
-latency since the engine started, warm-up included, for the decode step: without it a first burst's requests would
-all be predicted to end at once), else 0: a model that knows nothing predicts no cost beyond the wait for KV room,
-so it never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or plus the mean output seen
-(`mean_output`: the plain mean of the first answers, then an exponentially weighted one; `DEFAULT_OUTPUT` before
-any) when it gave none.
-The margin: the `MARGIN_QUANTILE` of how much later than predicted the last `WINDOW` first tokens came (0 while
-they came early), added to every prediction (`policies.latency`).
+`WINDOW` answers; samples that all share one x (within `MIN_DX`) (prompts of one length, a replica that only ever
+ran one sequence) say nothing of a slope, and the line stays unknown. Until it is known, the engine's own counters
+are the prior where known (`QueuePrice`, learned from its /metrics, for prefill and the per-sequence cost; the mean
+inter-token latency since the engine started, warm-up included, for the decode step: without it a first burst's
+requests would all be predicted to end at once), else 0: a model that knows nothing predicts no cost beyond the wait
+for KV room, so it never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or plus the
+mean output seen (`mean_output`: the plain mean of the first answers, then an exponentially weighted one;
+`DEFAULT_OUTPUT` before any) when it gave none.
+The margin: the `MARGIN_QUANTILE` of how much later than predicted the last `WINDOW` first tokens came (0 while they
+came early), added to every prediction (`policies.latency`).
 Costs: O(1) per sample; a refit O(WINDOW^2) (496 slopes, in numpy: about 35 us) once half the samples are new (every
 4 while there are fewer than 8, every 16 in a full window: at a thousand answers a second, refits every 4 samples in
 Python were 5% of the gateway's CPU); reading the model O(1), the margin O(WINDOW log WINDOW) after a new sample.
@@ -38,6 +40,7 @@ DEFAULT_OUTPUT = 256  # tokens a request without max_tokens is taken to produce 
 # an answer shorter than this says little of the decode step (a whole answer's few tokens carry its HTTP and
 # scheduling noise, seconds spread over 4 tokens read as a slow engine): it teaches the mean output only
 MIN_DECODE_TOKENS = 16
+MIN_DX = 0.5  # samples nearer than this (a measured mean batch: 1.0 and 1.02) say nothing of a slope
 _PAIRS = np.triu_indices(WINDOW, 1)  # every pair of a full window's samples
 
 
@@ -64,7 +67,7 @@ class _Line:
         x, y = xy[:, 0], xy[:, 1]
         i, j = _PAIRS if len(x) == WINDOW else np.triu_indices(len(x), 1)
         dx = x[j] - x[i]
-        pair = dx != 0
+        pair = np.abs(dx) >= MIN_DX
         self._since_fit = 0
         if not pair.any():  # samples of one x say nothing of a slope: the line stays unknown (its prior is used)
             return
@@ -107,7 +110,7 @@ class LatencyLearner:
             self._prefill.add(float(computed_tokens), ttft_s)
             self.changes += 1
 
-    def observe_decode(self, batch: int, s_per_token: float, output_tokens: int) -> None:
+    def observe_decode(self, batch: float, s_per_token: float, output_tokens: int) -> None:
         """A finished request: its decode seconds per token, the batch it ran in, the tokens it produced."""
         self.changes += 1
         if s_per_token >= 0 and batch >= 1 and output_tokens >= MIN_DECODE_TOKENS:

@@ -141,6 +141,10 @@ class Replica:
         self.warm = not managed  # managed replicas become warm after a real warm-up inference
         self.draining = False
         self.in_flight = 0
+        # sequence-seconds run here (the in-flight count, up to the engine's batch slots, integrated over time) and
+        # when it was last advanced: the mean batch over any span of a request's life (`batch_mark`, `mean_batch`)
+        self._seq_s = 0.0
+        self._seq_at = time.monotonic()
         # requests that were running when the engine metrics were scraped and have finished since: the scraped
         # running count still includes them until the next scrape (vLLM's gauges are only read every interval)
         self.finished_since_scrape = 0
@@ -197,18 +201,39 @@ class Replica:
     # --- request accounting ----------------------------------------------------------------------------------
     def begin(self) -> float:
         """Count a request sent to the replica; returns its start time, for `end`."""
+        now = time.monotonic()
+        self._advance(now)
         self.in_flight += 1
         if self.in_flight == 1:
             self._idle.clear()
-        return time.monotonic()
+        return now
 
     def end(self, started: float) -> None:
         if started <= self.metrics.scraped_at:  # the last scrape saw it running: do not count it any more
             self.finished_since_scrape += 1
+        self._advance(time.monotonic())
         self.in_flight -= 1
         if self.in_flight <= 0:
             self.in_flight = 0
             self._idle.set()
+
+    def _advance(self, now: float) -> None:
+        running = self.in_flight if self.max_num_seqs is None else min(self.in_flight, self.max_num_seqs)
+        self._seq_s += running * (now - self._seq_at)
+        self._seq_at = now
+
+    def batch_mark(self) -> tuple[float, float]:
+        """The start of a span (now, the sequence-seconds so far) whose mean batch `mean_batch` tells."""
+        now = time.monotonic()
+        self._advance(now)
+        return now, self._seq_s
+
+    def mean_batch(self, mark: tuple[float, float]) -> float:
+        """The mean number of the gateway's requests running here (up to the engine's batch slots) since `mark`:
+        the batch a request that ran over that span decoded in, itself included (O(1))."""
+        now, seq_s = self.batch_mark()
+        span = now - mark[0]
+        return max(1.0, (seq_s - mark[1]) / span) if span > 0 else max(1, self.in_flight)
 
     def hold(self, held: Held) -> None:
         """An admitted request placed here: its KV and predicted end count in this replica's latency view."""

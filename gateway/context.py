@@ -53,6 +53,8 @@ class RequestContext:
     hold: Held | None = None
     held_on: str | None = None
     prediction: Prediction | None = None
+    # the answering replica's `batch_mark` as the decode began (its first token; its send for a whole answer)
+    batch_mark: tuple[float, float] | None = None
     prefer: tuple[str, ...] = ()  # where admission wants it routed first (policies.latency.judge; () = anywhere)
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
     # tracing (gateway.tracing): the ids of a sampled request, and when its stages ended (time.monotonic())

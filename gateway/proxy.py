@@ -151,6 +151,7 @@ class UpstreamProxy:
         """Send `ex` to `replica` and hand its answer to `relay`; a 5xx or a failure before any byte reached the
         client is `Retryable`, a 4xx the client's error (raised as it is)."""
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
+        ex.ctx.batch_mark = replica.batch_mark()
         try:
             upstream = await send(self.client, self.settings.timeouts, replica, ex)
             try:
@@ -241,6 +242,7 @@ class UpstreamProxy:
                         continue
                     if not started:
                         await client.start(upstream.status, self._headers(ex, replica, decision, upstream))
+                        ex.ctx.batch_mark = replica.batch_mark()  # its decode begins
                         window.reschedule(min(end_at, loop.time() + timeouts.stream_idle_s))
                         replica.record_success()
                     await client.write(events, first=not started)

@@ -166,7 +166,7 @@ async def test_a_busy_holder_of_a_prompt_is_left_by_what_its_engine_was_learned_
 
         def learned() -> bool:
             views = [r.latency_view() for r in replicas]
-            return all(v.prefill_s_per_token > 0 and v.step_per_seq_s > 0 for v in views)
+            return all(v.prefill_s_per_token > 0 and v.step_per_seq_s > 0 and v.decode_learned for v in views)
 
         for burst in range(40):  # distinct prompts, 2 to 6 at once over the two replicas: batches of 1 to 3 each
             asks = [_ask(http, gw.url, f"warm {burst} {i} " + "w " * 40 * i, "go") for i in range(2 + 2 * (burst % 3))]

@@ -13,7 +13,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import engine_pool.replica
 from engine_pool.latency import MIN_SAMPLES, WINDOW, LatencyLearner
+from engine_pool.replica import Replica
 from policies.latency import Held, Prediction, ReplicaLatency, Targets, judge, predict, room_wait
 from simengine import SimConfig
 from tests.conftest import gateway_over_sims
@@ -178,6 +180,32 @@ def test_short_answers_teach_no_decode_speed() -> None:
     for batch in (1, 2, 3, 4):
         learner.observe_decode(batch, 0.01 * batch, 32)
     assert learner.decode_learned and learner.terms(None, None)[3] == pytest.approx(0.01)
+
+
+def test_a_decode_is_learned_against_the_batch_it_ran_in_not_the_one_it_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst's first request joins an empty replica but decodes beside the rest of the burst: read as a batch of
+    one, a CPU engine's 25 ms a sequence looked like a 50 ms step that running sequences hardly slow."""
+    clock = [0.0]
+    monkeypatch.setattr(engine_pool.replica.time, "monotonic", lambda: clock[0])
+    replica = Replica("r", "http://127.0.0.1:1", "m", max_num_seqs=2)
+    first = replica.begin()
+    mark = replica.batch_mark()
+    clock[0] = 0.01
+    replica.begin()  # the burst's second request, a moment later
+    clock[0] = 1.01
+    third = replica.begin()  # a third: it waits for a batch slot and runs in no batch
+    clock[0] = 2.01
+    assert replica.mean_batch(mark) == pytest.approx((0.01 + 2 * 2.0) / 2.01)
+    replica.end(first)
+    replica.end(third)
+    assert replica.mean_batch(replica.batch_mark()) == 1  # a span of no time: what runs now
+    learner = LatencyLearner()
+    for batch in (1.0, 1.02, 1.0, 1.01, 1.03, 1.0, 1.0, 1.02):  # one request at a time: the batch says nothing
+        learner.observe_decode(batch, 0.002 + 0.025 * batch, 32)
+    assert not learner.decode_learned
+    for batch in (2.0, 1.98, 2.01, 2.0, 2.02, 1.99, 2.0, 2.01):  # two at a time: at the next refit, a line
+        learner.observe_decode(batch, 0.002 + 0.025 * batch, 32)
+    assert learner.terms(None, None)[2:] == pytest.approx((0.002, 0.025))
 
 
 def test_the_kv_a_request_holds_is_its_max_tokens_or_the_mean_output_seen() -> None:

@@ -145,7 +145,8 @@ class LatencyGate:
         sent_e2e = time.monotonic() - ctx.routed_at
         computed = max(0, (ctx.prompt_tokens or 0) - (ctx.cached_tokens or 0))
         output = ctx.completion_tokens or 0
-        batch = prediction.batch if prediction is not None else 1
+        # the batch it decoded in, as it ran (the prediction's is the batch it joined, before those after it came)
+        batch = replica.mean_batch(ctx.batch_mark) if ctx.batch_mark is not None else 1.0
         if ctx.stream:
             if prediction is not None and not ctx.split:  # the target counts from arrival: so does the lateness
                 raw = prediction.ttft_s - prediction.margin_s
