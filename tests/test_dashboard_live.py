@@ -154,9 +154,13 @@ async def test_every_dashboard_panel_returns_series_from_a_live_prometheus(
         empty: list[str] = [title for title, _ in queries]
         async with load(http, gw.url) as statuses:
             await wait_for(lambda: len(statuses) >= 40, 60, "40 answers")
-            process = gw.app[POOL].slots()[0].process
+            # a crash under load: of an engine with requests on it (cache-aware may keep the shared prompt's traffic
+            # on one replica, and killing an idle one shows no upstream error)
+            slots = gw.app[POOL].slots()
+            await wait_for(lambda: any(s.replica.in_flight for s in slots), 60, "a request in flight")
+            process = max(slots, key=lambda s: s.replica.in_flight).process
             assert process is not None
-            os.kill(process.pid, signal.SIGKILL)  # a crash under load
+            os.kill(process.pid, signal.SIGKILL)
             for _ in range(120):  # until every panel has data, or two minutes
                 await asyncio.sleep(1)
                 empty = [title for title, expr in queries if not await query(http, prom, expr)]
