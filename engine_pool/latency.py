@@ -11,13 +11,13 @@ prefill.
 Estimator: a Theil-Sen line (the median of pairwise slopes, then the median intercept) over the last `WINDOW`
 samples of each kind, refitted once half of them are new: robust to the outliers a noisy engine gives (a pause, a
 preemption, a scrape that lagged) up to about 29% of the window, and it forgets an engine that changed within
-`WINDOW` answers; samples that all share one x (within `MIN_DX`) (prompts of one length, a replica that only ever
-ran one sequence) say nothing of a slope, and the line stays unknown. Until it is known, the engine's own counters
-are the prior where known (`QueuePrice`, learned from its /metrics, for prefill and the per-sequence cost; the mean
-inter-token latency since the engine started, warm-up included, for the decode step: without it a first burst's
-requests would all be predicted to end at once), else 0: a model that knows nothing predicts no cost beyond the wait
-for KV room, so it never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or plus the
-mean output seen (`mean_output`: the plain mean of the first answers, then an exponentially weighted one;
+`WINDOW` answers; samples whose x all lie within `MIN_DX` of one another (prompts of one length, a replica that only
+ever ran one sequence) say nothing of a slope, and the line stays unknown. Until it is known, the engine's own
+counters are the prior where known (`QueuePrice`, learned from its /metrics, for prefill and the per-sequence cost;
+the mean inter-token latency since the engine started, warm-up included, for the decode step: without it a first
+burst's requests would all be predicted to end at once), else 0: a model that knows nothing predicts no cost beyond
+the wait for KV room, so it never refuses on a guess. The KV a request holds: its prompt plus its max_tokens, or
+plus the mean output seen (`mean_output`: the plain mean of the first answers, then an exponentially weighted one;
 `DEFAULT_OUTPUT` before any) when it gave none.
 The margin: the `MARGIN_QUANTILE` of how much later than predicted the last `WINDOW` first tokens came (0 while they
 came early), added to every prediction (`policies.latency`).

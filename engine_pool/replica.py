@@ -217,9 +217,12 @@ class Replica:
             self.in_flight = 0
             self._idle.set()
 
+    def _running(self) -> int:
+        """The gateway's requests in the engine's batch here: in flight, up to its batch slots when known."""
+        return self.in_flight if self.max_num_seqs is None else min(self.in_flight, self.max_num_seqs)
+
     def _advance(self, now: float) -> None:
-        running = self.in_flight if self.max_num_seqs is None else min(self.in_flight, self.max_num_seqs)
-        self._seq_s += running * (now - self._seq_at)
+        self._seq_s += self._running() * (now - self._seq_at)
         self._seq_at = now
 
     def batch_mark(self) -> tuple[float, float]:
@@ -233,7 +236,7 @@ class Replica:
         the batch a request that ran over that span decoded in, itself included (O(1))."""
         now, seq_s = self.batch_mark()
         span = now - mark[0]
-        return max(1.0, (seq_s - mark[1]) / span) if span > 0 else max(1, self.in_flight)
+        return max(1.0, (seq_s - mark[1]) / span if span > 0 else self._running())
 
     def hold(self, held: Held) -> None:
         """An admitted request placed here: its KV and predicted end count in this replica's latency view."""
