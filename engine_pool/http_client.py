@@ -22,7 +22,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -34,8 +34,16 @@ class UpstreamConnectionError(ConnectionError):
 
 
 _NO_HEADERS: Mapping[str, str] = {}
+# the gateways a request went through, by instance (`gateway.ids`): each adds its own to what it sends, and refuses a
+# request that already carries it (an engine address that leads back to the gateway would otherwise loop)
+VIA = "x-kvgate-via"
 READ_HIGH_WATER = 256 * 1024  # bytes received and not yet taken by the reader before the socket stops being read
 MAX_HEADERS = 64  # response headers kept per response (the rest are parsed and dropped)
+
+
+def via_chain(lines: Iterable[str]) -> list[str]:
+    """The gateway instances a request's `VIA` header lines name, in order."""
+    return [name for line in lines for part in line.split(",") if (name := part.strip())]
 
 
 class _Conn(asyncio.Protocol):
@@ -268,6 +276,7 @@ class UpstreamPool:
         max_idle: int = 256,
         idle_timeout_s: float = 4.0,
         deadlines: DeadlineWatch | None = None,
+        via: str | None = None,
     ) -> None:
         self.read_pauses = 0  # times a response stopped reading the socket for a slow reader (flow control)
         self.deadlines = deadlines or DeadlineWatch()
@@ -276,7 +285,8 @@ class UpstreamPool:
         self.max_idle = max_idle
         self.idle_timeout_s = idle_timeout_s  # below uvicorn's 5 s keep-alive, so vLLM never closes one under us
         self._idle: list[_Conn] = []
-        self._host = f"{host}:{port}"
+        # every request's fixed header lines: the host, and the sending gateway (`VIA`) when it has one
+        self._fixed = f"Host: {host}:{port}\r\n" + (f"{VIA}: {via}\r\n" if via else "")
 
     def put(self, conn: _Conn) -> None:
         if len(self._idle) < self.max_idle:  # its parser goes on with the next response (llhttp resets itself)
@@ -313,7 +323,7 @@ class UpstreamPool:
         new one; the returned response's headers may not have arrived yet (`await resp.headers_ready`). The head is
         encoded before a connection is taken, so a header that cannot be sent (ValueError) leaks nothing."""
         fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
-        head = f"{method} {path} HTTP/1.1\r\nHost: {self._host}\r\nContent-Length: {len(body)}\r\n{fields}\r\n"
+        head = f"{method} {path} HTTP/1.1\r\n{self._fixed}Content-Length: {len(body)}\r\n{fields}\r\n"
         data = head.encode("latin-1") + body
         conn = self._idle_conn() if self._idle else None
         if conn is None:
@@ -331,7 +341,8 @@ class UpstreamPool:
 
 
 class UpstreamClient:
-    """One pool per upstream host:port; `close()` drops every idle connection."""
+    """One pool per upstream host:port; `close()` drops every idle connection. `via`: the sending gateway's
+    instance, in every request's `VIA` header (a gateway refuses a request that carries its own: a loop)."""
 
     async def fetch(
         self, method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None, *, timeout_s: float
@@ -353,8 +364,9 @@ class UpstreamClient:
         resp.release()
         return resp.status, data
 
-    def __init__(self, *, max_idle_per_host: int = 256) -> None:
+    def __init__(self, *, max_idle_per_host: int = 256, via: str | None = None) -> None:
         self.max_idle_per_host = max_idle_per_host
+        self.via = via
         self.deadlines = DeadlineWatch()  # one timer for every pool's response timeouts
         self._pools: dict[tuple[str, int], UpstreamPool] = {}
 
@@ -363,7 +375,7 @@ class UpstreamClient:
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = UpstreamPool(
-                host, port, use_tls=use_tls, max_idle=self.max_idle_per_host, deadlines=self.deadlines
+                host, port, use_tls=use_tls, max_idle=self.max_idle_per_host, deadlines=self.deadlines, via=self.via
             )
         return pool
 

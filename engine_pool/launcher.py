@@ -69,17 +69,20 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def free_port(host: str = "127.0.0.1", *, span: int = 1) -> int:
+def free_port(host: str = "127.0.0.1", *, span: int = 1, avoid: Collection[int] = ()) -> int:
     """A port that was free a moment ago (with the `span - 1` above it), below the kernel's ephemeral range when it
     can: an engine binds its ports seconds after they are chosen (its KV-event sockets once the model is loaded),
     and a port of the ephemeral range may meanwhile become the source port of any outgoing connection on the machine
     (a health probe, a ZMQ subscriber's reconnect): the engine then fails with `Address already in use` and every
-    restart with it. 64 tries at random below the range, else bind to 0 (a span of one)."""
+    restart with it. Never one of `avoid` (ports promised to another socket not bound yet: the gateway's own, whose
+    listener binds after its start-up has launched the engines). 64 tries at random below the range, else bind to 0
+    (a span of one)."""
     low = _ephemeral_low()
     if low > _LOWEST_PORT + 1000:
         for _ in range(64):
             port = _LOWEST_PORT + secrets.randbelow(low - _LOWEST_PORT - span)
-            if all(port_is_free(host, p) for p in range(port, port + span)):
+            ports = range(port, port + span)
+            if not any(p in avoid for p in ports) and all(port_is_free(host, p) for p in ports):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

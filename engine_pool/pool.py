@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,10 @@ class EnginePool:
         *,
         base_env: Mapping[str, str] | None = None,
         on_replica: Callable[[Replica], None] | None = None,
+        reserved_ports: Collection[int] = (),
     ) -> None:
         self.config = config
+        self.reserved_ports = frozenset(reserved_ports)  # never given to an engine (the gateway's own port)
         self.replicas = replicas
         self.metrics = PoolMetrics(registry, lambda: self.supervisor.slots.values())
         self.base_env = dict(os.environ if base_env is None else base_env)
@@ -228,10 +230,11 @@ class EnginePool:
         index = self._next_index[m.name]
         self._next_index[m.name] = index + 1
         host = self.config.host
-        port = free_port(host)
+        avoid, span = self.reserved_ports, m.data_parallel_size
+        port = free_port(host, avoid=avoid)
         # a data-parallel engine's rank r publishes on port + r: the whole span free
-        kv_port = free_port(host, span=m.data_parallel_size) if m.kv_events else None
-        replay_port = free_port(host, span=m.data_parallel_size) if m.kv_events else None
+        kv_port = free_port(host, span=span, avoid=avoid) if m.kv_events else None
+        replay_port = free_port(host, span=span, avoid=avoid) if m.kv_events else None
         slot_id = f"{m.name}-{index}"
         tokenizer = m.tokenizer or ("sim" if m.kind == "sim" else self._model_paths.get(m.name))
         settings = ReplicaSettings(
@@ -320,5 +323,6 @@ class EnginePool:
         if (m.kv_transfer_config or {}).get(
             "kv_connector"
         ) == "NixlConnector" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in m.env:
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host))  # one per engine: several share the host
+            # one per engine: several share the host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host, avoid=self.reserved_ports))
         return LaunchCommand(vllm_argv(spec), env, cpus)

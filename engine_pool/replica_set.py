@@ -30,6 +30,7 @@ from engine_pool.replica import Replica, rank_headers
 log = logging.getLogger("kvgate.replicas")
 _JSON = {"Content-Type": "application/json"}
 COMPLETIONS = "/v1/completions"  # the warm-up of a generating model
+LOOP_DETECTED = 508  # a gateway's answer to a request it sent itself (`http_client.VIA`)
 
 
 class ReplicaListener(Protocol):
@@ -54,6 +55,7 @@ class ReplicaSet:
         self.timeout_s = timeout_s
         self.metrics_interval_s = metrics_interval_s
         self._replicas: dict[str, Replica] = {}
+        self._looped: set[str] = set()  # replicas whose address answered as a gateway that sent the probe (warned)
         self._by_model: dict[str, list[Replica]] = {}  # for_model's cache
         self._split: dict[str, bool] = {}  # disaggregated's cache, dropped with for_model's
         self._base: dict[str, str] = {}  # base_model's cache, dropped with for_model's
@@ -74,6 +76,7 @@ class ReplicaSet:
 
     async def remove(self, replica_id: str) -> Replica | None:
         replica = self._replicas.pop(replica_id, None)
+        self._looped.discard(replica_id)
         for rank in replica.ranks if replica is not None else ():
             await self.remove(rank.id)
         self._forget_models()
@@ -245,6 +248,12 @@ class ReplicaSet:
     async def probe_health(self, replica: Replica) -> bool:
         try:
             status, _ = await self._client.fetch("GET", f"{replica.url}/health", timeout_s=self.timeout_s)
+            if status == LOOP_DETECTED and replica.id not in self._looped:
+                self._looped.add(replica.id)
+                log.warning(
+                    "replica %s: %s answers as this gateway (508, loop detected): its address leads back here; "
+                    "it is not routed to", replica.id, replica.url,
+                )  # fmt: skip
             ok = status == 200
             if ok:  # every probe: adapters come and go (vLLM's /v1/load_lora_adapter)
                 try:

@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from engine_pool.discovery import DnsDiscovery
-from engine_pool.http_client import UpstreamClient
+from engine_pool.http_client import VIA, UpstreamClient, via_chain
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from gateway import handlers
@@ -30,7 +30,7 @@ from gateway.cache_ctx import CACHE_SWITCH, cache_ctx
 from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
 from gateway.endpoints import API_BY_PATH
-from gateway.errors import BadRequest, GatewayError, error_response, http_exception_to_error
+from gateway.errors import BadRequest, GatewayError, LoopDetected, error_response, http_exception_to_error
 from gateway.ids import IdSource
 from gateway.keys import (
     ADMISSION,
@@ -83,6 +83,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise BadRequest(
                 f"x-request-id must be visible ASCII, at most {_REQUEST_ID_MAX} characters", param="x-request-id"
             )
+        if VIA in request.headers and request.app[IDS].instance in via_chain(request.headers.getall(VIA)):
+            raise LoopDetected(
+                "the request came back to the gateway that sent it: an engine address of this gateway leads back to "
+                "it (x-kvgate-via)"
+            )
         response = await handler(request)
     except GatewayError as err:
         return error_response(err, request_id=request_id, api=api)
@@ -99,7 +104,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
-    upstream = app[UPSTREAM] = UpstreamClient()  # requests, probes, scrapes, warm-ups: one client
+    # requests, probes, scrapes, warm-ups: one client, marking each with this gateway (a request back here is a loop)
+    upstream = app[UPSTREAM] = UpstreamClient(via=app[IDS].instance)
     try:
         yield
     finally:
@@ -140,7 +146,9 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     if cfg is None or not cfg.models:
         yield
         return
-    pool = app[POOL] = EnginePool(cfg, app[REPLICAS], app[UPSTREAM], app[REGISTRY])
+    # the gateway's port is bound only after start-up, when the engines are launched: none of them may take it
+    reserved = (app[CONFIG].server.port,)
+    pool = app[POOL] = EnginePool(cfg, app[REPLICAS], app[UPSTREAM], app[REGISTRY], reserved_ports=reserved)
     try:
         await pool.start()
         yield

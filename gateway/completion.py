@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from cacheindex.state import CacheAwareState
+from engine_pool.http_client import VIA
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.accesslog import log_access
@@ -214,6 +215,8 @@ class CompletionService:
         for name in endpoint.forward_headers:
             if (value := request.headers.get(name)) is not None:
                 ex.forward[name] = value
+        if VIA in request.headers:  # the gateways before this one (the client adds this one): a loop through several
+            ex.forward[VIA] = ", ".join(request.headers.getall(VIA))  # is refused where it closes
         return ex
 
     async def _read(self, request: web.Request, endpoint: Endpoint) -> tuple[bytes, ParsedRequest, Replica | None]:

@@ -155,6 +155,15 @@ class UpstreamUnavailable(GatewayError, ConnectionError):
     code = "upstream_unavailable"
 
 
+class LoopDetected(GatewayError):
+    """The request came back to the gateway that sent it (its `x-kvgate-via` names this gateway): an engine address
+    that leads back here (508; a gateway before it in the loop tries its other replicas, as after any 5xx)."""
+
+    status = 508
+    type = "upstream_error"
+    code = "loop_detected"
+
+
 class Retryable(Exception):
     """An attempt on one replica failed before anything reached the client (connect, reset, timeout, 5xx): the
     proxy tries another replica, and answers `error` when none is left. `kind` labels the failure in metrics."""

@@ -1,7 +1,9 @@
-"""Unique ids without a syscall per request: a random 48-bit prefix per process, then a counter (24 hex chars).
+"""Unique ids without a syscall per request: a random 48-bit prefix per process (its `instance`), then a counter
+(24 hex chars).
 
 Unique across gateway replicas with overwhelming probability (the prefix), strictly unique within one (the counter);
-costs one string format per id where uuid4 reads the OS random source each time.
+costs one string format per id where uuid4 reads the OS random source each time. The instance also marks every
+request the gateway sends (`x-kvgate-via`, `gateway.app`), so one that comes back to it is refused as a loop.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import os
 
 class IdSource:
     def __init__(self) -> None:
-        self._prefix = os.urandom(6).hex()
+        self.instance = os.urandom(6).hex()
         self._counter = itertools.count()
 
     def next(self) -> str:
-        return f"{self._prefix}{next(self._counter):012x}"
+        return f"{self.instance}{next(self._counter):012x}"

@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from engine_pool.http_client import VIA
 from engine_pool.replica import Replica, rank_headers
 from gateway.errors import NotFound, Overloaded, UpstreamError, UpstreamUnavailable
-from gateway.keys import COMPLETIONS, CONFIG, REPLICAS
+from gateway.keys import COMPLETIONS, CONFIG, IDS, REPLICAS
 
 _Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
 _NOT_SENDABLE = {1005, 1006, 1015}  # close codes a peer reports but no close frame may carry (RFC 6455 7.4.1)
@@ -70,7 +71,8 @@ async def realtime(request: web.Request) -> web.StreamResponse:
     started = replica.begin()
     service.opening += 1
     try:
-        async with _engine_socket(service, replica, cfg.realtime_max_message_bytes) as upstream:
+        via = ", ".join([*request.headers.getall(VIA, ()), request.app[IDS].instance])  # as the one client's requests
+        async with _engine_socket(service, replica, cfg.realtime_max_message_bytes, via) as upstream:
             client = web.WebSocketResponse(max_msg_size=cfg.realtime_max_message_bytes, autoping=True)
             await client.prepare(request)
             service.sessions.add(client)
@@ -86,12 +88,12 @@ async def realtime(request: web.Request) -> web.StreamResponse:
 
 @contextlib.asynccontextmanager
 async def _engine_socket(
-    service: Realtime, replica: Replica, max_bytes: int
+    service: Realtime, replica: Replica, max_bytes: int, via: str
 ) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
     url = f"{replica.url}{PATH}"
     try:
         upstream = await service.http.ws_connect(
-            url, max_msg_size=max_bytes, autoping=True, headers=rank_headers(replica, {})
+            url, max_msg_size=max_bytes, autoping=True, headers=rank_headers(replica, {VIA: via})
         )
     except aiohttp.WSServerHandshakeError as exc:
         raise UpstreamError(f"replica {replica.id} refused the session: HTTP {exc.status}", status=502) from None
