@@ -11,6 +11,9 @@ the engine's and every overlap silently reads zero. What vLLM does, and what is 
   an empty `tool_calls` list is dropped.
 - a `developer` message becomes `system` when the template never mentions "developer", and all system messages are
   then merged (joined with "\n\n") into the first position.
+- `tools`: each as its `ChatCompletionToolsParam.model_dump()` (`engine_tools`): the function's name, description
+  and parameters (null where absent), then `strict` and `defer_loading` only where set; nothing else the client
+  sent. A template that writes `tools | tojson` sees exactly these keys.
 Non-text content parts (images, audio) are dropped: kvgate does not predict multimodal prompts.
 
 Complexity: O(size of the messages); template detection is cached per template string by the caller.
@@ -106,6 +109,30 @@ def text_parts(content: Any) -> list[str]:
                     texts.append(refusal)
         return texts
     raise ValueError("message content must be a string, a list of content parts or null")
+
+
+def engine_tools(tools: Any) -> list[dict[str, Any]]:
+    """Chat `tools` as vLLM gives them to the chat template; ValueError on a tool without a function name."""
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list")
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError("each tool needs a function with a string name")
+        around = tool.get("defer_loading")  # vLLM's validator hands the tool's own to a function without one
+        defined = {"name": function["name"], "description": function.get("description")}
+        defined["parameters"] = function.get("parameters")
+        for key, value in (("strict", function.get("strict")), ("defer_loading", function.get("defer_loading"))):
+            if value is None and key == "defer_loading":
+                value = around
+            if value is not None:
+                defined[key] = value
+        entry: dict[str, Any] = {"type": "function", "function": defined}
+        if around is not None:
+            entry["defer_loading"] = around
+        out.append(entry)
+    return out
 
 
 def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:

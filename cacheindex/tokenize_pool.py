@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, NamedTuple
 
+from cacheindex.chat_render import engine_tools
 from cacheindex.config import CacheConfig
 from cacheindex.hashing import context_seed, prompt_block_hashes
 from cacheindex.incremental import ChatPrefixCache, ChatPrompt
@@ -52,19 +53,22 @@ def _prompt_chars(endpoint: str, body: Mapping[str, Any]) -> int:
     return len(prompt) if isinstance(prompt, str | list) else 0
 
 
-def _chat_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+def chat_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a chat body asks of the chat template's rendering beyond its messages (vLLM's fields)."""
     kwargs = dict(body.get("chat_template_kwargs") or {})
     if body.get("continue_final_message"):
         kwargs["continue_final_message"] = True
-    if body.get("tools"):
-        kwargs["tools"] = body["tools"]
+    if body.get("tools") is not None:
+        kwargs["tools"] = engine_tools(body["tools"])
+    if body.get("add_special_tokens"):  # the tokenizer's own special tokens on top of the template's (vLLM's field)
+        kwargs["add_special_tokens"] = True
     return kwargs
 
 
 def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> list[int]:
     if endpoint == "chat":
         add_generation_prompt = body.get("add_generation_prompt", True)
-        return tok.tokenize_chat(body["messages"], bool(add_generation_prompt), _chat_kwargs(body))
+        return tok.tokenize_chat(body["messages"], bool(add_generation_prompt), chat_kwargs(body))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: route by its first prompt
@@ -172,7 +176,7 @@ class TokenizePool:
             if endpoint == "chat" and isinstance(tok, HfPromptTokenizer):  # exact, and only the new tokens encoded
                 add_generation_prompt = bool(body.get("add_generation_prompt", True))
                 prompt = self.chat_prefixes.prepare(
-                    tok, body["messages"], add_generation_prompt, _chat_kwargs(body),
+                    tok, body["messages"], add_generation_prompt, chat_kwargs(body),
                     block_size=block_size, seed=context_seed(model, None, salt),
                 )  # fmt: skip
                 if prompt.new_turn and len(prompt.text) - prompt.start >= self.config.deferred_turn_min_chars:

@@ -30,7 +30,8 @@ from cacheindex.chat_render import ContentFormat, detect_content_format, normali
 # apply_chat_template parameters a request's chat_template_kwargs must not override
 _RESERVED_KWARGS = frozenset(
     {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
-     "tokenizer_kwargs", "return_assistant_tokens_mask", "chat_template", "add_generation_prompt"}
+     "tokenizer_kwargs", "return_assistant_tokens_mask", "chat_template", "add_generation_prompt",
+     "add_special_tokens"}
 )  # fmt: skip
 
 
@@ -73,6 +74,18 @@ class HfPromptTokenizer:
         specials = {t.content for t in added.values() if getattr(t, "special", False)}
         self.special_tokens: tuple[str, ...] = tuple(sorted(specials | set(self._tok.all_special_tokens)))
         self._suffixes: dict[bytes, str] = {}
+        self.special_lead = self._special_lead()
+
+    def _special_lead(self) -> str | None:
+        """The text of the special tokens `encode(text, add_special_tokens=True)` puts before any text (Llama's BOS),
+        "" when none, None when it also adds some after the text (then no text prefix stands for them)."""
+        plain = self._tok.encode("kvgate", add_special_tokens=False)
+        full = self._tok.encode("kvgate", add_special_tokens=True)
+        n = len(full) - len(plain)
+        if n < 0 or full[n:] != plain:
+            return None
+        lead: str = self._tok.decode(full[:n]) if n else ""
+        return lead if self._tok.encode(lead, add_special_tokens=False) == full[:n] else None
 
     @property
     def content_format(self) -> ContentFormat:
@@ -90,7 +103,12 @@ class HfPromptTokenizer:
     def render_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, kwargs: Mapping[str, Any]
     ) -> tuple[list[dict[str, Any]], str]:
-        """The normalized conversation and the text the engine's chat template renders for it."""
+        """The normalized conversation and the text the engine's chat template renders for it; with
+        `add_special_tokens` in `kwargs` (vLLM's request field: the tokenizer's special tokens added on top of what
+        the template writes), the text of those tokens first, so that encoding the text (`encode`) gives them."""
+        lead = self.special_lead if kwargs.get("add_special_tokens") else ""
+        if lead is None:
+            raise ValueError("this tokenizer adds special tokens after the text: not expressible as rendered text")
         kwargs = {k: v for k, v in kwargs.items() if k not in _RESERVED_KWARGS}
         if kwargs.get("continue_final_message"):
             add_generation_prompt = False
@@ -98,7 +116,7 @@ class HfPromptTokenizer:
         text: str = self._tok.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
-        return conversation, text
+        return conversation, lead + text
 
     def generation_suffix(self, kwargs: Mapping[str, Any]) -> str:
         """What the generation prompt appends after the last message ("" when it is not a plain suffix)."""

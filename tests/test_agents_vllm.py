@@ -12,7 +12,8 @@ in 152 s, and `resume` is refused by vLLM, rightly, for a prompt over the contex
 
 Asserted: each CLI finishes its turn; every call answered 200; each session on one replica, routed there by its own
 header after the first call, where vLLM reports the session's prefix cached; and kvgate's predicted cached tokens equal
-the engine's for Claude Code's `/v1/messages` calls (its 70 KB requests: tools, a system prompt as blocks).
+the engine's for Claude Code's `/v1/messages` calls (its 70 KB requests: tools, a system prompt as blocks) and for
+Codex's `/v1/responses` calls (developer messages, namespaced tools; vLLM encodes them with a second BOS).
 """
 
 from __future__ import annotations
@@ -113,3 +114,8 @@ async def test_codex_through_kvgate_on_vllm(gateway: Gateway, tmp_path: Path) ->
     assert len(made) == 2 and {c["status"] for c in made} == {200}, (made, output[-2000:])
     assert made[0]["replica"] == made[1]["replica"] and made[1]["route_reason"] == "session", made
     assert made[1]["cached_tokens"] > 0, made
+    async with aiohttp.ClientSession() as http, http.get(f"{gateway.url}/metrics") as resp:
+        text = await resp.text()
+    reported = metric(text, "kvgate_prefix_reported_cached_tokens_total")
+    assert reported >= made[1]["cached_tokens"]
+    assert metric(text, "kvgate_prefix_predicted_cached_tokens_total") == reported  # parity on Codex's requests too

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cacheindex.chat_render import detect_content_format, normalize_conversation
+from cacheindex.chat_render import detect_content_format, engine_tools, normalize_conversation
+from cacheindex.hashing import chain_hashes
+from cacheindex.incremental import ChatPrefixCache
 from cacheindex.tokenizers import (
     CharsPromptTokenizer,
     HfPromptTokenizer,
     SimPromptTokenizer,
     build_tokenizer,
 )
+from gateway.request_parse import responses_as_chat, responses_tools
 from simengine import tokenize as sim_tokenize
 
 # Formats vLLM 0.32's own `_detect_content_format` returns for these templates (checked offline; importing vLLM
@@ -184,3 +188,73 @@ def test_hf_dir_that_does_not_exist_fails_to_load(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the tokenizer extra is not installed")
     with pytest.raises(OSError):
         build_tokenizer(str(tmp_path / "missing"))
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_before_the_templates(hf: HfPromptTokenizer) -> None:
+    """vLLM encodes a Responses prompt's rendered template with the tokenizer's special tokens added (chat: a
+    request's `add_special_tokens`): this template writes BOS itself, so the prompt starts with two."""
+    messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "hi"}]
+    _, text = hf.render_chat(messages, True, {})
+    kwargs = {"add_special_tokens": True}
+    ours = hf.tokenize_chat(messages, True, kwargs)
+    assert ours == hf._tok.encode(text, add_special_tokens=True)
+    assert ours[:2] == [hf._tok.bos_token_id] * 2 and ours[1:] == hf.tokenize_chat(messages)
+    cache = ChatPrefixCache(1 << 20)  # the incremental path: each turn as the whole prompt encodes
+    turns = [messages, [*messages, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]]
+    for turn in turns:
+        count, hashes = cache.finish(cache.prepare(hf, turn, True, kwargs, block_size=4, seed=1))
+        whole = hf.tokenize_chat(turn, True, kwargs)
+        assert count == len(whole) and hashes == chain_hashes(whole, 4, 1)
+
+
+def test_a_responses_body_is_viewed_as_vllm_renders_it() -> None:
+    body = {"model": "m", "instructions": "Be brief.", "input": [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]},
+    ], "tools": [{"type": "web_search"}]}  # fmt: skip
+    assert responses_as_chat(body) == {
+        "model": "m", "cache_salt": None, "add_special_tokens": True, "tools": [],  # no function: none shown
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "developer", "content": [{"type": "text", "text": "Rules."}]},
+                     {"role": "user", "content": [{"type": "text", "text": "say hi"}]}],
+    }  # fmt: skip
+
+
+# vLLM 0.32's own answers for these tools (checked offline: `construct_tool_dicts` of a `ResponsesRequest`, and
+# `ChatCompletionToolsParam.model_validate(tool).model_dump()`), compared with their key order
+RESPONSES_TOOLS = [
+    {"type": "function", "name": "exec_command", "description": "Runs a command.", "strict": False,
+     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}},
+    {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
+        {"type": "function", "name": "spawn", "description": "Spawn one.", "strict": False,
+         "parameters": {"type": "object", "properties": {}}}]},
+    {"type": "custom", "name": "apply_patch", "description": "Patch files."},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "function", "name": "later", "parameters": None, "defer_loading": True},
+]  # fmt: skip
+VLLM_RESPONSES_TOOLS = (
+    '[{"type": "function", "function": {"name": "exec_command", "description": "Runs a command.", "parameters": '
+    '{"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}, "strict": false}}, '
+    '{"type": "function", "function": {"name": "agents__spawn", "description": "Spawn one.", "parameters": '
+    '{"type": "object", "properties": {}}, "strict": false}}, {"type": "function", "function": {"name": '
+    '"apply_patch", "description": "Patch files.", "parameters": {"type": "object", "properties": {"input": '
+    '{"type": "string", "description": "The freeform text payload for this tool."}}, "required": ["input"], '
+    '"additionalProperties": false}}}, {"type": "function", "function": {"name": "later", "description": null, '
+    '"parameters": null, "defer_loading": true}}]'
+)
+CHAT_TOOLS = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "extra": 1}},
+    {"type": "function", "defer_loading": True, "function": {"name": "g", "description": "d", "strict": True}},
+]
+VLLM_CHAT_TOOLS = (
+    '[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object"}}}, '
+    '{"type": "function", "function": {"name": "g", "description": "d", "parameters": null, "strict": true, '
+    '"defer_loading": true}, "defer_loading": true}]'
+)
+
+
+def test_tools_reach_the_template_as_vllm_gives_them() -> None:
+    assert json.dumps(engine_tools(responses_tools(RESPONSES_TOOLS))) == VLLM_RESPONSES_TOOLS
+    assert json.dumps(engine_tools(CHAT_TOOLS)) == VLLM_CHAT_TOOLS
+    with pytest.raises(ValueError):
+        engine_tools([{"type": "function"}])

@@ -515,6 +515,65 @@ async def test_render_and_generate_through_the_gateway(replica: Replica) -> None
 @pytest.mark.vllm
 @pytest.mark.timeout(STARTUP_DEADLINE_S + 120)
 @pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
+async def test_a_responses_request_is_predicted_as_the_engine_caches_it(replica: Replica) -> None:
+    """A Responses request shaped as Codex sends it (developer messages of `input_text` parts; function, namespace
+    and built-in tools): vLLM's render of it (through kvgate) is the token sequence kvgate hashes, a second BOS
+    included (vLLM encodes a Responses prompt with the tokenizer's special tokens on top of the template's); sent
+    twice, the engine reports its prefix cached and kvgate predicted exactly that."""
+    from cacheindex.tokenize_pool import chat_kwargs
+    from cacheindex.tokenizers import build_tokenizer
+    from gateway.request_parse import responses_as_chat
+
+    config = gateway_config(
+        [],
+        engines=[{"url": replica.spec.base_url, "tokenizer": str(replica.model_dir)}],
+        routing={"policy": "cache-aware"},
+    )
+    body = {
+        "model": MODEL_NAME, "max_output_tokens": 2, "store": False, "tool_choice": "none",
+        "input": [  # a prompt no other test sends: the module's engine has not cached it
+            {"type": "message", "role": "developer",
+             "content": [{"type": "input_text", "text": "You keep the canal lock's tally, one barge a line. " * 12}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "How many today?"}]},
+        ],
+        "tools": [
+            {"type": "function", "name": "tally", "description": "Count barges.", "strict": False,
+             "parameters": {"type": "object", "properties": {"day": {"type": "string"}}}},
+            {"type": "namespace", "name": "lock", "description": "The lock.", "tools": [
+                {"type": "function", "name": "open", "parameters": {"type": "object", "properties": {}}}]},
+            {"type": "web_search"},
+        ],
+    }  # fmt: skip
+    view = responses_as_chat(body)
+    assert view is not None
+    predicted_ids = build_tokenizer(str(replica.model_dir)).tokenize_chat(view["messages"], True, chat_kwargs(view))
+    async with running_gateway(config) as gw, aiohttp.ClientSession() as http:
+        (attached,) = gw.app[REPLICAS]
+        await wait_for(lambda: attached.routable(time.monotonic()), 60, "the engine routable")
+        async with http.post(f"{gw.url}/v1/responses/render", json=body) as resp:
+            rendered = await resp.json()
+            assert resp.status == 200, rendered
+        assert rendered["token_ids"] == predicted_ids
+        cached = []
+        for _ in range(2):
+            async with http.post(f"{gw.url}/v1/responses", json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            cached.append(answer["usage"]["input_tokens_details"]["cached_tokens"])
+        async with http.get(f"{gw.url}/metrics") as resp:
+            text = await resp.text()
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    assert cached[0] == 0 and cached[1] >= BLOCK_SIZE * (len(predicted_ids) // BLOCK_SIZE) - BLOCK_SIZE
+    assert total("kvgate_prefix_predicted_cached_tokens_total") == total("kvgate_prefix_reported_cached_tokens_total")
+    assert total("kvgate_prefix_reported_cached_tokens_total") == sum(cached)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(STARTUP_DEADLINE_S + 120)
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
 async def test_abort_requests_through_the_gateway_stops_the_rollout(replica: Replica) -> None:
     """An RL framework's abort by id through kvgate: a streamed /inference/v1/generate started with its own
     X-Request-Id ends early with finish_reason "abort" once `generate-tokens-<id>` is aborted at kvgate; ids no
