@@ -121,13 +121,12 @@ def engine_tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise ValueError("each tool needs a function with a string name")
         around = tool.get("defer_loading")  # vLLM's validator hands the tool's own to a function without one
-        defined = {"name": function["name"], "description": function.get("description")}
-        defined["parameters"] = function.get("parameters")
-        for key, value in (("strict", function.get("strict")), ("defer_loading", function.get("defer_loading"))):
-            if value is None and key == "defer_loading":
-                value = around
-            if value is not None:
-                defined[key] = value
+        defer = function.get("defer_loading")
+        defined = {k: function.get(k) for k in ("name", "description", "parameters")}
+        if function.get("strict") is not None:
+            defined["strict"] = function["strict"]
+        if (defer if defer is not None else around) is not None:
+            defined["defer_loading"] = defer if defer is not None else around
         entry: dict[str, Any] = {"type": "function", "function": defined}
         if around is not None:
             entry["defer_loading"] = around
