@@ -27,7 +27,8 @@ from typing import Any
 
 from gateway.anthropic import messages_as_chat
 from gateway.errors import ApiShape
-from gateway.request_parse import BodyKind, generate_as_prompt, responses_as_chat
+from gateway.request_parse import BodyKind, generate_as_prompt
+from gateway.responses import responses_as_chat
 
 ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")
 

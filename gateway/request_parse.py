@@ -196,9 +196,6 @@ def parse_request(kind: BodyKind, raw: bytes, *, max_depth: int, model_optional:
     return ParsedRequest(kind, body, model, stream, include_usage, limit, stdlib, continuous_usage=continuous)
 
 
-_TEXT_PARTS = ("input_text", "output_text", "text")
-
-
 def generate_as_prompt(body: dict[str, Any]) -> dict[str, Any] | None:
     """A `/inference/v1/generate` body as the completions prompt of its `token_ids` (hashed as they are, with its
     `cache_salt`); None when they are not a list of token ids (the engine answers 400)."""
@@ -206,79 +203,6 @@ def generate_as_prompt(body: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
         return None
     return {"prompt": tokens, "cache_salt": body.get("cache_salt")}
-
-
-# the one-string function vLLM shows a model for a `custom` tool (vLLM 0.32 `tool_parsers.utils`)
-_CUSTOM_TOOL_PARAMETERS = {
-    "type": "object",
-    "properties": {"input": {"type": "string", "description": "The freeform text payload for this tool."}},
-    "required": ["input"],
-    "additionalProperties": False,
-}
-
-
-def _chat_tool(tool: dict[str, Any], name: Any, parameters: Any) -> dict[str, Any]:
-    keys = ("description", "strict", "defer_loading")
-    return {"type": "function", "function": {"name": name, "parameters": parameters, **{k: tool.get(k) for k in keys}}}
-
-
-def responses_tools(tools: list[Any]) -> list[dict[str, Any]]:
-    """Responses `tools` as the chat tools vLLM renders for them (vLLM 0.32 `get_function_tools`, in request order):
-    a function as it is, a namespace's functions named `<namespace>__<name>`, a custom tool as a one-string function;
-    the other types (web search, MCP, ...) are never shown to the model."""
-    out = []
-    for tool in tools:
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "function":
-            out.append(_chat_tool(tool, tool.get("name"), tool.get("parameters")))
-        elif kind == "custom":
-            out.append(_chat_tool({"description": tool.get("description")}, tool.get("name"), _CUSTOM_TOOL_PARAMETERS))
-        elif kind == "namespace" and isinstance(tool.get("tools"), list):
-            space = tool.get("name")
-            for inner in tool["tools"]:
-                if isinstance(inner, dict) and inner.get("type") == "function":
-                    out.append(_chat_tool(inner, f"{space}__{inner.get('name')}", inner.get("parameters")))
-    return out
-
-
-def responses_as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
-    """A Responses API body as the chat request vLLM renders it (for prefix hashing): `instructions` as the system
-    message, then `input` (a string, or message items with string or text-part content, parts as chat's text
-    parts), its function tools (`responses_tools`). None when the prompt is not all in the body
-    (`previous_response_id`: the engine prepends a stored conversation; the request goes to its holder anyway) or
-    `input` holds no message. Items after the first that is not a message (a function call, its output) are left
-    out: the prefix before them still hashes the same."""
-    if body.get("previous_response_id") is not None:
-        return None
-    messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        messages.append({"role": "user", "content": items})
-    elif isinstance(items, list):
-        for item in items:
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                break
-            role, content = item.get("role"), item.get("content")
-            if isinstance(content, list):
-                content = [
-                    {"type": "text", "text": p["text"]}
-                    for p in content
-                    if isinstance(p, dict) and p.get("type") in _TEXT_PARTS and isinstance(p.get("text"), str)
-                ]
-            if not isinstance(role, str) or not isinstance(content, str | list):
-                break
-            messages.append({"role": role, "content": content})
-    if not messages or messages[-1]["role"] == "system":
-        return None
-    # vLLM (0.32) encodes a Responses prompt's rendered template with the tokenizer's special tokens added, where
-    # chat adds none (its `add_special_tokens` default): a template that writes BOS itself gets a second one there
-    view = {"model": body.get("model"), "messages": messages, "cache_salt": body.get("cache_salt")}
-    if isinstance(tools := body.get("tools"), list) and tools:
-        view["tools"] = responses_tools(tools)
-    return {**view, "add_special_tokens": True}
 
 
 _USAGE_OPTION = b'"stream_options":{"include_usage":true},'

@@ -17,7 +17,7 @@ from cacheindex.tokenizers import (
     SimPromptTokenizer,
     build_tokenizer,
 )
-from gateway.request_parse import responses_as_chat, responses_tools
+from gateway.responses import responses_as_chat, responses_tools
 from simengine import tokenize as sim_tokenize
 
 # Formats vLLM 0.32's own `_detect_content_format` returns for these templates (checked offline; importing vLLM
@@ -207,17 +207,49 @@ def test_add_special_tokens_puts_the_tokenizers_bos_before_the_templates(hf: HfP
         assert count == len(whole) and hashes == chain_hashes(whole, 4, 1)
 
 
-def test_a_responses_body_is_viewed_as_vllm_renders_it() -> None:
-    body = {"model": "m", "instructions": "Be brief.", "input": [
-        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "say hi"}]},
-    ], "tools": [{"type": "web_search"}]}  # fmt: skip
-    assert responses_as_chat(body) == {
-        "model": "m", "cache_salt": None, "add_special_tokens": True, "tools": [],  # no function: none shown
-        "messages": [{"role": "system", "content": "Be brief."},
-                     {"role": "developer", "content": [{"type": "text", "text": "Rules."}]},
-                     {"role": "user", "content": [{"type": "text", "text": "say hi"}]}],
-    }  # fmt: skip
+# An agent's tool loop as Responses input items, and the chat messages vLLM 0.32 makes of them (its own
+# `construct_input_messages` of the `ResponsesRequest`, checked offline)
+ITEMS = [
+    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]},
+    {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+    {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": '{"cmd": "ls"}'},
+    {"type": "function_call", "call_id": "c2", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
+    {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]},
+    {"type": "custom_tool_call", "call_id": "c3", "name": "apply_patch", "input": "*** Begin Patch"},
+    {"type": "custom_tool_call_output", "call_id": "c3", "output": "done"},
+    {"type": "message", "role": "assistant",
+     "content": [{"type": "output_text", "text": "Here."}, {"type": "output_text", "text": "More."}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "thanks"}]},
+]  # fmt: skip
+VLLM_MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"content": [{"text": "Rules.", "type": "input_text"}], "role": "developer", "type": "message"},
+    {"content": [{"text": "list files", "type": "input_text"}], "role": "user", "type": "message"},
+    {"role": "assistant", "reasoning": "think", "tool_calls": [
+        {"id": "c1", "function": {"name": "exec_command", "arguments": '{"cmd": "ls"}'}, "type": "function"},
+        {"id": "c2", "function": {"name": "agents__spawn", "arguments": "{}"}, "type": "function"}]},
+    {"role": "tool", "content": "a.txt", "tool_call_id": "c1"},
+    {"role": "tool", "content": [{"text": "ok", "type": "input_text"}], "tool_call_id": "c2"},
+    {"role": "assistant", "tool_calls": [{"id": "c3", "function": {"name": "apply_patch",
+                                                                   "arguments": '{"input": "*** Begin Patch"}'},
+                                          "type": "function"}]},
+    {"role": "tool", "content": "done", "tool_call_id": "c3"},
+    {"role": "assistant", "content": "Here."},
+    {"content": [{"text": "thanks", "type": "input_text"}], "role": "user", "type": "message"},
+]  # fmt: skip
+
+
+def test_a_responses_tool_loop_is_viewed_as_vllm_renders_it() -> None:
+    view = responses_as_chat({"model": "m", "instructions": "Be brief.", "input": ITEMS, "tools": [{"type": "mcp"}]})
+    assert view is not None
+    assert view["add_special_tokens"] is True and view["tools"] == []  # no function tool: the template sees none
+    for fmt in ("openai", "string"):
+        assert normalize_conversation(view["messages"], fmt, None) == normalize_conversation(VLLM_MESSAGES, fmt, None)
+    refused = [{"type": "reasoning", "encrypted_content": "x", "summary": []}, {"type": "item_reference", "id": "r"}]
+    for item in refused:  # vLLM answers these 400: nothing to predict
+        assert responses_as_chat({"model": "m", "input": [ITEMS[1], item]}) is None
 
 
 # vLLM 0.32's own answers for these tools (checked offline: `construct_tool_dicts` of a `ResponsesRequest`, and

@@ -517,12 +517,12 @@ async def test_render_and_generate_through_the_gateway(replica: Replica) -> None
 @pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
 async def test_a_responses_request_is_predicted_as_the_engine_caches_it(replica: Replica) -> None:
     """A Responses request shaped as Codex sends it (developer messages of `input_text` parts; function, namespace
-    and built-in tools): vLLM's render of it (through kvgate) is the token sequence kvgate hashes, a second BOS
+    and built-in tools; a turn of reasoning, tool calls and their outputs): vLLM's render of it (through kvgate) is the token sequence kvgate hashes, a second BOS
     included (vLLM encodes a Responses prompt with the tokenizer's special tokens on top of the template's); sent
     twice, the engine reports its prefix cached and kvgate predicted exactly that."""
     from cacheindex.tokenize_pool import chat_kwargs
     from cacheindex.tokenizers import build_tokenizer
-    from gateway.request_parse import responses_as_chat
+    from gateway.responses import responses_as_chat
 
     config = gateway_config(
         [],
@@ -535,6 +535,13 @@ async def test_a_responses_request_is_predicted_as_the_engine_caches_it(replica:
             {"type": "message", "role": "developer",
              "content": [{"type": "input_text", "text": "You keep the canal lock's tally, one barge a line. " * 12}]},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "How many today?"}]},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Count them."}]},
+            {"type": "function_call", "call_id": "c1", "name": "tally", "arguments": '{"day": "today"}'},
+            {"type": "function_call", "call_id": "c2", "name": "open", "namespace": "lock", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "seven"},
+            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "open"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Seven barges."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And yesterday?"}]},
         ],
         "tools": [
             {"type": "function", "name": "tally", "description": "Count barges.", "strict": False,
