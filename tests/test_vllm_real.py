@@ -517,9 +517,10 @@ async def test_render_and_generate_through_the_gateway(replica: Replica) -> None
 @pytest.mark.skipif(not VLLM_INSTALLED, reason="vLLM is not installed")
 async def test_a_responses_request_is_predicted_as_the_engine_caches_it(replica: Replica) -> None:
     """A Responses request shaped as Codex sends it (developer messages of `input_text` parts; function, namespace
-    and built-in tools; a turn of reasoning, tool calls and their outputs): vLLM's render of it (through kvgate) is the token sequence kvgate hashes, a second BOS
-    included (vLLM encodes a Responses prompt with the tokenizer's special tokens on top of the template's); sent
-    twice, the engine reports its prefix cached and kvgate predicted exactly that."""
+    and built-in tools; a turn of reasoning, tool calls and their outputs): vLLM's render of it (through kvgate) is
+    the token sequence kvgate hashes, a second BOS included (vLLM encodes a Responses prompt with the tokenizer's
+    special tokens on top of the template's); sent twice, the engine reports its prefix cached and kvgate predicted
+    exactly that."""
     from cacheindex.tokenize_pool import chat_kwargs
     from cacheindex.tokenizers import build_tokenizer
     from gateway.responses import responses_as_chat
