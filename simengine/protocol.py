@@ -113,10 +113,56 @@ def chat_tokens(body: Mapping[str, Any], default_generation_prompt: bool = True)
         raise bad_request(str(exc), "messages") from exc
 
 
+def _joined(content: Any) -> Any:
+    """A content of text parts (any of Responses' text part types) as one string; anything else as it is."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content
+
+
+def _response_item(messages: list[dict[str, Any]], item: dict[str, Any], where: str) -> None:
+    """One input item as vLLM 0.32 turns it into chat messages (`construct_chat_messages_with_tool_call`): a message
+    as it is (an assistant one: its first text part); a reasoning item or a tool call joins the assistant message
+    just before it when that one has none yet, else starts one; a tool call's output is a `tool` message."""
+    kind, role = item.get("type", "message"), item.get("role")
+    last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+    if kind in ("function_call", "custom_tool_call"):
+        call = {"id": item.get("call_id"), "name": item.get("name")}  # the template renders no tool calls
+        if last is not None:
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "reasoning":
+        if item.get("encrypted_content"):
+            raise bad_request("Encrypted content is not supported.", where)
+        if last is not None and last.get("reasoning") is None:
+            last["reasoning"] = True
+        else:
+            messages.append({"role": "assistant", "content": None, "reasoning": True})
+    elif kind in ("function_call_output", "custom_tool_call_output"):
+        messages.append({"role": "tool", "content": _joined(item.get("output"))})
+    elif kind == "message" and role == "assistant":
+        content = item.get("content")
+        text = content if isinstance(content, str) else _joined(content[:1]) if isinstance(content, list) else None
+        if not isinstance(text, str):
+            raise bad_request(f"{where}.content must be a string or a list of text parts", where)
+        if last is not None and last.get("content") is None:
+            last["content"] = text
+        else:
+            messages.append({"role": "assistant", "content": text})
+    elif kind == "message" and isinstance(role, str):
+        content = _joined(item.get("content"))
+        if not isinstance(content, str):
+            raise bad_request(f"{where}.content must be a string or a list of text parts", where)
+        messages.append({"role": role, "content": content})
+    else:
+        raise bad_request(f"Unsupported input item type: {kind}", where)
+
+
 def responses_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The chat messages of a Responses API body, as vLLM builds them: `instructions` as the system message, then
-    `input` (a string: one user message; or message items whose content is a string or input_text/output_text
-    parts)."""
+    `input` (a string: one user message; or items: messages whose content is a string or text parts, reasoning,
+    tool calls and their outputs, `_response_item`)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
@@ -127,15 +173,10 @@ def responses_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(items, list) or not items:
         raise bad_request("'input' must be a string or a non-empty list of messages", "input")
     for i, item in enumerate(items):
-        content = item.get("content") if isinstance(item, dict) else None
-        if not isinstance(item, dict) or not isinstance(item.get("role"), str):
-            raise bad_request(f"input[{i}] must be a message with a role", f"input[{i}]")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise bad_request(f"input[{i}].content must be a string or a list of text parts", f"input[{i}]")
-        messages.append({"role": item["role"], "content": content})
-    return messages
+        if not isinstance(item, dict):
+            raise bad_request(f"input[{i}] must be an object", f"input[{i}]")
+        _response_item(messages, item, f"input[{i}]")
+    return [{k: m[k] for k in ("role", "content")} for m in messages]
 
 
 def forced_tool(body: Mapping[str, Any]) -> str | None:

@@ -177,6 +177,45 @@ async def test_responses_are_routed_by_their_prompt_streamed_and_continued_where
                 assert raw.headers["x-kvgate-replica"] == first_holder and raw.parse().status == "completed"
 
 
+async def test_an_agents_tool_loop_on_the_responses_api_is_predicted_as_the_engine_caches_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A Codex-shaped turn (reasoning, a function and a namespaced call, their outputs, an answer) sent twice: the
+    engine builds its chat messages as vLLM does and reports the first prompt's prefix cached the second time;
+    kvgate's predicted cached tokens equal the engine's."""
+    loop = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Rules. " * 200}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list files"}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "look"}]},
+        {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": '{"cmd": "ls"}'},
+        {"type": "function_call", "call_id": "c2", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "a.txt " * 50},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "ok"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "One file."}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "thanks"}]},
+    ]  # fmt: skip
+    cache = {"tokenizers": {"sim": "sim"}}
+    async with gateway_over_sims([SIM, SIM], routing={"policy": "cache-aware"}, cache=cache) as (gw, _):
+        cached = []
+        for _ in range(2):
+            body = {"model": "sim", "input": loop, "max_output_tokens": 4, "store": False}
+            async with http.post(gw.url + "/v1/responses", json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            cached.append(answer["usage"]["input_tokens_details"]["cached_tokens"])
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+        async with http.post(gw.url + "/v1/responses", json={**body, "input": [{"type": "item_reference"}]}) as resp:
+            assert resp.status == 400  # as vLLM: an item it cannot build a message of
+
+    def total(name: str) -> float:
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+    assert cached[0] == 0 and cached[1] > 400  # the developer message and the loop's blocks, cached
+    assert total("kvgate_prefix_predicted_cached_tokens_total") == total("kvgate_prefix_reported_cached_tokens_total")
+    assert total("kvgate_prefix_reported_cached_tokens_total") == sum(cached)
+
+
 async def test_generate_is_routed_by_the_token_ids_it_carries(http: aiohttp.ClientSession) -> None:
     """vLLM's token-in, token-out route: requests sharing a long token-id prefix stay on the replica holding it
     (hashed as a completions prompt of those ids), the engine reports it cached, usage is counted; a body whose
