@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -52,9 +55,41 @@ async def gateway_over_sims(
         yield gw, servers
 
 
+TEARDOWN_GRACE_S = 10.0
+
+
+def timeout_ending_loop() -> asyncio.AbstractEventLoop:
+    """uvloop, made to end a test that pytest-timeout times out. uvloop runs the SIGALRM handler inside its own
+    signal callback and logs what it raises (pytest's failure included), so a test hung on an idle loop ran on past
+    its timeout until CI's limit. Here that failure prints every pending task's stack to stderr (where the test hung)
+    and stops the loop, which fails the test ("Event loop stopped before Future completed"). The timeout is spent
+    then (pytest-timeout cancels its alarm on a failure): a teardown still running on the loop TEARDOWN_GRACE_S later
+    is stopped the same way, every TEARDOWN_GRACE_S, until the loop is closed."""
+    loop = uvloop.new_event_loop()
+
+    def stop_teardowns() -> None:
+        while not loop.is_closed():
+            time.sleep(TEARDOWN_GRACE_S)
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(loop.stop)
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if not isinstance(context.get("exception"), pytest.fail.Exception):
+            loop.default_exception_handler(context)
+            return
+        print(f"\n--- timed out: {len(asyncio.all_tasks(loop))} pending tasks ---", file=sys.stderr)
+        for task in asyncio.all_tasks(loop):
+            task.print_stack(file=sys.stderr)
+        loop.stop()
+        threading.Thread(target=stop_teardowns, name="teardown-watchdog", daemon=True).start()
+
+    loop.set_exception_handler(handle)
+    return loop
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
     """Tests run on uvloop, as `kvgate serve` does (its transports differ from asyncio's)."""
-    return {"uvloop": uvloop.new_event_loop}
+    return {"uvloop": timeout_ending_loop}
 
 
 @pytest.fixture
