@@ -36,7 +36,8 @@ class TimeoutConfig(StrictModel):
     stream_idle_s: float = Field(
         60.0,
         gt=0,
-        description="a stream that started and then sends nothing for this long is ended with an error event",
+        description="a stream that started and then sends nothing for this long is ended with an error event (found "
+        "within a tenth of this, at most 1 s, after it)",
     )
 
 

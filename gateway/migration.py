@@ -263,7 +263,7 @@ def split_usage(event: bytes) -> tuple[bytes, bytes] | None:
     event without it, the usage object's bytes), by three searches and no parsing; None for any other shape, and
     for the final usage-only event (no choices), which is the answer's usage, not a running count."""
     cut = event.rfind(_USAGE_KEY)
-    if cut < 0 or not event.endswith(b"}\n\n") or b'"choices"' in event[cut:] or b'"choices":[]' in event:
+    if cut < 0 or not event.endswith(b"}\n\n") or event.find(b'"choices"', cut) >= 0 or b'"choices":[]' in event:
         return None
     return event[:cut] + b"}\n\n", event[cut + len(_USAGE_KEY) : -3]
 

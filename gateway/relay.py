@@ -56,6 +56,8 @@ class SseSplitter:
         self._rest = b""
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        if not self._rest and chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2:  # one whole event
+            return [chunk]
         buf = self._rest + chunk if self._rest else chunk
         events: list[bytes] = []
         start = 0
