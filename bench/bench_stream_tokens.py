@@ -7,7 +7,8 @@ two simulated engines decode one token every `--decode-ms` (no prefill cost), `-
 `--max-tokens` tokens run at once through each gateway in turn, and each gateway's process CPU (from /proc) over the
 streams is divided by the tokens they delivered. Side by side in one run: kvgate as shipped (cache-aware, latency
 targets, plain access log; chat streams, which kvgate keeps migratable), kvgate with `--baseline DIR` (another
-checkout), and the floor (`bench/floor_proxy.py`: relaying only). Medians over `--repeat` rounds.
+checkout), the floor (`bench/floor_proxy.py`: relaying only) and, with `--sglang-python PY`, sglang-router (as in
+`bench_gateway_overhead.py`). Medians over `--repeat` rounds.
 Rerun: `python bench/bench_stream_tokens.py [--repeat N] [--baseline DIR] [--out docs/...md]` (3 rounds: ~2 min).
 """
 
@@ -28,7 +29,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _procs import cpu_seconds, kvgate, sim_engine_processes
-from bench_gateway_overhead import CACHE_ENV, floor_proxy
+from bench_gateway_overhead import CACHE_ENV, floor_proxy, sglang_router
 
 
 async def one(session: aiohttp.ClientSession, url: str, max_tokens: int, i: int) -> int:
@@ -78,6 +79,10 @@ async def measure(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]
             cm = kvgate(engines, "--access-log", "plain", source=args.baseline)
             gateways.append(("kvgate --baseline", *stack.enter_context(cm)))
         gateways.append(("floor: relaying only", *stack.enter_context(floor_proxy(engines))))
+        if args.sglang_python is not None:
+            gateways.append(
+                ("sglang-router (cache_aware)", *stack.enter_context(sglang_router(args.sglang_python, engines)))
+            )
         for round_no in range(args.repeat):
             for name, url, pid in gateways:
                 row = await cpu_per_token(url, pid, args.streams, args.concurrency, args.max_tokens)
@@ -109,6 +114,7 @@ def main() -> None:
     p.add_argument("--decode-ms", type=float, default=2.0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--baseline", type=Path, help="another checkout (git worktree add DIR <commit>), side by side")
+    p.add_argument("--sglang-python", help="the Python of a virtualenv with sglang-router, measured alongside")
     p.add_argument("--out", type=Path, help="write the markdown table here")
     args = p.parse_args()
     table = markdown(asyncio.run(measure(args)), args)
