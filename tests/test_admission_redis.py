@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -15,6 +14,7 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from engine_pool.launcher import free_port
 from gateway.admission.config import hash_key
 from gateway.admission.redis_store import RedisQuotaStore
 from gateway.embedded import RunningGateway, running_gateway
@@ -22,6 +22,8 @@ from gateway.keys import ADMISSION, REGISTRY
 from simengine import SimConfig, SimServer, run_sim_engine
 from tests.conftest import wait_for
 from tests.test_admission_gateway import MODEL, chat, gateway_config, post, wait_ready
+
+START_S = 15.0  # redis-server answers PING within milliseconds here
 
 pytestmark = [
     pytest.mark.redis,
@@ -31,13 +33,11 @@ pytestmark = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RedisProcess:
+    """redis-server on a port below the kernel's ephemeral range (`free_port`, as the engine pool's): a test that
+    stops and starts it on the same port while gateways reconnect must not find that port taken as the source port
+    of some outgoing connection."""
+
     def __init__(self) -> None:
         self.port = free_port()
         self.proc: asyncio.subprocess.Process | None = None
@@ -60,14 +60,17 @@ class RedisProcess:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
         )
-        client = aioredis.Redis.from_url(self.url)
+        client = aioredis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
-            while True:
-                try:
-                    await client.ping()
-                    return
-                except (OSError, aioredis.ConnectionError):
-                    await asyncio.sleep(0.02)
+            async with asyncio.timeout(START_S):  # a failure with its cause, not a test that waits forever
+                while True:
+                    if self.proc.returncode is not None:
+                        raise RuntimeError(f"redis-server on port {self.port} exited ({self.proc.returncode})")
+                    try:
+                        await client.ping()
+                        return
+                    except (OSError, aioredis.ConnectionError, aioredis.TimeoutError):
+                        await asyncio.sleep(0.02)
         finally:
             await client.aclose()
 
