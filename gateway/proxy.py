@@ -55,9 +55,8 @@ from policies.base import Decision
 
 T = TypeVar("T")
 # A stream's idle window is moved out by stream_idle_s plus this share of it (at most _IDLE_SLACK_S) when it would
-# close within stream_idle_s: rescheduling a timer costs ~3 us, once a token it was a quarter of kvgate's own work on
-# a streamed token; now once per slack. A silent engine is found stream_idle_s to stream_idle_s + slack after its
-# last chunk.
+# close within stream_idle_s, not for every chunk (a timer's reschedule costs ~3 us, and a stream's chunks are its
+# tokens): once per slack. A silent engine is found stream_idle_s to stream_idle_s + slack after its last chunk.
 _IDLE_SLACK = 0.1
 _IDLE_SLACK_S = 1.0
 Relay = Callable[[Exchange, UpstreamResponse, Replica, Decision], Awaitable[T]]
