@@ -9,7 +9,7 @@ streams is divided by the tokens they delivered. Side by side in one run: kvgate
 targets, plain access log; chat streams, which kvgate keeps migratable), kvgate with `--baseline DIR` (another
 checkout), the floor (`bench/floor_proxy.py`: relaying only) and, with `--sglang-python PY`, sglang-router (as in
 `bench_gateway_overhead.py`). Medians over `--repeat` rounds.
-Rerun: `python bench/bench_stream_tokens.py [--repeat N] [--baseline DIR] [--out docs/...md]` (3 rounds: ~2 min).
+Rerun: `python bench/bench_stream_tokens.py [--repeat N] [--baseline DIR] [--out docs/...md]` (5 rounds: ~4 min).
 """
 
 from __future__ import annotations
@@ -108,11 +108,11 @@ def markdown(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--streams", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--streams", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=8, help="streams at once (at 32 the engines fill both cores)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--decode-ms", type=float, default=2.0)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--baseline", type=Path, help="another checkout (git worktree add DIR <commit>), side by side")
     p.add_argument("--sglang-python", help="the Python of a virtualenv with sglang-router, measured alongside")
     p.add_argument("--out", type=Path, help="write the markdown table here")
