@@ -80,10 +80,10 @@ async def test_a_stream_its_engine_cuts_or_stalls_ends_with_an_error_event(
 
 
 async def test_a_steady_stream_longer_than_many_idle_windows_is_not_cut(http: aiohttp.ClientSession) -> None:
-    """The idle window bounds the silence between chunks, not the stream: tokens 0.15 s apart for ~3 s under a
-    0.4 s window (moved out once in a while rather than per chunk) all arrive, and the stream ends cleanly."""
-    slow = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=150)
-    async with gateway_over_sims([slow], timeouts={"stream_idle_s": 0.4}) as (gw, _):
+    """The idle window bounds the silence between chunks, not the stream: tokens 0.1 s apart for ~2 s under a
+    0.6 s window (moved out once in a while rather than per chunk) all arrive, and the stream ends cleanly."""
+    slow = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=100)
+    async with gateway_over_sims([slow], timeouts={"stream_idle_s": 0.6}) as (gw, _):
         async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
             stream = await client.completions.create(model="sim", prompt="hello", max_tokens=20, stream=True)
             texts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
