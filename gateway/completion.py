@@ -9,6 +9,7 @@ learns). Every answer, errors included, goes out through the request's `Responde
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from gateway.body import read_body
 from gateway.config import GatewayConfig, ModelsConfig
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
-from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, render_error
+from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, error_event, render_error
 from gateway.exchange import Exchange
 from gateway.fleet import RoutingShare
 from gateway.metrics import GatewayMetrics
@@ -102,6 +103,10 @@ class CompletionService:
         sessions = config.cache
         self._session_headers = tuple(h.lower() for h in (sessions.session_header, *sessions.agent_session_headers))
         self._access_log = config.server.access_log
+        self._running: set[asyncio.Task[object]] = set()  # the handlers' tasks of requests in flight
+        self._drained = asyncio.Event()  # set once shutting down and none is in flight
+        self._shutting_down = False
+        self._cut = False  # shutdown's grace is over: requests still in flight are ended (`cut`)
 
     def session_key(self, headers: Mapping[str, str]) -> str | None:
         """The first session header the request carries (`cache.session_header`, then the agents' own:
@@ -128,6 +133,9 @@ class CompletionService:
         out = Responder(request)
         admission = self.admission
         info: RequestInfo | None = None
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
         try:
             headers = request.headers
             identity = admission.identify(headers, x_api_key=endpoint.api == "anthropic")  # 401 first when auth is on
@@ -183,10 +191,19 @@ class CompletionService:
                 raise
             log.exception("unhandled error in %s (request %s)", endpoint.path, request_id)
             await self._error(GatewayError("internal gateway error"), ctx, out)
-        except BaseException:  # cancelled: the client left (or shutdown)
+        except asyncio.CancelledError:  # the client left, or shutdown's grace is over (`cut`)
+            if not self._cut:
+                self.client_left(ctx)
+                raise
+            task.uncancel()
+            await self._shut(ctx, out)
+        except BaseException:
             self.client_left(ctx)
             raise
         finally:
+            self._running.discard(task)
+            if self._shutting_down and not self._running:
+                self._drained.set()
             self.done(ctx, info)
         if out.response is None:  # the client left before anything could be sent: nothing will be
             return web.Response(status=499)
@@ -267,6 +284,41 @@ class CompletionService:
             log_access(ctx, self._access_log)
         if ctx.trace is not None and self.tracer is not None:
             self.tracer.finish(ctx)
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutdown (the listener no longer accepts): the requests in flight get up to `grace_s` to finish, then
+        those left are ended (`cut`)."""
+        self._shutting_down = True
+        if self._running:
+            log.info("shutting down: %d requests in flight, waiting up to %g s", len(self._running), grace_s)
+            try:
+                async with asyncio.timeout(grace_s):
+                    await self._drained.wait()
+            except TimeoutError:
+                pass
+        self.cut()
+
+    def cut(self) -> None:
+        """End every request still in flight: a stream gets an error event (`shutting_down`) and its end, a request
+        not answered yet 503 with Retry-After (Anthropic's routes: 529); each engine request is aborted."""
+        self._shutting_down = self._cut = True
+        if self._running:
+            log.warning("shutting down: ending %d requests still in flight", len(self._running))
+        for task in list(self._running):
+            task.cancel()
+
+    async def _shut(self, ctx: RequestContext, out: Responder) -> None:
+        err = Overloaded("the gateway is shutting down: retry on another instance", code="shutting_down")
+        try:
+            if not out.started:
+                await self._error(err, ctx, out)
+                return
+            if not ctx.answered:  # a stream the client has not had whole: said so, never a clean end
+                ctx.status, ctx.error = err.status, err.code
+                await out.write(error_event(err, ctx.api))
+            await out.end()
+        except ConnectionResetError:
+            self.client_left(ctx)
 
     def client_left(self, ctx: RequestContext) -> None:
         if ctx.answered:  # the client had every event and left before the chunked terminator: a success

@@ -24,10 +24,12 @@ Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each acce
 Pipelining is bounded by aiohttp itself: at most 32 parsed requests wait per connection, then it stops reading
 the socket until they are answered (in order). `Expect: 100-continue` is answered by aiohttp before the handler
 reads the body (a body declared over `max_body_bytes` gets 413 instead: `gateway.body.expect_handler`).
-Shutdown: stop accepting; idle connections close; running requests finish for up to `server.shutdown_grace_s`;
-then every cleanup step of the app runs. Cost per connection: one timer while a head is incomplete; per segment a
-few integer checks, and one `bytes.rfind` / `bytes.find` where a request ended or a chunked head ended in it; per
-pipelined request one more call into the parser.
+Shutdown: stop accepting; idle connections close; requests in flight finish for up to `server.shutdown_grace_s`,
+then those left are ended in their API's shape (`CompletionService.drain`: a stream with an error event, others
+503 `shutting_down`), each given `_ENDING_S` to write it; then every cleanup step of the app runs. Cost per
+connection: one timer while a head is incomplete; per segment a few integer checks, and one `bytes.rfind` /
+`bytes.find` where a request ended or a chunked head ended in it; per pipelined request one more call into the
+parser.
 """
 
 from __future__ import annotations
@@ -55,12 +57,13 @@ from gateway.errors import (
     render_error,
 )
 from gateway.framing import CARRY, ChunkLine, after_request, body_start
-from gateway.keys import METRICS
+from gateway.keys import COMPLETIONS, METRICS
 from gateway.server_config import ServerConfig
 
 log = logging.getLogger("kvgate.server")
 
 BACKLOG = 1024
+_ENDING_S = 2.0  # after shutdown's grace, how long a handler has to write the end of the request it was serving
 
 
 def _raw_answer(err: GatewayError) -> bytes:
@@ -290,9 +293,7 @@ class GatewayListener:
             "max_headers": server_cfg.max_headers,
             "lingering_time": 2.0,  # after an answer that left a body unread, its rest is discarded this long
         }
-        self.runner = web.AppRunner(
-            app, handler_cancellation=True, shutdown_timeout=server_cfg.shutdown_grace_s, **self.handler_kwargs
-        )
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_ENDING_S, **self.handler_kwargs)
         self._server: asyncio.AbstractServer | None = None
         self.open_connections = 0
         self.max_connections = 0
@@ -336,4 +337,5 @@ class GatewayListener:
         server = self.runner.server
         if server is not None:
             server.pre_shutdown()  # idle connections close now
-        await self.runner.cleanup()  # running requests (grace), then the app's cleanup steps
+            await self.app[COMPLETIONS].drain(self.config.server.shutdown_grace_s)
+        await self.runner.cleanup()  # handlers ending (_ENDING_S), then the app's cleanup steps

@@ -1,7 +1,8 @@
 """`kvgate serve`: load and validate the whole configuration, then run the gateway until SIGINT/SIGTERM.
 
 Shutdown (`gateway.listener`): stop accepting, let in-flight requests finish for up to `server.shutdown_grace_s`,
-then run every cleanup step (engine processes are stopped by the pool's own cleanup).
+end those left in their API's shape, then run every cleanup step (engine processes are stopped by the pool's own
+cleanup). While it drains, SIGHUP is ignored and a second SIGINT/SIGTERM ends the requests in flight at once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.keys import CONFIG_PATH, REPLICAS
+from gateway.keys import COMPLETIONS, CONFIG_PATH, REPLICAS
 from gateway.listener import GatewayListener
 from gateway.reload import RELOADER
 from policies.registry import policy_names
@@ -97,9 +98,15 @@ async def serve(
         log.info("shutting down: draining in-flight requests (up to %.0f s)", config.server.shutdown_grace_s)
     finally:
         announcer.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-        await listener.stop()
+        # while draining: a reload is refused, a second SIGINT/SIGTERM ends the requests in flight at once
+        loop.add_signal_handler(signal.SIGHUP, log.warning, "SIGHUP ignored: the gateway is shutting down")
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, app[COMPLETIONS].cut)
+        try:
+            await listener.stop()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
 
 
 async def _announce_ready(app: web.Application, base_url: str) -> None:

@@ -26,7 +26,13 @@ class ServerConfig(StrictModel):
         "admin = only with the admin key as bearer (others get /ready's verdict alone, /metrics 401/404); public = "
         "anyone; auto = admin when admission.auth is on (ingress), public otherwise",
     )
-    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish")
+    shutdown_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM, how long in-flight requests may finish; those left then end in their API's shape (a "
+        "stream with an error event `shutting_down`, others 503 with Retry-After), within 2 s more; a second SIGTERM "
+        "ends them at once",
+    )
     head_timeout_s: float = Field(
         10.0,
         gt=0,
