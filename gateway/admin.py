@@ -146,24 +146,25 @@ async def scale(request: web.Request) -> web.Response:
 async def reload_config(request: web.Request) -> web.Response:
     """An empty body re-reads the config file the gateway was started with (file + environment, like SIGHUP) and
     applies what can change without a restart (gateway.reload), answering what was applied and what needs a
-    restart; a JSON body is a new `admission` section (`{"admission": {...}}` or the section itself). Invalid input
-    changes nothing and answers 400 with the path-qualified reason. In-flight and queued requests are not touched."""
+    restart; a JSON body changes the `admission` section (`{"admission": {...}}` or the section itself): each key it
+    gives replaces the running one (`tenants`: the whole tenant table), the keys it leaves out keep their running
+    values. Invalid input changes nothing and answers 400 with the path-qualified reason. In-flight and queued
+    requests are not touched."""
     check_admin(request.headers, request.app[CONFIG].admin.key)
     reloader = request.app[RELOADER]
     raw = await read_body(request, request.app[CONFIG].server)
     try:
         if raw.strip():
-            data = json.loads(raw)
-            if isinstance(data, dict) and "admission" in data:
-                data = data["admission"]
-            config = reloader.running.model_copy(update={"admission": AdmissionConfig.model_validate(data)})
-            result = await reloader.apply(config)
+            running = reloader.running.admission
+            section = _admission_keys(json.loads(raw))
+            admission = AdmissionConfig.model_validate(running.model_dump() | section)
+            result = await reloader.apply(reloader.running.model_copy(update={"admission": admission}))
         elif request.app.get(CONFIG_PATH) is not None:
             result = await reloader.reload_file()
         else:
             raise BadRequest("no config file to re-read: send the admission section as the JSON body")
     except ValueError as exc:
-        message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        message = format_validation_error(exc, "admission") if isinstance(exc, ValidationError) else str(exc)
         raise BadRequest(message) from None
     admission = reloader.running.admission
     return web.json_response({
@@ -171,6 +172,17 @@ async def reload_config(request: web.Request) -> web.Response:
         "restart_needed": result.restart_needed, "engines_added": result.engines_added,
         "engines_removed": result.engines_removed,
     })  # fmt: skip
+
+
+def _admission_keys(data: Any) -> dict[str, Any]:
+    """The admission keys a reload body changes; ValueError for anything else."""
+    if isinstance(data, dict) and "admission" in data:
+        if other := sorted(set(data) - {"admission"}):
+            raise ValueError(f"only the admission section can be sent here, not {other}: reload the file for those")
+        data = data["admission"]
+    if not isinstance(data, dict):
+        raise ValueError("the body must be a JSON object: the admission keys to change")
+    return data
 
 
 async def _state(awaitable: Awaitable[Any]) -> str:

@@ -291,12 +291,15 @@ class ConfigError(ValueError):
     """Configuration that cannot be served; the message lists every bad key by its dotted path."""
 
 
-def format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError, section: str | None = None) -> str:
+    """Each error on a line with its dotted path (under `section` when a section was validated alone)."""
     lines = []
     for e in err.errors():
         message = e["msg"].removeprefix("Value error, ")
         # a check of the whole config names its own paths (`engines.1.url: ...`)
-        lines.append(f"{'.'.join(str(p) for p in e['loc'])}: {message}" if e["loc"] else message)
+        loc = [section] if section else []
+        loc += [str(p) for p in e["loc"]]
+        lines.append(f"{'.'.join(loc)}: {message}" if loc else message)
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

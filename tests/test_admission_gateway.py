@@ -148,6 +148,27 @@ async def test_reload_keeps_in_flight_requests() -> None:
         assert (await slow)[0] == 200  # admitted before the reload, finished after it
 
 
+async def test_a_reload_body_changes_only_the_keys_it_gives() -> None:
+    """Posting one key of the admission section (a new tenant table) keeps the rest running: auth stays on, the
+    cache-salt secret stays; a key of another section or a bad value is refused with its path, changing nothing."""
+    async with stack(ADMISSION_CFG) as (gw, _, session):
+        admin = {"Authorization": "Bearer admin-key"}
+        new = {"tenants": {"carol": {"keys": [hash_key("sk-carol")]}}}
+        async with session.post(f"{gw.url}/admin/reload", json=new, headers=admin) as r:
+            answer = await r.json()
+            assert r.status == 200 and answer["tenants"] == ["carol"] and answer["auth"] is True
+        assert (await post(session, gw.url, chat()))[0] == 401  # no key: still refused
+        assert (await post(session, gw.url, chat(), key="sk-carol"))[0] == 200
+        assert gw.app[ADMISSION].config.cache_salt_secret == "s3cret"
+        for body, where in (
+            ({"admission": new, "routing": {"policy": "round-robin"}}, "routing"),
+            ({"tenants": {"dave": {"keys": ["plain"]}}}, "admission.tenants.dave.keys"),
+        ):
+            async with session.post(f"{gw.url}/admin/reload", json=body, headers=admin) as r:
+                assert r.status == 400 and where in (await r.json())["error"]["message"]
+        assert (await post(session, gw.url, chat(), key="sk-carol"))[0] == 200
+
+
 async def test_queue_timeout_is_503_with_retry_after() -> None:
     admission = {"replica_max_concurrency": 1, "queue": {"max_wait_s": 0.2}}
     async with stack(admission, decode_ms=50) as (gw, _, session):
