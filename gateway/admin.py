@@ -31,7 +31,7 @@ from gateway.admission.config import AdmissionConfig
 from gateway.body import ExpectHandler, read_body
 from gateway.config import format_validation_error
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.keys import CONFIG, CONFIG_PATH, POOL, REPLICAS
+from gateway.keys import CONFIG, CONFIG_SOURCE, POOL, REPLICAS
 from gateway.reload import RELOADER
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -159,7 +159,7 @@ async def reload_config(request: web.Request) -> web.Response:
             section = _admission_keys(json.loads(raw))
             admission = AdmissionConfig.model_validate(running.model_dump() | section)
             result = await reloader.apply(reloader.running.model_copy(update={"admission": admission}))
-        elif request.app.get(CONFIG_PATH) is not None:
+        elif request.app.get(CONFIG_SOURCE) is not None:
             result = await reloader.reload_file()
         else:
             raise BadRequest("no config file to re-read: send the admission section as the JSON body")

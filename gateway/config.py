@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +356,15 @@ def load_config(
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from exc
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the running configuration came from, read again by a reload (SIGHUP, `POST /admin/reload`): the file,
+    then the environment, then the command line's flags (`overrides`), as at start-up."""
+
+    path: str
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def load(self) -> GatewayConfig:
+        return load_config(self.path, overrides=self.overrides)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.config import GatewayConfig
-from gateway.keys import CONFIG_PATH
+from gateway.config import ConfigSource, GatewayConfig
+from gateway.keys import CONFIG_SOURCE
 from gateway.listener import GatewayListener
 
 
@@ -27,11 +27,13 @@ class RunningGateway:
 
 
 @asynccontextmanager
-async def running_gateway(config: GatewayConfig, *, config_path: str | None = None) -> AsyncIterator[RunningGateway]:
-    """`config_path`: the file `config` came from, re-read by a reload (SIGHUP, POST /admin/reload)."""
+async def running_gateway(
+    config: GatewayConfig, *, source: ConfigSource | None = None
+) -> AsyncIterator[RunningGateway]:
+    """`source`: where `config` came from, read again by a reload (SIGHUP, POST /admin/reload)."""
     app = build_app(config)
-    if config_path is not None:
-        app[CONFIG_PATH] = config_path
+    if source is not None:
+        app[CONFIG_SOURCE] = source
     listener = GatewayListener(app, config)
     port = await listener.start()
     try:

@@ -12,7 +12,7 @@ from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.controller import AdmissionController
 from gateway.completion import CompletionService
-from gateway.config import GatewayConfig
+from gateway.config import ConfigSource, GatewayConfig
 from gateway.fleet import RoutingShare
 from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics
@@ -28,7 +28,7 @@ ROUTER = web.AppKey("router", Router)
 PROXY = web.AppKey("proxy", UpstreamProxy)
 ADMISSION = web.AppKey("admission", AdmissionController)
 COMPLETIONS = web.AppKey("completions", CompletionService)  # the request path of every route (gateway/endpoints)
-CONFIG_PATH = web.AppKey("config_path", str)  # the file `kvgate serve` loaded (for reloads); absent otherwise
+CONFIG_SOURCE = web.AppKey("config_source", ConfigSource)  # the file and flags `kvgate serve` loaded, for reloads
 CACHE = web.AppKey("cache", CacheAwareState)  # running while the routing policy uses prefix overlap (cache_ctx)
 FLEET = web.AppKey("fleet", RoutingShare)  # absent unless a Redis is configured and fleet.share_routing
 POOL = web.AppKey("pool", EnginePool)  # the engines kvgate launched; absent without `pool:` in the config

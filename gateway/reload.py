@@ -26,9 +26,9 @@ from aiohttp import web
 from engine_pool.replica import Replica
 from gateway.attached import attached_replica
 from gateway.cache_ctx import CACHE_SWITCH
-from gateway.config import GatewayConfig, load_config
+from gateway.config import GatewayConfig
 from gateway.engines_config import EngineConfig
-from gateway.keys import ADMISSION, COMPLETIONS, CONFIG, CONFIG_PATH, REPLICAS, ROUTER
+from gateway.keys import ADMISSION, COMPLETIONS, CONFIG, CONFIG_SOURCE, REPLICAS, ROUTER
 from policies.registry import build_policy
 
 log = logging.getLogger("kvgate.reload")
@@ -80,13 +80,15 @@ class ConfigReloader:
                 log.debug("reload refused: %s", exc)
 
     async def reload_file(self) -> ReloadResult:
-        """Re-read the file the gateway was started with; ValueError (with the path-qualified reason) when it
-        cannot be read or is invalid, and then nothing changed."""
-        path = self.app.get(CONFIG_PATH)
-        if path is None:
+        """Re-read the file the gateway was started with (then the environment and its command line's flags, as at
+        start-up); ValueError (with the path-qualified reason) when it cannot be read or is invalid, and then nothing
+        changed."""
+        source = self.app.get(CONFIG_SOURCE)
+        if source is None:
+            log.warning("reload refused: the gateway was started without a config file (--config)")
             raise ValueError("the gateway was started without a config file: there is nothing to re-read")
         try:
-            new = await asyncio.to_thread(load_config, path)
+            new = await asyncio.to_thread(source.load)
         except ValueError as exc:
             log.error("config reload failed, keeping the running config: %s", exc)
             raise

@@ -20,8 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.config import ConfigError, GatewayConfig, load_config
-from gateway.keys import COMPLETIONS, CONFIG_PATH, REPLICAS
+from gateway.config import ConfigError, ConfigSource, GatewayConfig, load_config
+from gateway.keys import COMPLETIONS, CONFIG_SOURCE, REPLICAS
 from gateway.listener import GatewayListener
 from gateway.reload import RELOADER
 from policies.registry import policy_names
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="URL",
-        help="attach an engine speaking vLLM's OpenAI API (repeatable)",
+        help="attach an engine speaking vLLM's OpenAI API (repeatable; replaces the config file's engines)",
     )
     p.add_argument("--policy", help=f"routing policy: {', '.join(policy_names())}")
     p.add_argument("--access-log", choices=["plain", "json", "off"], help="access log format")
@@ -63,14 +63,14 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def serve(
-    config: GatewayConfig, *, ready: asyncio.Future[int] | None = None, config_path: str | None = None
+    config: GatewayConfig, *, ready: asyncio.Future[int] | None = None, source: ConfigSource | None = None
 ) -> None:
     """Run until SIGINT/SIGTERM (or cancellation); `ready` receives the bound port once listening. SIGHUP (and
-    `POST /admin/reload`) re-reads `config_path` and applies what can change without dropping requests
-    (gateway.reload)."""
+    `POST /admin/reload`) re-reads `source` (the file, the environment, the flags) and applies what can change
+    without dropping requests (gateway.reload)."""
     app = build_app(config)
-    if config_path is not None:
-        app[CONFIG_PATH] = config_path
+    if source is not None:
+        app[CONFIG_SOURCE] = source
     listener = GatewayListener(app, config)
     port = await listener.start()
     # What startup built (modules, config, the app) lives as long as the process: out of the collector's
@@ -168,7 +168,7 @@ class BatchedStderrHandler(logging.StreamHandler):
             self.handleError(record)
 
 
-async def _serve_flushing_logs(handler: logging.Handler, config: GatewayConfig, config_path: str | None) -> None:
+async def _serve_flushing_logs(handler: logging.Handler, config: GatewayConfig, source: ConfigSource | None) -> None:
     async def flush() -> None:
         while True:
             await asyncio.sleep(BatchedStderrHandler.FLUSH_S)
@@ -176,7 +176,7 @@ async def _serve_flushing_logs(handler: logging.Handler, config: GatewayConfig, 
 
     flusher = asyncio.create_task(flush(), name="kvgate:log-flush")
     try:
-        await serve(config, config_path=config_path)
+        await serve(config, source=source)
     finally:
         flusher.cancel()
         handler.flush()
@@ -205,13 +205,15 @@ def run(coro_factory: Any) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     log_handler = setup_logging(args.log_level)
+    flags = flag_overrides(args)
     try:
-        config = load_config(args.config, overrides=flag_overrides(args))
+        config = load_config(args.config, overrides=flags)
     except ConfigError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
     if args.check:
         print(config.model_dump_json(indent=2))
         return 0
-    run(lambda: _serve_flushing_logs(log_handler, config, args.config))
+    source = ConfigSource(args.config, flags) if args.config is not None else None
+    run(lambda: _serve_flushing_logs(log_handler, config, source))
     return 0

@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from gateway.admission.config import hash_key
-from gateway.config import load_config
+from gateway.config import ConfigSource, load_config
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
 from simengine import SimConfig, SimServer, run_sim_engine
@@ -39,8 +39,10 @@ def config_file(path: Path, engines: list[SimServer], **extra: Any) -> None:
 
 
 @asynccontextmanager
-async def gateway_from(path: Path) -> AsyncIterator[RunningGateway]:
-    async with running_gateway(load_config(str(path), environ={}), config_path=str(path)) as gw:
+async def gateway_from(path: Path, **flags: Any) -> AsyncIterator[RunningGateway]:
+    """`flags`: the command line's overrides (`kvgate serve --policy ...`), over the file at start and on reload."""
+    source = ConfigSource(str(path), flags)
+    async with running_gateway(load_config(str(path), overrides=flags, environ={}), source=source) as gw:
         yield gw
 
 
@@ -165,3 +167,22 @@ async def test_one_engine_twice_in_a_reloaded_file_is_refused_with_its_path(
             assert status == 400 and "engines.1.url: duplicate engine" in answer["error"]["message"]
             assert [r.id for r in gw.app[REPLICAS]] == [sim.url.split("://")[1]]
             assert (await chat(http, gw, "sk-acme"))[0] == 200
+
+
+async def test_a_reload_keeps_the_command_lines_flags_over_the_file(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """`kvgate serve -c F --policy round-robin --engine URL`: the flags win over the file at start and on every
+    reload, so reloading an unchanged file changes nothing."""
+    async with AsyncExitStack() as stack:
+        sims = [await stack.enter_async_context(run_sim_engine(SimConfig(model="sim", seed=i))) for i in range(2)]
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, sims[:1], routing={"policy": "cache-aware"})
+        flags = {"routing": {"policy": "round-robin"}, "engines": [{"url": sims[1].url}]}
+        gw = await stack.enter_async_context(gateway_from(path, **flags))
+        await wait_ready(http, gw.url)
+        status, answer = await reload(http, gw)
+        assert status == 200 and answer["applied"] == [] and answer["engines_removed"] == [], answer
+        status, replica, _ = await chat(http, gw, "sk-acme")
+        assert status == 200 and replica == sims[1].url.split("://")[1]
+        assert [r.id for r in gw.app[REPLICAS]] == [replica]
