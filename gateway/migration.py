@@ -13,13 +13,16 @@ completions the prompt followed by the text; for chat the partial assistant mess
 The continuation's opening role is dropped from its first chat events (`without_role`: the field, not the event,
 which may carry the first token too), and its usage is told as the whole answer's: the tokens delivered move from
 its prompt to the completion (`whole_usage`). Requests that cannot be continued
-exactly are not migrated: n > 1, tools, echo, suffix, batched or token-id prompts, logprobs of the prompt.
+exactly are not migrated: n > 1, tools, structured output, echo, suffix, batched or token-id prompts, logprobs of
+the prompt (`min_tokens`, like `max_tokens`, counts from the continuation's start).
 A Messages API stream (`/v1/messages`) is continued through chat: vLLM's Messages route cannot continue an assistant
 turn (it renders a trailing assistant message with a new generation prompt), so the continuation is the chat
 request vLLM renders for the body (`gateway.anthropic.messages_as_chat`) with the text delivered as the assistant's
 message continued, sent to `/v1/chat/completions`, and its events are told to the client in Anthropic's shape
 (`MessagesSeam`: text deltas into the open text block, then the block's stop, `message_delta` with the whole
-answer's output tokens and `message_stop`).
+answer's output tokens and `message_stop`); only a text conversation (no image or tool block) with no field the
+chat request would not carry (tools, thinking, structured output) is, and only while the answer is one text block
+(a reasoning model's thinking block, a tool call: the stream ends with an error event instead).
 Cost: one list append per relayed event; O(delivered bytes) once per migration.
 """
 
@@ -107,20 +110,45 @@ def migratable(parsed: ParsedRequest) -> bool:
     body = parsed.body
     if parsed.api == "anthropic":  # the Messages API: text answers, continued through chat (see the module's doc)
         messages = body.get("messages")
-        if body.get("tools") or not isinstance(messages, list) or not messages:
-            return False
-        last = messages[-1]
+        if not body.keys() <= _MESSAGES_CARRIED or not isinstance(messages, list) or not messages:
+            return False  # a field the chat continuation would not carry (tools, thinking, output_config, ...)
+        if not _text_only(body.get("system")) or not all(
+            isinstance(m, dict) and _text_only(m.get("content")) for m in messages
+        ):
+            return False  # images, tool turns: the chat view hashes them, it does not render them for an engine
         # the client's own prefill is not continued; a body without a chat view (routed by load) makes no
         # continuation (`continuation` returns None): the stream then ends with an error event
-        return isinstance(last, dict) and last.get("role") != "assistant"
+        return messages[-1].get("role") != "assistant"
     if parsed.kind not in ("chat", "completions") or body.get("n") not in (None, 1) or body.get("prompt_logprobs"):
         return False
+    if any(body.get(k) is not None for k in _CONSTRAINTS) or body.get("response_format") not in (None, _TEXT):
+        return False  # a grammar would start over on the continuation: the joined answer would not match it
     if parsed.kind == "chat":
         return not body.get("tools") and isinstance(body.get("messages"), list)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     return isinstance(prompt, str) and not body.get("echo") and body.get("suffix") is None
+
+
+# the Messages fields a continuation through chat carries (`_messages_continuation`); a body with any other is not
+# migrated
+_MESSAGES_CARRIED = frozenset(
+    {"model", "messages", "system", "max_tokens", "stream", "temperature", "top_p", "top_k", "stop_sequences",
+     "metadata", "cache_salt"}
+)  # fmt: skip
+
+
+# structured output (vLLM's and its older guided decoding fields): its grammar cannot be resumed mid-answer
+_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_TEXT = {"type": "text"}  # the response_format that constrains nothing
+
+
+def _text_only(content: object) -> bool:
+    """A Messages `system` or message content of text alone (absent, a string, or text blocks)."""
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content)
 
 
 def _delivered_text(kind: str, events: list[bytes]) -> tuple[str, int, bool]:
@@ -145,13 +173,20 @@ def _delivered_text(kind: str, events: list[bytes]) -> tuple[str, int, bool]:
 
 
 def _delivered_messages_text(events: list[bytes]) -> tuple[str, int, bool, int]:
-    """A Messages stream's text, its count of text deltas, whether the answer had finished (its text block or the
-    message stopped) and the index of its text block."""
+    """A Messages stream's text, its count of text deltas, whether the answer cannot be continued (its text block or
+    the message stopped, or it opened a block other than text: a reasoning model's thinking, a tool call, which a
+    chat continuation cannot go on with) and the index of its text block."""
     parts: list[str] = []
     finished, index = False, 0
     for event in events:
         if event.startswith((b"event: content_block_stop", b"event: message_delta", b"event: message_stop")):
             finished = True
+        elif event.startswith(b"event: content_block_start"):
+            try:
+                block = orjson.loads(event[event.index(b"{") :])["content_block"]["type"]
+            except (ValueError, KeyError, TypeError):
+                block = None
+            finished = finished or block != "text"
         elif event.startswith(b"event: content_block_delta"):
             try:
                 payload = orjson.loads(event[event.index(b"{") :])
@@ -197,6 +232,8 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
         if left < 1:
             return None
         body[limit_key] = left
+    if isinstance(body.get("min_tokens"), int):  # counted from the continuation's start, as max_tokens is
+        body["min_tokens"] = max(0, body["min_tokens"] - relayed.tokens_before)
     if parsed.kind == "completions":
         prompt = body["prompt"]
         body["prompt"] = (prompt[0] if isinstance(prompt, list) else prompt) + relayed.text_before

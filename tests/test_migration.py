@@ -5,6 +5,7 @@ is autoregressive and deterministic, as greedy decoding is), its usage the whole
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import aiohttp
@@ -13,6 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.keys import REPLICAS
+from gateway.migration import Relayed, continuation, migratable
+from gateway.request_parse import ParsedRequest
 from simengine import SimConfig
 from tests.conftest import gateway_over_sims
 
@@ -156,3 +159,98 @@ async def test_a_messages_stream_whose_engine_fails_continues_through_chat(http:
         assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
     assert text == reference  # token for token the undisturbed answer
     assert final.usage.output_tokens == TOKENS and final.stop_reason == undisturbed.stop_reason == "max_tokens"
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+
+
+IMAGE_TURN = [{"role": "user", "content": [IMAGE, {"type": "text", "text": MESSAGES[1]["content"]}]}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "extra"),
+    [
+        (IMAGE_TURN, None),
+        ([MESSAGES[1]], {"thinking": {"type": "enabled", "budget_tokens": 16}}),
+        ([MESSAGES[1]], {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}),
+    ],
+    ids=["image", "thinking", "structured-output"],
+)
+async def test_a_messages_stream_a_chat_continuation_cannot_render_ends_with_an_error(
+    http: aiohttp.ClientSession, messages: list[dict[str, Any]], extra: dict[str, Any] | None
+) -> None:
+    """A Messages request whose prompt or constraints the chat continuation would not carry (an image, a thinking
+    budget, structured output) is not continued on another replica with a different meaning: its cut stream ends
+    with an error event the SDK raises."""
+    anthropic = pytest.importorskip("anthropic")
+    async with gateway_over_sims([SIM, SIM]) as (gw, sims):
+        async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="x", max_retries=0) as client:
+            parts: list[str] = []
+            with pytest.raises(anthropic.APIStatusError, match="mid-stream"):
+                async with client.messages.stream(
+                    model="sim", max_tokens=TOKENS, system=MESSAGES[0]["content"], messages=messages,
+                    extra_body=extra,
+                ) as stream:  # fmt: skip
+                    replica = stream.response.headers["x-kvgate-replica"]
+                    async for text in stream.text_stream:
+                        parts.append(text)
+                        if len(parts) == 5:
+                            port = next(r.port for r in gw.app[REPLICAS] if r.id == replica)
+                            sim = next(s for s in sims if s.port == port)
+                            async with http.post(f"{sim.url}/sim/faults", json={"cut_after_tokens": 1}) as resp:
+                                assert resp.status == 200
+        assert len(parts) >= 5
+        assert (await migrations(http, gw.url)).get("resumed", 0) == 0
+
+
+def test_a_messages_answer_that_opened_a_thinking_block_is_not_continued_as_text() -> None:
+    """A reasoning model's stream cut in its thinking block: a chat continuation would write its answer into the
+    thinking block (the client's text lost); no continuation is made, so the stream ends with an error event."""
+    events = [
+        b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","content":[]}}\n\n',
+        b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+        b'"content_block":{"type":"thinking","thinking":""}}\n\n',
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"thinking_delta","thinking":"let me"}}\n\n',
+    ]
+    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    parsed = ParsedRequest("json", body, "m", True, True, 100, api="anthropic")
+    assert migratable(parsed)
+    relayed = Relayed(1 << 20)
+    relayed.add(events, sum(map(len, events)))
+    assert continuation(parsed, relayed) is None
+    text_events = [events[0], events[1].replace(b'"thinking","thinking":""', b'"text","text":""'), (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+        b'"delta":{"type":"text_delta","text":"Hello"}}\n\n'
+    )]  # fmt: skip
+    relayed = Relayed(1 << 20)
+    relayed.add(text_events, sum(map(len, text_events)))
+    assert continuation(parsed, relayed) is not None  # a text answer is continued
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "expected"),
+    [
+        ("chat", {"messages": []}, True),
+        ("chat", {"messages": [], "response_format": {"type": "text"}}, True),
+        ("chat", {"messages": [], "response_format": {"type": "json_object"}}, False),
+        ("chat", {"messages": [], "structured_outputs": {"regex": "a+"}}, False),
+        ("completions", {"prompt": "x", "guided_choice": ["a", "b"]}, False),
+        ("chat", {"messages": [], "tools": [{"type": "function"}]}, False),
+        ("chat", {"messages": [], "n": 2}, False),
+        ("completions", {"prompt": "x", "echo": True}, False),
+    ],
+)
+def test_what_a_continuation_can_carry_exactly_is_migratable(kind: str, body: dict[str, Any], expected: bool) -> None:
+    parsed = ParsedRequest(kind, {"model": "m", "stream": True, **body}, "m", True, True, None)  # type: ignore[arg-type]
+    assert migratable(parsed) is expected
+
+
+def test_min_tokens_counts_from_the_continuations_start() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    parsed = ParsedRequest("chat", {**body, "max_tokens": 50, "min_tokens": 20}, "m", True, True, 50)
+    relayed = Relayed(1 << 20)
+    events = [b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'] * 8
+    relayed.add(events, sum(map(len, events)))
+    sent = json.loads(continuation(parsed, relayed) or b"")
+    assert (sent["max_tokens"], sent["min_tokens"]) == (42, 12)
