@@ -118,7 +118,7 @@ async def per_request_us(
         if targets:  # as gateway.admission.controller and gateway.proxy do
             verdict = gate.judge(info, info.prompt_tokens, None, TARGETS)
             if verdict.best is not None and (held := replicas.get(verdict.best.replica)) is not None:
-                gate.hold(ctx, held, verdict.best, None)
+                gate.hold(ctx, held, verdict.best, info.prompt_tokens, None)
             prefer = verdict.prefer
         replica, _ = await router.choose(info, hold=ctx.hold, only=prefer)
         place(ctx, replica, replicas)

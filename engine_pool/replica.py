@@ -238,6 +238,13 @@ class Replica:
         span = now - mark[0]
         return max(1.0, (seq_s - mark[1]) / span if span > 0 else self._running())
 
+    def output_bound(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
+        """The most a request may produce here: its max_tokens capped by the context its prompt leaves (vLLM caps it
+        so), or None when it names none."""
+        if max_tokens is None or self.max_model_len is None:
+            return max_tokens
+        return min(max_tokens, max(1, self.max_model_len - prompt_tokens))
+
     def hold(self, held: Held) -> None:
         """An admitted request placed here: its KV and predicted end count in this replica's latency view."""
         self.held[id(held)] = held

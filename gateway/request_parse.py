@@ -36,13 +36,16 @@ class ParsedRequest:
     api: ApiShape = "openai"  # the shape of the route's answers, errors and stream events (gateway.endpoints)
 
 
+_INT_BOUND = 2**31 - 1  # what the gateway counts of an integer field at most (no context is longer)
+
+
 def _check_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise BadRequest(f"'{key}' must be an integer >= {minimum}", param=key)
-    return value
+    return min(value, _INT_BOUND)  # the body goes on as sent: the engine caps it at the context left
 
 
 def _check_messages(messages: Any) -> None:

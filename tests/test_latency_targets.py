@@ -18,7 +18,7 @@ from engine_pool.latency import MIN_SAMPLES, WINDOW, LatencyLearner
 from engine_pool.replica import Replica
 from policies.latency import Held, Prediction, ReplicaLatency, Targets, judge, predict, room_wait
 from simengine import SimConfig
-from tests.conftest import gateway_over_sims
+from tests.conftest import gateway_over_sims, wait_for
 
 NOW = 100.0
 
@@ -308,3 +308,19 @@ def test_samples_of_one_prompt_length_leave_the_prefill_speed_to_the_engines_cou
         learner.observe_first_token(300, 0.09)
     overhead, prefill, _, _ = learner.terms(2e-4, None)
     assert prefill == pytest.approx(2e-4) and overhead == pytest.approx(0.03)
+
+
+async def test_a_max_tokens_past_the_context_holds_only_what_the_context_leaves(http: aiohttp.ClientSession) -> None:
+    """vLLM caps max_tokens at the context the prompt leaves: two clients asking for a million tokens hold no more
+    KV than that, so the others are still admitted; a max_tokens past any float is served, not a 500."""
+    sim = SimConfig(model="sim", block_size=16, num_blocks=128, decode_ms=5, overhead_ms=2, max_model_len=512)
+    targets = {"default": {"ttft_s": 0.5, "tpot_s": 10.0}}
+    async with gateway_over_sims([sim, sim], admission={"targets": targets}) as (gw, sims):
+        for i in range(10):  # the model learns each replica's speed from answers
+            await asyncio.gather(*(_post(http, gw.url, _body(100 * i + j)) for j in range(2)))
+        huge = [asyncio.create_task(_post(http, gw.url, {**_body(900 + i), "max_tokens": 10**6})) for i in range(2)]
+        await wait_for(lambda: sum(s.engine.running for s in sims) == 2, what="both long answers generating")
+        for i in range(4):
+            assert (await _post(http, gw.url, _body(2000 + i)))[0] == 200
+        assert (await _post(http, gw.url, {**_body(3000), "max_tokens": 10**400}))[0] == 200
+        assert [status for status, _ in await asyncio.gather(*huge)] == [200, 200]

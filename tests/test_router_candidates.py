@@ -70,7 +70,7 @@ async def route(router: Router, state: CacheAwareState, b: dict[str, object], se
     assert verdict.admit and verdict.best is not None
     held = router.replicas.get(verdict.best.replica)
     assert held is not None
-    gate.hold(ctx, held, verdict.best, None)
+    gate.hold(ctx, held, verdict.best, info.prompt_tokens, None)
     replica, _ = await router.choose(info, hold=ctx.hold, only=verdict.prefer)
     place(ctx, replica, router.replicas)
     state.on_finished(info, replica.id, None)

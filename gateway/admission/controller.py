@@ -275,7 +275,7 @@ class AdmissionController:
         ctx.prefer = verdict.prefer
         replica = self.replicas.get(verdict.best.replica)
         if replica is not None:
-            latency.hold(ctx, replica, verdict.best, demand.max_tokens)
+            latency.hold(ctx, replica, verdict.best, prompt_tokens, demand.max_tokens)
         if targets.ttft_s is None or verdict.reason == "no-wait":
             return max_wait
         return max(0.0, min(max_wait, targets.ttft_s - verdict.best.ttft_s))

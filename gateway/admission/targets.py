@@ -110,14 +110,21 @@ class LatencyGate:
         cached = self.router.cached_tokens(info, [r.id for r in replicas])
         uncached = {r.id: prompt_tokens - cached.get(r.id, 0) for r in replicas}
         predictions = [
-            predict(r.latency_view(), now, r.latency.held_tokens(uncached[r.id], max_tokens), uncached[r.id])
+            predict(
+                r.latency_view(),
+                now,
+                r.latency.held_tokens(uncached[r.id], r.output_bound(prompt_tokens, max_tokens)),
+                uncached[r.id],
+            )
             for r in replicas
         ]
         return judge(predictions, targets)
 
-    def hold(self, ctx: RequestContext, replica: Replica, prediction: Prediction, max_tokens: int | None) -> None:
+    def hold(
+        self, ctx: RequestContext, replica: Replica, prediction: Prediction, prompt_tokens: int, max_tokens: int | None
+    ) -> None:
         """The request's KV and predicted end, on the replica it is predicted best on (moved by `place`)."""
-        output = replica.latency.held_tokens(0, max_tokens)
+        output = replica.latency.held_tokens(0, replica.output_bound(prompt_tokens, max_tokens))
         end = time.monotonic() + prediction.ttft_s + output * prediction.tpot_s  # tpot: in the batch it joins
         ctx.hold, ctx.held_on, ctx.prediction = Held(prediction.tokens, end), replica.id, prediction
         replica.hold(ctx.hold)
