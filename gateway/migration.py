@@ -296,13 +296,31 @@ _USAGE_KEY = b',"usage":'
 
 
 def split_usage(event: bytes) -> tuple[bytes, bytes] | None:
-    """A token event's trailing usage (continuous usage stats, the object's last key as vLLM writes it): (the
-    event without it, the usage object's bytes), by three searches and no parsing; None for any other shape, and
-    for the final usage-only event (no choices), which is the answer's usage, not a running count."""
+    """A token event's usage (continuous usage stats): (the event without it, the usage object's bytes), by a few
+    searches and no parsing, wherever the key stands (vLLM writes it last but for the first event's
+    `prompt_token_ids` / `prompt_text`, which stay); None for any other shape, and for the final usage-only event (no
+    choices), which is the answer's usage, not a running count."""
     cut = event.rfind(_USAGE_KEY)
-    if cut < 0 or not event.endswith(b"}\n\n") or event.find(b'"choices"', cut) >= 0 or b'"choices":[]' in event:
+    if cut < 0 or not event.endswith(b"}\n\n") or b'"choices":[]' in event:
         return None
-    return event[:cut] + b"}\n\n", event[cut + len(_USAGE_KEY) : -3]
+    start = cut + len(_USAGE_KEY)
+    end = _object_end(event, start)
+    if end < 0 or event.find(b'"choices"', end) >= 0:
+        return None
+    return event[:cut] + event[end:], event[start:end]
+
+
+def _object_end(data: bytes, start: int) -> int:
+    """Where the JSON object (or null) at `start` ends, -1 if none does; objects without strings that hold braces,
+    as usage is: each `{` met before the current closing `}` moves it to the next one."""
+    if data.startswith(b"null", start):
+        return start + 4
+    if not data.startswith(b"{", start):
+        return -1
+    after, close = start + 1, data.find(b"}", start)
+    while close >= 0 and (inner := data.find(b"{", after, close)) >= 0:
+        after, close = inner + 1, data.find(b"}", close + 1)
+    return close + 1 if close >= 0 else -1
 
 
 def whole_usage(usage: dict[str, Any], tokens_before: int) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.migration import split_usage
 from gateway.relay import SseSplitter
 
 
@@ -16,3 +17,15 @@ def test_events_split_and_joined_across_chunks_come_out_whole() -> None:
     assert s.feed(b"2\n") == []
     assert s.feed(b"\ndata: 3\n\n") == [b"data: 2\n\n", b"data: 3\n\n"]
     assert s.feed(b"event: x\ndata: 4\n\ndata: 5\n\n") == [b"event: x\ndata: 4\n\n", b"data: 5\n\n"]
+
+
+def test_a_token_events_running_usage_is_taken_out_and_every_other_field_kept() -> None:
+    usage = b'{"prompt_tokens":5,"total_tokens":6,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":0}}'
+    head = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]'
+    assert split_usage(head + b',"usage":' + usage + b"}\n\n") == (head + b"}\n\n", usage)
+    first = head + b',"usage":' + usage + b',"prompt_token_ids":[1,2,3],"prompt_text":"hi"}\n\n'  # vLLM's first event
+    assert split_usage(first) == (head + b',"prompt_token_ids":[1,2,3],"prompt_text":"hi"}\n\n', usage)
+    assert split_usage(head + b',"usage":null}\n\n') == (head + b"}\n\n", b"null")
+    final = b'data: {"id":"c","choices":[],"usage":' + usage + b"}\n\n"  # the answer's usage: not a running count
+    assert split_usage(final) is None
+    assert split_usage(head + b"}\n\n") is None
