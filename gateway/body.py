@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.errors import ApiShape, BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_response
 from gateway.ids import IdSource
@@ -45,6 +46,12 @@ async def read_body(request: web.Request, limits: ServerConfig, *, json: bool = 
         raise PayloadTooLarge("request body exceeds the configured limit") from None
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
+    except RequestPayloadError as exc:  # a body its Content-Encoding does not decode: nothing more is read of it
+        request.content.feed_eof()
+        reason = str(exc).split("message:", 1)[-1].strip()
+        raise BadRequest(
+            f"the request body cannot be read: {reason}", code="invalid_http_request", headers={"Connection": "close"}
+        ) from None
     if json and nested_deeper(raw, limits.max_json_depth):
         raise too_deep(limits.max_json_depth)
     return raw

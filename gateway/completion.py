@@ -285,6 +285,11 @@ class CompletionService:
         if ctx.trace is not None and self.tracer is not None:
             self.tracer.finish(ctx)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests being handled now, from their head's arrival to their answer's end."""
+        return len(self._running)
+
     async def drain(self, grace_s: float) -> None:
         """Shutdown (the listener no longer accepts): the requests in flight get up to `grace_s` to finish, then
         those left are ended (`cut`)."""

@@ -165,10 +165,23 @@ class GuardedRequestHandler(RequestHandler):
             message, body = self._messages[-1]
             if isinstance(message, _ErrInfo) or (message.should_close and body.is_eof()):
                 self._stopped_parsing = True
+                if isinstance(message, _ErrInfo):
+                    self._fail_body(message)
                 return
             if len(self._messages) >= self._max_msg_queue_size or self._close or self._force_close or self._upgraded:
                 return
             super().data_received(b"")
+
+    def _fail_body(self, error: _ErrInfo) -> None:
+        """A parser error inside the body a handler is reading (a malformed chunk): that handler's read fails with
+        it at once (400, not a body timeout), in place of a second answer, and the connection closes after it."""
+        body = self._newest
+        if body is None or body.is_eof():
+            return
+        self._messages.pop()
+        self._request_count -= 1
+        body.set_exception(BadRequest(f"malformed request body: {error.message}", code="invalid_http_request"))
+        self.close()
 
     def _read_chunk_line(self, data: bytes, new_requests: int, between: bool) -> None:
         """Refuse at once a chunked body whose first chunk-size line announces more than `max_body_bytes`, where

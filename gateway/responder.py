@@ -28,6 +28,8 @@ class Responder:
     async def send(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         """A whole response; `headers` carries Content-Type."""
         self.response = web.Response(body=body, status=status, headers=headers)
+        if headers.get("Connection") == "close":  # the connection cannot carry another request (a body not read)
+            self.response.force_close()
 
     async def start_stream(self, status: int, headers: Mapping[str, str]) -> None:
         response = web.StreamResponse(status=status, headers=headers)

@@ -11,8 +11,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from gateway.keys import COMPLETIONS
 from simengine import SimConfig
-from tests.conftest import gateway_over_sims
+from tests.conftest import gateway_over_sims, wait_for
 from tests.test_http_server import COMPLETION, RawClient, assert_openai_error, get, post
 
 SIM = SimConfig(model="sim", instant=True)
@@ -112,6 +113,22 @@ async def test_small_chunks_and_a_large_declared_limit_still_pass() -> None:
             head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
             await conn.send(head.encode() + body)  # the connection lives on
             assert (await conn.response()).status == 200
+
+
+@pytest.mark.parametrize(
+    "rest",
+    [b"zz\r\n", b"4\r\nabcdefgh\r\n"],
+    ids=["size-not-hex", "data-longer-than-its-size"],
+)
+async def test_a_malformed_chunk_in_a_body_being_read_is_400_at_once(rest: bytes) -> None:
+    async with gateway_over_sims([SIM], server=QUICK_408) as (gw, sims):
+        async with connected(gw.port) as conn:
+            await conn.send(CHUNKED_HEAD + b'8\r\n{"model"\r\n')
+            await wait_for(lambda: gw.app[COMPLETIONS].in_flight == 1, what="the handler reading the body")
+            await conn.send(rest)
+            assert assert_openai_error(await conn.response(), 400)["code"] == "invalid_http_request"
+            assert await conn.closed_by_server()
+            assert conn.done == [] and sims[0].engine.stats.started == 0
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

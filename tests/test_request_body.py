@@ -266,3 +266,13 @@ async def test_an_unterminated_string_after_many_brackets_does_not_hold_the_gate
 )
 def test_an_answer_ending_in_a_tool_call_is_recognised(answer: bytes, tool_call: bool) -> None:
     assert ends_in_tool_call(answer) is tool_call
+
+
+async def test_a_body_its_content_encoding_does_not_decode_is_a_400() -> None:
+    async with gateway_over_sims([SimConfig(model="sim", instant=True)]) as (gw, _), aiohttp.ClientSession() as http:
+        body = json.dumps({"model": "sim", "prompt": "x", "max_tokens": 2}).encode()
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        async with http.post(gw.url + "/v1/completions", data=body, headers=headers) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_http_request"
+        async with http.post(gw.url + "/v1/completions", data=body) as resp:  # the connection still serves
+            assert resp.status == 200
