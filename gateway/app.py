@@ -64,6 +64,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 _REQUEST_ID_MAX = 128
+_ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's routes (and those it has that kvgate does not: batches)
 
 
 def _valid_request_id(value: str) -> bool:
@@ -77,7 +78,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     request_id = client_id if client_id and _valid_request_id(client_id) else request.app[IDS].next()
     request[REQUEST_ID] = request_id
     resource = request.match_info.route.resource
-    api = API_BY_PATH.get(resource.canonical, "openai") if resource is not None else "openai"  # the route's shape
+    # the route's shape (a path no route takes or a method it does not: Anthropic's below its Messages API)
+    api = API_BY_PATH.get(resource.canonical, "openai") if resource is not None else None
+    if api is None:
+        api = "anthropic" if request.path.startswith(_ANTHROPIC_PREFIX) else "openai"
     try:
         if client_id and client_id != request_id:
             raise BadRequest(

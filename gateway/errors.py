@@ -248,4 +248,6 @@ def http_exception_to_error(exc: web.HTTPException) -> GatewayError:
     err = GatewayError(reason, code=reason.lower().replace(" ", "_"))
     err.status = exc.status
     err.type = "invalid_request_error" if exc.status < 500 else "internal_error"
+    if allow := exc.headers.get("Allow"):  # a 405 names the methods the route takes
+        err.headers["Allow"] = allow
     return err

@@ -55,6 +55,7 @@ def _kvgate_version() -> str:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    request.app[COMPLETIONS].admission.identify(request.headers, x_api_key=True)  # 401 when auth is on, as vLLM's
     data = []
     replica_set = request.app[REPLICAS]
     for model, replicas in sorted(replica_set.models().items()):

@@ -93,6 +93,9 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
             status == 401 and err["type"] == "authentication_error" and set(err) == {"message", "type", "param", "code"}
         )
         assert (await post(session, gw.url, chat(), key="sk-wrong"))[0] == 401
+        for headers, status in (({}, 401), ({"Authorization": "Bearer sk-alice"}, 200), ({"x-api-key": "sk-bob"}, 200)):
+            async with session.get(f"{gw.url}/v1/models", headers=headers) as resp:  # guarded, as vLLM's --api-key
+                assert resp.status == status
         assert (await post(session, gw.url, chat(), key="sk-alice", **{"x-kvgate-tenant": "bob"}))[0] == 200
 
         status, headers, _ = await post(session, gw.url, chat(stream=True), key="sk-alice")

@@ -79,11 +79,16 @@ async def test_bad_inputs_table(gateway: RunningGateway, http: aiohttp.ClientSes
 
 async def test_wrong_method_and_unknown_path(gateway: RunningGateway, http: aiohttp.ClientSession) -> None:
     async with http.get(gateway.url + CHAT) as resp:
-        assert resp.status == 405
+        assert resp.status == 405 and resp.headers["Allow"] == "POST"  # RFC 9110: the methods it takes
         assert_error_shape(await resp.json())
     async with http.get(gateway.url + "/v1/nothing") as resp:
         assert resp.status == 404
         assert_error_shape(await resp.json())
+    # below Anthropic's Messages API, in its shape (the anthropic SDK reads that): a method, a route kvgate lacks
+    for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
+        async with http.request(method, gateway.url + path) as resp:
+            body = await resp.json()
+            assert resp.status == status and body["type"] == "error" and body["error"]["type"], body
 
 
 async def _post(http: aiohttp.ClientSession, url: str, **extra: Any) -> tuple[int, Any, Any]:
