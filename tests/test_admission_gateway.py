@@ -172,6 +172,25 @@ async def test_a_reload_body_changes_only_the_keys_it_gives() -> None:
         assert (await post(session, gw.url, chat(), key="sk-carol"))[0] == 200
 
 
+async def test_a_gate_reloaded_away_lets_requests_through() -> None:
+    """`replica_max_concurrency: 1` and no queue, then reloaded to null: the second of two concurrent requests, refused
+    before, is served."""
+    admission = {"replica_max_concurrency": 1, "queue": {"max_queued": 0}, "targets": {"enabled": False}}
+    async with stack(admission, decode_ms=30) as (gw, _, session):
+
+        async def two() -> list[int]:
+            first = asyncio.create_task(post(session, gw.url, chat(max_tokens=20)))
+            await wait_for(lambda: gw.app[ADMISSION].tenant_in_flight("anonymous") > 0, 30.0, "request admitted")
+            second = (await post(session, gw.url, chat()))[0]
+            return [(await first)[0], second]
+
+        assert await two() == [200, 503]
+        admin = {"Authorization": "Bearer admin-key"}
+        async with session.post(f"{gw.url}/admin/reload", json={"replica_max_concurrency": None}, headers=admin) as r:
+            assert r.status == 200, await r.text()
+        assert await two() == [200, 200]
+
+
 async def test_queue_timeout_is_503_with_retry_after() -> None:
     admission = {"replica_max_concurrency": 1, "queue": {"max_wait_s": 0.2}}
     async with stack(admission, decode_ms=50) as (gw, _, session):

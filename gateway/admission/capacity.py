@@ -97,6 +97,9 @@ class CapacityGate:
         if gate is not None:
             replica.max_concurrency = gate
             self._defaulted.add(replica.id)
+        elif replica.id in self._defaulted:  # the gate this set is gone from the config (a reload): no gate
+            replica.max_concurrency = None
+            self._defaulted.discard(replica.id)
 
     # --- capacity and queue ------------------------------------------------------------------------------------
     def capacity(self, model: str) -> tuple[int, int]:
