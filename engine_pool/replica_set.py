@@ -55,7 +55,7 @@ class ReplicaSet:
         self.timeout_s = timeout_s
         self.metrics_interval_s = metrics_interval_s
         self._replicas: dict[str, Replica] = {}
-        self._looped: set[str] = set()  # replicas whose address answered as a gateway that sent the probe (warned)
+        self._warned: dict[str, str] = {}  # the reason a replica's failed probe was logged with (until one passes)
         self._by_model: dict[str, list[Replica]] = {}  # for_model's cache
         self._split: dict[str, bool] = {}  # disaggregated's cache, dropped with for_model's
         self._base: dict[str, str] = {}  # base_model's cache, dropped with for_model's
@@ -76,7 +76,7 @@ class ReplicaSet:
 
     async def remove(self, replica_id: str) -> Replica | None:
         replica = self._replicas.pop(replica_id, None)
-        self._looped.discard(replica_id)
+        self._warned.pop(replica_id, None)
         for rank in replica.ranks if replica is not None else ():
             await self.remove(rank.id)
         self._forget_models()
@@ -246,37 +246,53 @@ class ReplicaSet:
         return None
 
     async def probe_health(self, replica: Replica) -> bool:
+        """Whether the replica answers as the engine it is: its /health, and its /v1/models listing its model (a
+        replica whose model is not known yet learns it there). A failed probe is logged with its reason (an
+        address with nothing listening, another server, another model), once until the reason changes."""
+        reason = await self._probe(replica)
+        if reason is None:
+            self._warned.pop(replica.id, None)
+        elif self._warned.get(replica.id) != reason:  # once per reason, not per probe
+            self._warned[replica.id] = reason
+            log.warning("replica %s (%s) is not routed to: %s", replica.id, replica.url, reason)
+        return reason is None
+
+    async def _probe(self, replica: Replica) -> str | None:
+        """None when healthy, else why not."""
         try:
             status, _ = await self._client.fetch("GET", f"{replica.url}/health", timeout_s=self.timeout_s)
-            if status == LOOP_DETECTED and replica.id not in self._looped:
-                self._looped.add(replica.id)
-                log.warning(
-                    "replica %s: %s answers as this gateway (508, loop detected): its address leads back here; "
-                    "it is not routed to", replica.id, replica.url,
-                )  # fmt: skip
-            ok = status == 200
-            if ok:  # every probe: adapters come and go (vLLM's /v1/load_lora_adapter)
-                try:
-                    await self._discover_model(replica)
-                except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
-                    if replica.model is None:
-                        return False  # nothing to route to yet; a model already known stays routable
-            return ok and replica.model is not None
-        except (ConnectionError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
-            return False
+        except (ConnectionError, TimeoutError, ValueError) as exc:
+            return f"GET /health failed: {exc or type(exc).__name__}"
+        if status == LOOP_DETECTED:
+            return "its address answers as this gateway (508, loop detected): it leads back here"
+        if status != 200:
+            return f"GET /health answered {status}"
+        try:  # every probe: adapters come and go (vLLM's /v1/load_lora_adapter)
+            await self._discover_model(replica)
+        except (ConnectionError, TimeoutError) as exc:
+            if replica.model is None:  # nothing to route to yet; a model already known stays routable
+                return f"GET /v1/models failed: {exc or type(exc).__name__}"
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"GET /v1/models is not an OpenAI model list: {exc}"
+        return None if replica.model is not None else "GET /v1/models lists no model"
 
     async def _discover_model(self, replica: Replica) -> None:
-        _, raw = await self._client.fetch("GET", f"{replica.url}/v1/models", timeout_s=self.timeout_s)
-        entries = [e for e in json.loads(raw).get("data", []) if isinstance(e, dict) and isinstance(e.get("id"), str)]
+        """The replica's model (learned when not configured) and its adapters, from the engine's list; ValueError
+        when the list does not name the replica's model (the address now serves another)."""
+        status, raw = await self._client.fetch("GET", f"{replica.url}/v1/models", timeout_s=self.timeout_s)
+        if status != 200:
+            raise ValueError(f"HTTP {status}")
+        entries = [e for e in json.loads(raw)["data"] if isinstance(e, dict) and isinstance(e.get("id"), str)]
         bases = [e for e in entries if not e.get("parent")]
-        for entry in bases:
-            if replica.model is None or entry["id"] == replica.model:
-                if replica.model is None:
-                    replica.model = entry["id"]
-                    self._forget_models()
-                if isinstance(entry.get("max_model_len"), int):
-                    replica.max_model_len = entry["max_model_len"]
-                break
+        entry = next((e for e in bases if replica.model is None or e["id"] == replica.model), None)
+        if entry is None and replica.model is not None:
+            raise ValueError(f"it serves {sorted(e['id'] for e in bases)}, not {replica.model!r}")
+        if entry is not None:
+            if replica.model is None:
+                replica.model = entry["id"]
+                self._forget_models()
+            if isinstance(entry.get("max_model_len"), int):
+                replica.max_model_len = entry["max_model_len"]
         adapters = {e["id"]: str(e.get("root") or "") for e in entries if e.get("parent") == replica.model}
         if adapters != replica.adapters:
             replica.adapters = adapters

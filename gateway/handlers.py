@@ -93,7 +93,10 @@ def readiness(request: web.Request) -> dict[str, Any]:
             "breaker_open": replica.breaker_open(now),
             "in_flight": replica.in_flight,
         }
-    ready = bool(models) and all(m["ready"] > 0 for m in models.values())
+    # an engine whose model is not known yet (not reached, not an engine) is listed, but keeps the gateway from
+    # ready only while no model is known at all
+    served = [m for name, m in models.items() if name != "?"]
+    ready = bool(served) and all(m["ready"] > 0 for m in served)
     cache = request.app.get(CACHE)
     loading = cache.tokenizers_loading() if cache is not None else []
     state: dict[str, Any] = {"ready": ready and not loading, "models": models}
