@@ -127,7 +127,7 @@ class UpstreamProxy:
             replica, decision = ex.pinned, Decision(ex.pinned.id, "holds-response")
         else:
             started = time.monotonic()
-            replica, decision = await self._choose(ex, prefill)
+            replica, decision = await self._choose(ex, prefill, over_gate=migrated)
             if not prefill:
                 ctx.route_started, ctx.routed_at = started, time.monotonic()
         ex.tried.append(replica.id)
@@ -141,16 +141,16 @@ class UpstreamProxy:
         ctx.replica, ctx.route_reason = replica.id, "migrated" if migrated else decision.reason
         return replica, decision
 
-    async def _choose(self, ex: Exchange, prefill: bool) -> tuple[Replica, Decision]:
+    async def _choose(self, ex: Exchange, prefill: bool, *, over_gate: bool = False) -> tuple[Replica, Decision]:
         """The router's choice; a first try among the replicas admission prefers (those with KV room when some have
-        none), any replica if none of those can take it."""
+        none), any replica if none of those can take it; a stream's continuation past the replicas' gates."""
         prefer = ex.ctx.prefer
         if not prefill and not ex.tried and prefer:
             try:
                 return await self.router.choose(ex.info, hold=ex.ctx.hold, only=prefer)
             except GatewayError:
                 pass
-        return await self.router.choose(ex.info, ex.tried, prefill=prefill, hold=ex.ctx.hold)
+        return await self.router.choose(ex.info, ex.tried, prefill=prefill, hold=ex.ctx.hold, over_gate=over_gate)
 
     async def _attempt(self, ex: Exchange, replica: Replica, decision: Decision, relay: Relay[T]) -> T:
         """Send `ex` to `replica` and hand its answer to `relay`; a 5xx or a failure before any byte reached the

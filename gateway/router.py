@@ -219,11 +219,15 @@ class Router:
         prefill: bool = False,
         hold: Held | None = None,
         only: Collection[str] = (),
+        over_gate: bool = False,
     ) -> tuple[Replica, Decision]:
         """Route now (among `only` when given), or raise Overloaded (503 + Retry-After) when no replica of the model
         can take it. A prefix placed cold may go where another gateway just placed it instead
-        (`CacheHooks.claim_cold`)."""
+        (`CacheHooks.claim_cold`). `over_gate`: replicas at their capacity gate count too (an admitted stream whose
+        engine failed continues: the dead replica's place is what it takes)."""
         view = self.view(info, exclude, prefill=prefill, hold=hold, only=only)
+        if over_gate:
+            view = view._replace(replicas=tuple(s._replace(max_concurrency=None) for s in view.replicas))
         try:
             decision = self.policy.decide(view)
         except NoCandidate as exc:

@@ -5,6 +5,7 @@ is autoregressive and deterministic, as greedy decoding is), its usage the whole
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -17,7 +18,7 @@ from gateway.keys import REPLICAS
 from gateway.migration import Relayed, continuation, migratable
 from gateway.request_parse import ParsedRequest
 from simengine import SimConfig
-from tests.conftest import gateway_over_sims
+from tests.conftest import gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", decode_ms=10.0)
 TOKENS = 40
@@ -254,3 +255,31 @@ def test_min_tokens_counts_from_the_continuations_start() -> None:
     relayed.add(events, sum(map(len, events)))
     sent = json.loads(continuation(parsed, relayed) or b"")
     assert (sent["max_tokens"], sent["min_tokens"]) == (42, 12)
+
+
+async def test_a_stream_continues_on_a_replica_at_its_gate(http: aiohttp.ClientSession) -> None:
+    """One stream per replica with a gate of one each: the replica of one fails, and its stream continues on the
+    other (the failed replica's place is what it takes), not ended with an error because that one is at its gate."""
+    admission = {"replica_max_concurrency": 1, "targets": {"enabled": False}}
+    async with gateway_over_sims([SIM, SIM], admission=admission) as (gw, sims):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            reference, _, _ = await stream_text(client, "chat")
+            started = asyncio.Event()
+
+            async def break_engine(replica: str) -> None:
+                await started.wait()  # the other stream holds the other replica
+                port = next(r.port for r in gw.app[REPLICAS] if r.id == replica)
+                sim = next(s for s in sims if s.port == port)
+                async with http.post(f"{sim.url}/sim/faults", json={"cut_after_tokens": 1}) as resp:
+                    assert resp.status == 200
+
+            async def other(replica: str) -> None:
+                started.set()
+
+            broken = asyncio.create_task(stream_text(client, "chat", after=5, on_chunk=break_engine))
+            await wait_for(lambda: sum(r.in_flight for r in gw.app[REPLICAS]) == 1, what="the first stream")
+            (text, _, first), (other_text, _, second) = await asyncio.gather(
+                broken, stream_text(client, "chat", after=1, on_chunk=other)
+            )
+        assert first != second and text == reference and other_text == reference
+        assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
