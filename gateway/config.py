@@ -8,18 +8,20 @@ dotted path of each bad key (`routing.policy: unknown routing policy 'x'`).
 from __future__ import annotations
 
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cacheindex.config import CacheConfig
 from engine_pool.spec import PoolConfig
 from gateway import engine_urls
-from gateway.admission.config import AdmissionConfig
+from gateway.admission.config import AdmissionConfig, RedisUrl
 from gateway.engines_config import DisaggregationConfig, EngineConfig, StrictModel
 from gateway.server_config import ServerConfig
 from policies.registry import params_model, policy_names
@@ -121,7 +123,9 @@ class FleetConfig(StrictModel):
         "routing decision (prompt blocks, session binding) on a Redis stream and apply the other gateways' ones, "
         "and keep session bindings in Redis with their TTL, so every gateway routes as one would",
     )
-    redis_url: str | None = Field(None, description="Redis of the shared routing state; None = admission.redis.url")
+    redis_url: RedisUrl | None = Field(
+        None, description="Redis of the shared routing state; None = admission.redis.url"
+    )
     channel: str = Field("kvgate:routing", description="Redis stream of the routing decisions")
     history: int = Field(
         20_000,
@@ -304,6 +308,9 @@ def format_validation_error(err: ValidationError, section: str | None = None) ->
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
+_UNIONS = (typing.Union, types.UnionType)
+
+
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node = tree
     for part in path[:-1]:
@@ -316,12 +323,38 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 def env_overrides(environ: Mapping[str, str], prefix: str = "KVGATE__") -> dict[str, Any]:
+    """`KVGATE__SECTION__KEY=value` as a nested dict: the value as YAML (numbers, booleans, lists), but as it is
+    written for a key whose type is a string (a key `123`, `off` or `#secret` stays that string)."""
     tree: dict[str, Any] = {}
     for key, raw in environ.items():
         if key.startswith(prefix) and len(key) > len(prefix):
             path = [p.lower() for p in key[len(prefix) :].split("__")]
-            _set_path(tree, path, yaml.safe_load(raw) if raw else raw)
+            text = raw and _is_text(GatewayConfig, path)
+            _set_path(tree, path, raw if not raw or text else yaml.safe_load(raw))
     return tree
+
+
+def _is_text(model: type[BaseModel], path: list[str]) -> bool:
+    """Whether the config key at `path` takes a string (and nothing else but null)."""
+    annotation: Any = model
+    for i, part in enumerate(path):
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            found = annotation.model_fields.get(part)
+            if found is None:
+                return False
+            annotation = found.annotation
+        elif get_origin(annotation) is dict and i:  # a table's key (a tenant's name): its value's type
+            annotation = get_args(annotation)[1]
+        else:
+            return False
+        args = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) in _UNIONS else []
+        if len(args) == 1:
+            annotation = args[0]
+        if get_origin(annotation) is typing.Annotated:
+            annotation = get_args(annotation)[0]
+    if get_origin(annotation) is typing.Literal:
+        return all(isinstance(v, str) for v in get_args(annotation))
+    return annotation is str
 
 
 def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

@@ -102,6 +102,8 @@ class ConfigReloader:
                 result.restart_needed.append(section)
         if [e for e in old.engines if e.dns] != [e for e in new.engines if e.dns]:
             result.restart_needed.append("engines (dns)")
+        if old.admission.redis != new.admission.redis:  # the quota store is built at start-up
+            result.restart_needed.append("admission.redis")
         if new.admission != old.admission:
             self.app[ADMISSION].reload(new.admission)
         if new.routing != old.routing:

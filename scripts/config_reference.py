@@ -31,6 +31,15 @@ def _models_in(annotation: object) -> list[type[BaseModel]]:
 
 
 def _type_name(annotation: object) -> str:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:  # a validated type: the type it validates
+        return _type_name(args[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and any(
+        typing.get_origin(a) is typing.Annotated for a in args
+    ):
+        return " | ".join(_type_name(a) for a in args)
+    if annotation is type(None):
+        return "None"
     if isinstance(annotation, type):
         return annotation.__name__
     text = re.sub(r"\b[a-z_]+(?:\.[a-z_]+)*\.([A-Z]\w*)", r"\1", str(annotation).replace("typing.", ""))

@@ -64,6 +64,15 @@ def test_env_override_parsing() -> None:
     assert tree == {"retry": {"max_attempts": 2}, "server": {"route_headers": False}}
 
 
+@pytest.mark.parametrize("secret", ["123", "off", "abc: def", "#secret", "[x]"])
+def test_a_string_key_from_the_environment_is_taken_as_written(secret: str) -> None:
+    """YAML would read these as a number, a boolean, a mapping, a comment (null: the admin API off) and a list."""
+    environ = {"KVGATE__ADMIN__KEY": secret, "KVGATE__ADMISSION__REDIS__URL": "redis://h:1/0"}
+    environ["KVGATE__SERVER__PORT"] = "9"
+    cfg = load_config(environ=environ)
+    assert cfg.admin.key == secret and cfg.admission.redis is not None and cfg.server.port == 9
+
+
 def test_unquoted_off_and_on_switch_the_access_log(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("server:\n  access_log: off\n")  # YAML 1.1 reads this as false

@@ -186,3 +186,18 @@ async def test_a_reload_keeps_the_command_lines_flags_over_the_file(
         status, replica, _ = await chat(http, gw, "sk-acme")
         assert status == 200 and replica == sims[1].url.split("://")[1]
         assert [r.id for r in gw.app[REPLICAS]] == [replica]
+
+
+async def test_a_quota_store_change_is_named_as_needing_a_restart(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with run_sim_engine(SimConfig(model="sim")) as sim:
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, [sim])
+        async with gateway_from(path) as gw:
+            await wait_ready(http, gw.url)
+            auth = {"auth": True, "tenants": {"acme": {"keys": [hash_key("sk-acme")]}}}
+            config_file(path, [sim], admission={**auth, "redis": {"url": "http://127.0.0.1:6379"}})
+            status, answer = await reload(http, gw)
+            assert status == 400 and "admission.redis.url: a Redis URL is" in answer["error"]["message"]
+            config_file(path, [sim], admission={**auth, "redis": {"url": "redis://127.0.0.1:6379/0"}})
+            status, answer = await reload(http, gw)
+            assert status == 200 and answer["restart_needed"] == ["admission.redis"], answer

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ANONYMOUS = "anonymous"
 
@@ -156,8 +157,23 @@ class QueueConfig(_Strict):
     )
 
 
+def _redis_url(url: str) -> str:
+    """A URL redis-py connects to: redis://, rediss:// (TLS) or unix:// (a socket path)."""
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError as exc:
+        raise ValueError(f"not a Redis URL: {exc}") from None
+    if parts.scheme not in ("redis", "rediss", "unix") or not (parts.hostname or parts.path) or not port_ok:
+        raise ValueError("a Redis URL is redis://host[:port][/db], rediss://... (TLS) or unix:///path/to.sock")
+    return url
+
+
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+
+
 class RedisConfig(_Strict):
-    url: str = Field(description="Redis URL of the quota store shared by gateways, e.g. redis://127.0.0.1:6379/0")
+    url: RedisUrl = Field(description="Redis URL of the quota store shared by gateways, e.g. redis://127.0.0.1:6379/0")
     key_prefix: str = Field("kvgate", description="prefix of every Redis key: <prefix>:{<tenant>}:...")
     failure_policy: Literal["open", "closed"] = Field(
         "open",
