@@ -79,6 +79,7 @@ class Model:
     state_layers: int = 0  # linear-attention or Mamba layers
     state_layer_params: int = 0  # parameters of one such layer's mixer
     state_elems: int = 0  # the constant state per sequence of one such layer
+    max_context: int | None = None  # max_position_embeddings: the longest context vLLM serves it with
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Model:
@@ -86,6 +87,9 @@ class Model:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         layers = int(cfg["num_hidden_layers"])
+        for key, value in (("num_attention_heads", heads), ("hidden_size", hidden), ("num_hidden_layers", layers)):
+            if value < 1:
+                raise ValueError(f"{key} is {value}: a model has at least one")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         layer_types = cfg.get("layer_types") or []
         sliding = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (layers if window else 0)
@@ -113,6 +117,7 @@ class Model:
             sliding_window=int(window) if window else None,
             sliding_layers=sliding if window else 0,
             shared_expert_intermediate=shared if experts else 0,
+            max_context=_max_context(cfg),
             **hybrid,
         )
 
@@ -229,13 +234,16 @@ def plan(
     """The plan for one replica spanning `tp` devices, and for the `devices // tp` replicas of `devices` (default:
     one replica); `kv_cache_bytes` fixes the KV budget per device (vLLM's --kv-cache-memory-bytes) instead of
     deriving it from memory."""
+    _check_layout(model, context=context, tp=tp, utilization=utilization)
     if devices is not None and devices < tp:
         raise ValueError(f"{devices} device(s) cannot hold one replica of tensor-parallel size {tp}")
     replicas = devices // tp if devices is not None else 1
     wbytes, kbytes = BYTES[dtype], BYTES[kv_dtype or dtype]
     total, active = model.params()
     weights_dev = total * wbytes / tp
-    kv_split = tp if model.kv_heads >= tp and not model.kv_latent else 1
+    # each device holds its share of the KV heads, one head at least (vLLM replicates them past tp = kv_heads); an
+    # MLA latent is whole on every device
+    kv_split = min(tp, model.kv_heads) if not model.kv_latent else 1
     kv_tok = model.kv_bytes_per_token(kbytes) / kv_split
     kv_seq = model.kv_bytes_per_sequence(context, kbytes) / kv_split
     budget = kv_cache_bytes if kv_cache_bytes is not None else device.memory_gib * GIB * utilization - weights_dev
@@ -297,6 +305,28 @@ def table(result: Plan) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _max_context(cfg: dict[str, Any]) -> int | None:
+    """max_position_embeddings, times a RoPE scaling factor (as vLLM derives its longest max_model_len)."""
+    positions = cfg.get("max_position_embeddings")
+    if not isinstance(positions, int) or positions < 1:
+        return None
+    scaling = cfg.get("rope_scaling") or {}
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    return int(positions * factor) if isinstance(factor, int | float) and factor > 1 else positions
+
+
+def _check_layout(model: Model, *, context: int, tp: int, utilization: float) -> None:
+    """ValueError for a plan vLLM would refuse to run."""
+    if context < 1 or tp < 1 or not 0 < utilization <= 1:
+        raise ValueError("--context and --tp must be at least 1, --gpu-memory-utilization in (0, 1]")
+    if model.heads % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide the model's {model.heads} attention heads")
+    if not model.kv_latent and model.kv_heads % tp and tp % model.kv_heads:
+        raise ValueError(f"tensor-parallel size {tp} and the model's {model.kv_heads} KV heads: neither divides")
+    if model.max_context is not None and context > model.max_context:
+        raise ValueError(f"--context {context} is past the model's max_position_embeddings ({model.max_context})")
 
 
 def main(argv: list[str]) -> int:

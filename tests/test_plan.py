@@ -180,3 +180,36 @@ def test_a_deployment_of_devices_holds_devices_over_tp_replicas(tmp_path: Path) 
         plan(Model.from_config(LLAMA3_8B), h100, tp=4, devices=2)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
     assert main([str(tmp_path), "--tp", "4", "--devices", "2"]) == 2
+
+
+def test_past_the_kv_heads_each_device_holds_one_head() -> None:
+    """Llama 3 8B has 8 KV heads: at tp 16 vLLM keeps one head a device (replicated), 16 KiB a token, not the
+    whole 128 KiB."""
+    h100 = Device(80, 3350, 989, 450)
+    eight, sixteen = (plan(Model.from_config(LLAMA3_8B), h100, context=8192, tp=tp) for tp in (8, 16))
+    assert eight.kv_bytes_per_token == sixteen.kv_bytes_per_token == 131072 // 8
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "says"),
+    [
+        ({**TINY, "num_attention_heads": 0}, [], "num_attention_heads is 0"),
+        (TINY, ["--tp", "0"], "--tp must be at least 1"),
+        (TINY, ["--tp", "3"], "does not divide the model's 4 attention heads"),
+        (TINY, ["--context", "0"], "--context"),
+        (TINY, ["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization in (0, 1]"),
+        ({**TINY, "max_position_embeddings": 2048}, ["--context", "4096"], "past the model's max_position_embeddings"),
+    ],
+)
+def test_a_plan_vllm_would_refuse_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, object], flags: list[str], says: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main([str(tmp_path), *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_rope_scaling_extends_the_longest_context(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    scaled = {**TINY, "max_position_embeddings": 2048, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    (tmp_path / "config.json").write_text(json.dumps(scaled))
+    assert main([str(tmp_path), "--context", "8192", "--device", "cpu", "--json"]) == 0
