@@ -43,6 +43,20 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in vals]
 
 
+def _positive_int(text: str) -> int:
+    vals = _ints(text)
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return vals[0]
+
+
+def _positive(text: str) -> float:
+    vals = _floats(text)
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive number, got {text!r}")
+    return vals[0]
+
+
 def _range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     try:
@@ -93,7 +107,7 @@ def _workload(p: argparse.ArgumentParser) -> None:
         "shared-prefix", "multi-round", "agent", "random", "trace", "sharegpt", "jsonl"))  # fmt: skip
     g.add_argument("--dataset", metavar="FILE", help="sharegpt: ShareGPT JSON; jsonl: one prompt per line")
     g.add_argument("--dataset-turns", type=int, default=1, help="sharegpt: user turns per conversation")
-    g.add_argument("--num-requests", "-n", type=int, help="cap on requests per setting (random: its count, 64)")
+    g.add_argument("--num-requests", "-n", type=_positive_int, help="cap on requests per setting (random: its count, 64)")
     g.add_argument("--system-len", type=int, default=512, help="shared system prompt")
     g.add_argument("--question-len", type=int, default=64, help="question / agent task")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens (answer length; datasets: when absent)")
@@ -159,11 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rn)
     _workload(rn)
     arr = rn.add_mutually_exclusive_group()
-    arr.add_argument("--concurrency", "-c", type=int, default=8, help="closed loop (default)")
-    arr.add_argument("--rate", type=float, help="open loop: arrivals per second (see --burstiness)")
+    arr.add_argument("--concurrency", "-c", type=_positive_int, default=8, help="closed loop (default)")
+    arr.add_argument("--rate", type=_positive, help="open loop: arrivals per second (see --burstiness)")
     arr.add_argument("--trace-arrival", action="store_true", help="open loop at the trace's timestamps")
-    rn.add_argument("--duration", type=float, help="seconds (the workload repeats with new seeds)")
-    rn.add_argument("--max-inflight", type=int, default=1024, help="open loop: cap on requests in flight")
+    rn.add_argument("--duration", type=_positive, help="seconds (the workload repeats with new seeds)")
+    rn.add_argument("--max-inflight", type=_positive_int, default=1024, help="open loop: cap on requests in flight")
 
     q = sub.add_parser("quality", help="checks for a real model")
     _common(q)
@@ -174,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     _workload(rp)
     _sweep_options(rp)
     _quality_options(rp)
-    rp.add_argument("--duration", type=float, default=60.0, help="sustained run at the knee, seconds")
-    rp.add_argument("--max-inflight", type=int, default=1024, help="open loop: cap on requests in flight")
+    rp.add_argument("--duration", type=_positive, default=60.0, help="sustained run at the knee, seconds")
+    rp.add_argument("--max-inflight", type=_positive_int, default=1024, help="open loop: cap on requests in flight")
     rp.add_argument("--no-quality", action="store_true", help="skip the quality checks")
 
     c = sub.add_parser("compare", help="side by side of result.json files")

@@ -350,7 +350,12 @@ async def run(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession() as http:
         doc = await run_doc(http, args, make_target(args, await resolve_model(http, args)), run_arrival(args))
     _finish(doc, args)
-    return 1 if doc["points"][0]["summary"]["succeeded"] == 0 else 0
+    summary = doc["points"][0]["summary"]
+    if summary["succeeded"] == 0:
+        errors = ", ".join(f"{kind} x{n}" for kind, n in sorted(summary["errors"].items())) or "none sent"
+        print(f"kvgate loadgen: no request succeeded ({errors})", file=sys.stderr)
+        return 1
+    return 0
 
 
 async def quality_doc(http: aiohttp.ClientSession, args: argparse.Namespace, target: Target) -> Doc:
