@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policy", help=f"routing policy: {', '.join(policy_names())}")
     p.add_argument("--access-log", choices=["plain", "json", "off"], help="access log format")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--check", action="store_true", help="validate the configuration, print it and exit")
     return p
 
@@ -62,6 +62,10 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+class CannotListen(Exception):
+    """The gateway's address cannot be bound: said in one line, exit status 1."""
+
+
 async def serve(
     config: GatewayConfig, *, ready: asyncio.Future[int] | None = None, source: ConfigSource | None = None
 ) -> None:
@@ -72,7 +76,12 @@ async def serve(
     if source is not None:
         app[CONFIG_SOURCE] = source
     listener = GatewayListener(app, config)
-    port = await listener.start()
+    try:
+        port = await listener.start()
+    except OSError as exc:  # the port taken, an address not this machine's
+        raise CannotListen(
+            f"cannot listen on {config.server.host}:{config.server.port}: {exc.strerror or exc}"
+        ) from None
     # What startup built (modules, config, the app) lives as long as the process: out of the collector's
     # generations, a full collection scans only what requests allocate (30-35 ms pauses of the event loop every
     # few thousand requests before, about 1 ms after: kvgate_gc_pause_seconds).
@@ -215,5 +224,9 @@ def main(argv: list[str]) -> int:
         print(config.model_dump_json(indent=2))
         return 0
     source = ConfigSource(args.config, flags) if args.config is not None else None
-    run(lambda: _serve_flushing_logs(log_handler, config, source))
+    try:
+        run(lambda: _serve_flushing_logs(log_handler, config, source))
+    except CannotListen as exc:
+        print(f"kvgate: {exc}", file=sys.stderr)
+        return 1
     return 0

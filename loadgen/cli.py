@@ -107,7 +107,9 @@ def _workload(p: argparse.ArgumentParser) -> None:
         "shared-prefix", "multi-round", "agent", "random", "trace", "sharegpt", "jsonl"))  # fmt: skip
     g.add_argument("--dataset", metavar="FILE", help="sharegpt: ShareGPT JSON; jsonl: one prompt per line")
     g.add_argument("--dataset-turns", type=int, default=1, help="sharegpt: user turns per conversation")
-    g.add_argument("--num-requests", "-n", type=_positive_int, help="cap on requests per setting (random: its count, 64)")
+    g.add_argument(
+        "--num-requests", "-n", type=_positive_int, help="cap on requests per setting (random: its count, 64)"
+    )
     g.add_argument("--system-len", type=int, default=512, help="shared system prompt")
     g.add_argument("--question-len", type=int, default=64, help="question / agent task")
     g.add_argument("--output-len", type=int, default=64, help="max_tokens (answer length; datasets: when absent)")
