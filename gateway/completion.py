@@ -229,6 +229,8 @@ class CompletionService:
         data = engine_body(parsed, raw, salted=salted, usage_stats=relayed is not None and parsed.kind != "json")
         deadline = time.monotonic() + self.config.timeouts.total_s
         ex = Exchange(out, request.method, request.raw_path, parsed, info, ctx, data, deadline, holder, relayed)
+        if endpoint.records_id and parsed.stream:  # GET, cancel, resume reach its replica while it runs or after
+            ex.on_answer_id = lambda response_id: self.holders.record(response_id, ctx.replica)
         for name in endpoint.forward_headers:
             if (value := request.headers.get(name)) is not None:
                 ex.forward[name] = value

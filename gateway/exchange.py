@@ -9,6 +9,7 @@ the client has been sent (`relayed`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_pool.replica import Replica
@@ -34,6 +35,8 @@ class Exchange:
     tried: list[str] = field(default_factory=list)  # replica ids, in the order they were tried
     refused: list[Replica] = field(default_factory=list)  # replicas that answered 5xx (see proxy.forward)
     forward: dict[str, str] = field(default_factory=dict)  # client headers the engine gets (Endpoint.forward_headers)
+    # a stored response's id, told once a stream names it: which replica holds it is known while it runs
+    on_answer_id: Callable[[str], None] | None = None
 
     @property
     def stream(self) -> bool:

@@ -109,6 +109,8 @@ class ClientEvents:
                 event = without_role(event)
             if ex.parsed.records_id and ex.ctx.answer_id is None and b'"response"' in event:
                 ex.ctx.answer_id = answer_id(event[event.find(b"{") :])
+                if ex.ctx.answer_id is not None and ex.on_answer_id is not None:
+                    ex.on_answer_id(ex.ctx.answer_id)
             if event:
                 out.append(event)
         if out:

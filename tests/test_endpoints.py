@@ -3,6 +3,7 @@ plain HTTP for vLLM's own endpoints, with tenant auth, retries, metrics and the 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import aiohttp
@@ -125,6 +126,26 @@ async def test_a_stored_response_is_retrieved_and_cancelled_on_the_replica_that_
         async with http.get(gw.url + "/v1/responses/resp-unknown") as resp:
             assert resp.status == 404 and (await resp.json())["error"]["code"] == "response_not_found"
         assert (await requests_total(http, gw.url))[("responses", "200")] == 8
+
+
+async def test_a_streamed_response_is_reached_on_its_replica_while_it_runs_and_after_its_client_left(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A background response streams on while its client is gone (vLLM keeps it): from the stream's first event on,
+    GET and cancel of its id go to the replica running it, also after the client left mid-stream."""
+    slow = SIM.model_copy(update={"instant": False, "decode_ms": 20})
+    async with gateway_over_sims([slow, slow, slow]) as (gw, _):
+        body = {"model": "sim", "input": "stream me", "stream": True, "max_output_tokens": 200}
+        async with http.post(gw.url + "/v1/responses", json=body) as resp:
+            holder = resp.headers["x-kvgate-replica"]
+            first = await resp.content.readuntil(b"\n\n")
+            response_id = json.loads(first[first.index(b"{") :])["response"]["id"]
+            for _ in range(3):  # while it runs
+                async with http.get(f"{gw.url}/v1/responses/{response_id}") as got:
+                    assert got.headers.get("x-kvgate-replica") == holder
+        for _ in range(3):  # after its client left
+            async with http.post(f"{gw.url}/v1/responses/{response_id}/cancel") as got:
+                assert got.headers.get("x-kvgate-replica") == holder
 
 
 def token_totals(text: str, model: str) -> dict[str, float]:
