@@ -48,7 +48,7 @@ from gateway.errors import (
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.migration import CHAT_PATH, continuation
-from gateway.relay import ClientEvents, SseSplitter
+from gateway.relay import ClientEvents, SseSplitter, sequence_number
 from gateway.router import Router
 from gateway.upstream_send import read_answer, response_headers, send
 from policies.base import Decision
@@ -283,7 +283,7 @@ class UpstreamProxy:
             failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
         if failure is not None and not client.done and self._may_migrate(ex):
             raise Migration(failure)
-        return await self._end_stream(ex, failure)
+        return await self._end_stream(ex, failure, client.last)
 
     def _stalled(self, ex: Exchange, replica: Replica, *, idle: bool) -> GatewayError:
         timeouts = self.settings.timeouts
@@ -296,9 +296,15 @@ class UpstreamProxy:
         return UpstreamTimeout("the stream did not finish within timeouts.total_s", code=ex.ctx.error)
 
     @staticmethod
-    async def _end_stream(ex: Exchange, failure: GatewayError | None) -> int:
+    async def _end_stream(ex: Exchange, failure: GatewayError | None, last: bytes = b"") -> int:
+        """The stream's end, after `failure`'s error event (in the stream's shape; a Responses stream's numbered
+        after its `last` event)."""
         if failure is not None:
-            await ex.out.write(error_event(failure, ex.parsed.api))
+            after = None
+            if ex.parsed.records_id:
+                found = sequence_number(last)
+                after = -1 if found is None else found
+            await ex.out.write(error_event(failure, ex.parsed.api, responses_after=after))
         await ex.out.end()
         return 200 if failure is None else failure.status
 

@@ -16,6 +16,7 @@ parsed. No event is copied beyond the one join per write.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from typing import Protocol
@@ -40,6 +41,15 @@ def end_marker(parsed: ParsedRequest) -> bytes | tuple[bytes, ...] | None:
     if parsed.records_id:  # the Responses API (the route whose answers are stored responses)
         return RESPONSE_END
     return DONE if parsed.kind in ("chat", "completions") else None
+
+
+_SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
+
+
+def sequence_number(event: bytes) -> int | None:
+    """A Responses stream event's `sequence_number`, None when it has none."""
+    found = _SEQUENCE.search(event)
+    return int(found.group(1)) if found else None
 
 
 class Observer(Protocol):
@@ -71,7 +81,7 @@ class SseSplitter:
 class ClientEvents:
     """The client's side of one attempt's stream."""
 
-    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "_tools", "done", "end", "failed")
+    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "_tools", "done", "end", "failed", "last")
 
     def __init__(self, ex: Exchange, itl: Observer) -> None:
         self._ex = ex
@@ -82,6 +92,7 @@ class ClientEvents:
         self.end = end_marker(ex.parsed)
         self.done = False  # the answer's end reached the client (`end`); it may leave before the terminator
         self.failed = False  # the engine ended the stream with its own error event (the Messages API's)
+        self.last = b""  # the last event the client got
 
     def take(self, events: list[bytes]) -> list[bytes]:
         """What the client gets of the engine's `events` (possibly nothing)."""
@@ -148,7 +159,7 @@ class ClientEvents:
         if self._ex.relayed is not None:
             self._ex.relayed.add(events, len(data))
         await self._ex.out.write(data)
-        last = events[-1]
+        last = self.last = events[-1]
         if self.end is not None and last.startswith(self.end):
             self.done = self._ex.ctx.answered = True
         elif self.end is MESSAGE_STOP and last.startswith(ANTHROPIC_ERROR):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
+from gateway.errors import UpstreamUnavailable, error_event
 from gateway.migration import split_usage
-from gateway.relay import SseSplitter
+from gateway.relay import SseSplitter, sequence_number
 
 
 def test_an_engine_chunk_of_one_event_is_that_event() -> None:
@@ -29,3 +32,16 @@ def test_a_token_events_running_usage_is_taken_out_and_every_other_field_kept() 
     final = b'data: {"id":"c","choices":[],"usage":' + usage + b"}\n\n"  # the answer's usage: not a running count
     assert split_usage(final) is None
     assert split_usage(head + b"}\n\n") is None
+
+
+def test_a_responses_stream_ends_with_its_own_typed_error_event_numbered_after_the_last() -> None:
+    last = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":7}\n\n'
+    assert sequence_number(last) == 7 and sequence_number(b"data: {}\n\n") is None
+    failure = UpstreamUnavailable("replica r failed mid-stream", code="upstream_reset")
+    event = error_event(failure, "openai", responses_after=7)
+    assert event.startswith(b"event: error\ndata: ")
+    assert json.loads(event.split(b"data: ", 1)[1]) == {
+        "type": "error", "code": "upstream_reset", "message": "replica r failed mid-stream", "param": None,
+        "sequence_number": 8,
+    }  # fmt: skip
+    assert json.loads(error_event(failure).removeprefix(b"data: "))["error"]["code"] == "upstream_reset"  # chat's
