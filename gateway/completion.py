@@ -169,7 +169,9 @@ class CompletionService:
                     endpoint=kind,
                     body=routed_body,
                     tenant=identity.tenant,
-                    session_key=self.session_key(headers),
+                    # a route that computes no KV (count_tokens, render, tokenize) neither binds a session nor
+                    # follows one
+                    session_key=self.session_key(headers) if kind in ("chat", "completions") else None,
                 )
                 demand = Demand(info, parsed.max_tokens, admission.latency.targets(identity, model, headers))
                 try:

@@ -302,3 +302,22 @@ async def test_no_ready_replica_is_the_sdks_overloaded_error() -> None:
             await client().messages.create(model="sim", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
         assert overloaded.value.status_code == 529 and overloaded.value.type == "overloaded_error"
         assert int(overloaded.value.response.headers["retry-after"]) >= 1
+
+
+async def test_count_tokens_neither_binds_a_session_nor_follows_one() -> None:
+    """An agent counts its prompt before sending it: the count (computing no KV, placed by load) must not bind the
+    session to that replica; the session's first message goes where its system prompt is cached."""
+    async with gateway_over_sims([SIM, SIM, SIM], **CACHE_AWARE) as (gw, _), sdk(gw.url) as make:
+        api = make()
+        first = await api.messages.with_raw_response.create(
+            model="sim", max_tokens=4, system=SYSTEM, messages=[{"role": "user", "content": "warm"}]
+        )
+        holder = first.headers["x-kvgate-replica"]
+        for i in range(4):
+            session = {"X-Claude-Code-Session-Id": f"agent-{i}"}
+            msgs = [{"role": "user", "content": f"task {i}"}]
+            await api.messages.count_tokens(model="sim", system=SYSTEM, messages=msgs, extra_headers=session)
+            raw = await api.messages.with_raw_response.create(
+                model="sim", max_tokens=4, system=SYSTEM, messages=msgs, extra_headers=session
+            )
+            assert raw.headers["x-kvgate-replica"] == holder, raw.headers["x-kvgate-route-reason"]
