@@ -21,6 +21,7 @@ import asyncio
 import os
 import random
 import time
+import uuid
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -93,7 +94,6 @@ class SimEngine:
         self.in_flight = 0  # HTTP generation requests being handled (GET /load)
         self._exit_fn = exit_fn
         self._fault_rng = random.Random(config.seed)
-        self._id_rng = random.Random(config.seed ^ 0x5EED_1D5)
         self._running = 0
         self._prefilling = 0  # uncached prompt tokens of the requests computing their prompt now
         self._waiters: deque[_Waiter] = deque()
@@ -124,7 +124,9 @@ class SimEngine:
         return out
 
     def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{self._id_rng.getrandbits(96):024x}"
+        """A fresh id, unique across engines as vLLM's (random UUIDs) are: two replicas started alike must not name
+        their stored responses alike (the seed decides the tokens, not the ids)."""
+        return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
     def attach_publisher(self, publisher: KVEventPublisher) -> None:
         self.publisher = publisher
