@@ -2,8 +2,9 @@
 
 Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each accepted connection gets a
 `GuardedRequestHandler`, aiohttp's own protocol with these additions:
-- a head that does not complete within `server.head_timeout_s` of its first byte gets 408 and the connection
-  closes (aiohttp alone only times out idle connections, after `keepalive_timeout_s`); also a head pipelined behind
+- a head that does not complete within `server.head_timeout_s` of its first byte (of the connection's opening,
+  for its first request) gets 408 and the connection closes (aiohttp alone only times out idle connections, after
+  `keepalive_timeout_s`); also a head pipelined behind
   requests being answered (its 408 follows their answers); the body's own deadline is `server.body_timeout_s`,
   applied where a handler reads it (`gateway.body`);
 - a head is bounded in all: more than `server.max_head_bytes` of it gets 431 at once (aiohttp bounds each line and
@@ -113,6 +114,12 @@ class GuardedRequestHandler(RequestHandler):
         self._newest: StreamReader | None = None  # the body of the newest request parsed
         self._chunk_line: tuple[StreamReader, ChunkLine] | None = None  # a chunked body whose first line is awaited
         self._carry = b""  # the last bytes of the previous segment (`framing.body_start`)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # a connection that sends nothing is timed as a head that does not arrive: it would hold one of
+        # `max_connections` until keepalive_timeout_s otherwise
+        self._head_timer = self._loop.call_later(self._listener.config.server.head_timeout_s, self._head_timed_out)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._listener.open_connections -= 1

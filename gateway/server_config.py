@@ -36,7 +36,8 @@ class ServerConfig(StrictModel):
     head_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="a request head not complete this long after its first byte gets 408 (connection closed)",
+        description="a request head not complete this long after its first byte (a connection's first request: "
+        "after the connection opened) gets 408 (connection closed)",
     )
     body_timeout_s: float = Field(
         60.0, gt=0, description="a request body not received whole this long after its head gets 408"

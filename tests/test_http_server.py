@@ -253,10 +253,13 @@ async def test_malformed_and_ambiguous_framing_is_400_and_closes(head: str) -> N
         await conn.close()
 
 
-async def test_a_head_that_never_completes_is_timed_out() -> None:
+@pytest.mark.parametrize("sent", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b""], ids=["part", "nothing"])
+async def test_a_head_that_never_completes_is_timed_out(sent: bytes) -> None:
+    """Part of a head and nothing more, or a connection that sends nothing at all (it would hold one of the
+    gateway's connections for keepalive_timeout_s, an hour)."""
     async with gateway_over_sims([SIM], server={"head_timeout_s": 0.3}) as (gw, _):
         conn = await RawClient.connect(gw.port)
-        await conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        await conn.send(sent)
         error = assert_openai_error(await asyncio.wait_for(conn.response(), 10), 408, request_id=False)
         assert error["code"] == "request_timeout"
         assert await conn.closed_by_server()
