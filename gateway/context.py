@@ -46,6 +46,7 @@ class RequestContext:
     client_disconnected: bool = False
     answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
     answered: bool = False  # the engine's whole answer reached the client (who may still leave before its end)
+    events_sent: int = 0  # a stream's events written to the client (`delivered_tokens` without a usage)
     tool_call: bool = False  # the answer ended in a tool call (watched for requests of a session only)
     split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
     prefill_done_at: float | None = None  # time.monotonic() when a split request's prefill step answered
@@ -65,6 +66,13 @@ class RequestContext:
     routed_at: float | None = None
     sent_at: float | None = None
     api: ApiShape = "openai"  # the route's API shape: its errors and rate-limit headers (gateway.endpoints)
+
+    def delivered_tokens(self) -> int:
+        """The completion tokens as the engine reported them; for a stream cut before its usage (the client left,
+        the engine failed), one a token event after the first (the role's): what the tenant is charged."""
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return max(0, self.events_sent - 1)
 
     def set_usage(self, usage: object) -> None:
         """Token counts from an answer's `usage`: chat and completions' names, the Responses API's, or the Messages

@@ -156,6 +156,7 @@ class ClientEvents:
             self._itl.observe(now - self._last_write)
         self._last_write = now
         data = b"".join(events)
+        self._ex.ctx.events_sent += len(events)
         if self._ex.relayed is not None:
             self._ex.relayed.add(events, len(data))
         await self._ex.out.write(data)

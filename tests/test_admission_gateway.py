@@ -119,6 +119,22 @@ async def test_auth_quota_429_and_ratelimit_headers() -> None:
         assert reg.get_sample_value("kvgate_tenant_tokens_total", {"tenant": "alice", "kind": "completion"})
 
 
+async def test_a_stream_its_client_leaves_is_charged_the_tokens_it_delivered() -> None:
+    """A client that reads most of a stream and leaves before its usage event still used those tokens: the tenant
+    is charged them (else leaving early would dodge a token quota)."""
+    async with stack(ADMISSION_CFG, decode_ms=10) as (gw, _, session):
+        reg = gw.app[REGISTRY]
+        async with session.post(
+            f"{gw.url}/v1/chat/completions", json=chat(max_tokens=400, stream=True),
+            headers={"Authorization": "Bearer sk-alice"},
+        ) as resp:  # fmt: skip
+            for _ in range(30):
+                await resp.content.readuntil(b"\n\n")
+        await wait_for(lambda: gw.app[ADMISSION].tenant_in_flight("alice") == 0, 30.0, "the request ended")
+        charged = reg.get_sample_value("kvgate_tenant_tokens_total", {"tenant": "alice", "kind": "completion"})
+        assert charged is not None and 29 <= charged < 400
+
+
 async def test_cache_salt_isolation() -> None:
     async with stack(ADMISSION_CFG) as (gw, _, session):
         adm = gw.app[ADMISSION]
