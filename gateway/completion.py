@@ -249,7 +249,8 @@ class CompletionService:
             raw, holder = b"", await self.holders.get(request.match_info["response_id"])
             if holder is None or holder.model is None:
                 raise NotFound("no replica is known to hold this response", code="response_not_found")
-            parsed = ParsedRequest("held", {}, holder.model, False, True, None)
+            stream = request.method == "GET" and request.query.get("stream") == "true"  # a background response's
+            parsed = ParsedRequest("held", {}, holder.model, stream, True, None)  # events, relayed as they come
         elif endpoint.body == "multipart":
             raw = await read_body(request, self.config.server, json=False)
             parsed = parse_multipart(raw, request.headers.get("Content-Type", ""))

@@ -224,13 +224,32 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-async def stored_response(request: web.Request) -> web.Response:
+async def stored_response(request: web.Request) -> web.StreamResponse:
+    """A stored response (its cancel: marked cancelled); `GET ...?stream=true` replays its events as vLLM streams a
+    background response's (`response.created`, a text delta, `response.completed`), those after `starting_after`."""
     answer = request.app[RESPONSES].get(request.match_info["response_id"])
     if answer is None:
         raise OpenAIError(404, "Response not found", "NotFoundError", "response_id")
     if request.path.endswith("/cancel"):
         answer["status"] = "cancelled"
-    return json_reply({k: v for k, v in answer.items() if k != "_messages"})
+    shown = {k: v for k, v in answer.items() if k != "_messages"}
+    if request.method != "GET" or request.query.get("stream") != "true":
+        return json_reply(shown)
+    text = shown["output"][0]["content"][0]["text"]
+    events = [
+        ("response.created", {"response": {**shown, "status": "in_progress", "output": []}}),
+        ("response.output_text.delta", {"output_index": 0, "content_index": 0, "delta": text}),
+        ("response.completed", {"response": shown}),
+    ]
+    after = int(request.query.get("starting_after", -1))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    for number, (kind, payload) in enumerate(events):
+        if number > after:
+            data = json.dumps({"type": kind, "sequence_number": number, **payload})
+            await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+    await resp.write_eof()
+    return resp
 
 
 async def generate_tokens(request: web.Request) -> web.Response:

@@ -281,3 +281,19 @@ async def test_the_rest_of_vllms_serving_routes_reach_the_engine(
             answer = await resp.json()
             assert resp.status == 404 and resp.headers["x-kvgate-replica"], answer
         assert ("error" in answer) and sum((await requests_total(http, gw.url)).values()) == 1
+
+
+async def test_a_stored_responses_events_are_streamed_when_asked(http: aiohttp.ClientSession) -> None:
+    """`GET /v1/responses/{id}?stream=true` (a background response's events, vLLM's resume) is relayed as the
+    event stream it is, from the replica holding it, `starting_after` honoured by the engine."""
+    async with gateway_over_sims([SIM, SIM]) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            created = await client.responses.with_raw_response.create(model="sim", input="hello")
+            response, holder = created.parse(), created.headers["x-kvgate-replica"]
+            events = [e async for e in await client.responses.retrieve(response.id, stream=True)]
+            assert [e.type for e in events] == ["response.created", "response.output_text.delta", "response.completed"]
+            assert events[-1].response.id == response.id
+        async with http.get(f"{gw.url}/v1/responses/{response.id}?stream=true&starting_after=0") as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            assert resp.headers["x-kvgate-replica"] == holder
+            assert (await resp.read()).count(b"event: ") == 2
