@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import gc
 import io
+import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -46,6 +48,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--check", action="store_true", help="validate the configuration, print it and exit")
     return p
+
+
+_SECRET = "<redacted>"
+
+
+def redacted(config: dict[str, Any]) -> dict[str, Any]:
+    """The configuration as `--check` prints it: the admin key, the cache-salt secret, the OTLP headers (auth) and
+    the passwords in Redis URLs replaced (a check's output goes to terminals and CI logs)."""
+    for section, key in (("admin", "key"), ("admission", "cache_salt_secret")):
+        if config[section].get(key) is not None:
+            config[section][key] = _SECRET
+    tracing = config["tracing"]
+    tracing["headers"] = dict.fromkeys(tracing["headers"], _SECRET)
+    for holder, key in ((config["admission"].get("redis"), "url"), (config["fleet"], "redis_url")):
+        if holder and holder.get(key):
+            holder[key] = re.sub(r"(://[^:/@]*:)[^@]*@", rf"\g<1>{_SECRET}@", holder[key])
+    return config
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +240,7 @@ def main(argv: list[str]) -> int:
         print(f"kvgate: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        print(config.model_dump_json(indent=2))
+        print(json.dumps(redacted(config.model_dump(mode="json")), indent=2))
         return 0
     source = ConfigSource(args.config, flags) if args.config is not None else None
     try:

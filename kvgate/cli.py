@@ -60,10 +60,15 @@ def _admin(argv: list[str]) -> int:
 
 
 def _hash_key(argv: list[str]) -> int:
-    """Print the stored form (`sha256:<hex>`) of each key given, for `admission.tenants.*.keys`."""
+    """Print the stored form (`sha256:<hex>`) of each key given, for `admission.tenants.*.keys`; without keys (or
+    `-`), of each line of standard input, so a key need not stand in the shell's history or the process list."""
     from gateway.admission.config import hash_key
 
-    for key in argv:
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: kvgate hash-key [KEY ...]   (no KEY or '-': one key a line from standard input)")
+        return 0
+    keys = argv if argv and argv != ["-"] else [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
+    for key in keys:
         print(hash_key(key))
     return 0
 

@@ -1,5 +1,6 @@
 """Configuration: file + environment + flags, validated whole, errors naming the path of the bad key."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,17 @@ def test_engine_urls_have_one_spelling() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             load_config(overrides={"engines": [{"url": url}]}, environ={})
+
+
+def test_check_prints_the_configuration_without_its_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(
+        "admin: {key: adm-secret}\n"
+        "admission: {cache_salt_secret: salt-secret, redis: {url: 'redis://u:redis-secret@h:6379/0'}}\n"
+        "tracing: {headers: {authorization: 'Bearer otlp-secret'}}\n"
+    )
+    assert serve_main(["--config", str(path), "--check"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert not any(v in json.dumps(printed) for v in ("adm-secret", "salt-secret", "redis-secret", "otlp-secret"))
+    assert printed["admission"]["redis"]["url"] == "redis://u:<redacted>@h:6379/0"
+    assert printed["admin"]["key"] == "<redacted>" and printed["tracing"]["headers"] == {"authorization": "<redacted>"}
