@@ -68,7 +68,8 @@ def test_the_kit_agrees_with_the_gateway(overlay: tuple[str, list[dict[str, Any]
     gateway = pod["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert pod["terminationGracePeriodSeconds"] > config.server.shutdown_grace_s
+    pause = float(gateway["lifecycle"]["preStop"]["exec"]["command"][1])  # new connections stop before SIGTERM
+    assert pod["terminationGracePeriodSeconds"] > pause + config.server.shutdown_grace_s + 2  # + the ending
     assert {e["name"] for e in gateway["env"]} == {"KVGATE__ADMIN__KEY"}
     # the engines kvgate finds are the StatefulSet's pods, by its headless Service, with their KV events and replay
     statefulset = one(documents, "StatefulSet", "vllm")
