@@ -47,7 +47,7 @@ class Conflict(GatewayError):
 def _pool(request: web.Request) -> EnginePool:
     pool = request.app.get(POOL)
     if pool is None:
-        raise Conflict("no engine pool is configured (attached engines cannot be drained or restarted)")
+        raise Conflict("no engine pool is configured: kvgate drains, restarts and scales only the engines it launched")
     return pool
 
 

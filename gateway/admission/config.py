@@ -142,7 +142,10 @@ class QueueConfig(_Strict):
         256, ge=0, description="most queued requests of one tenant (across models) unless its max_queued says otherwise"
     )
     max_wait_s: float = Field(
-        30.0, gt=0, description="seconds a request may wait in the queue before 503 queue_timeout"
+        30.0,
+        gt=0,
+        description="seconds a request may wait in the queue before 503 queue_timeout; with a time-to-first-token "
+        "target (admission.targets, on by default: 2 s) at most what the target leaves after the predicted TTFT",
     )
     tick_s: float = Field(
         0.05,
