@@ -4,8 +4,9 @@ Steps: (1) the sweep of `loadgen sweep` (verdicts, knee, recommended gate; the g
 plan beside the measurement with `--plan`); (2) a sustained run of `--duration` seconds at the knee (closed loop
 at the knee concurrency, or open loop at the knee rate) on new prompts (seed + 1; `--num-requests` caps only the
 sweep's settings); its output throughput in windows of time (10 s, shorter for runs under a minute:
-at least six) says whether the knee holds over time: *steady* when every full window is within 20 % of the
-windows' mean (`sustained_windows`); (3) the quality checks (`--no-quality` skips them).
+at least six) over the time requests were sent (not the drain after it) says whether the knee holds over time:
+*steady* when every full window is within 20 % of the windows' mean, and that mean is the sustained throughput
+(`sustained_windows`); (3) the quality checks (`--no-quality` skips them).
 Output: the tables on the terminal, and with `--out DIR` one result.json holding the three documents and one
 self-contained report.html (headline, the three sections, charts embedded). Exit status 1 when no request of
 the sweep succeeded, a quality check failed, or the gate could not be written.
@@ -50,7 +51,7 @@ def sustained_windows(rows: Sequence[dict[str, Any]], wall_s: float, window_s: f
     rates = [t / window_s for t in tokens]
     mean = sum(rates) / n if n else 0.0
     spread = max(abs(x - mean) for x in rates) / mean if n and mean > 0 else None
-    return {"window_s": window_s, "tok_per_s": rates, "max_deviation": spread,
+    return {"window_s": window_s, "tok_per_s": rates, "mean_tok_per_s": mean, "max_deviation": spread,
             "steady": spread is not None and spread <= STEADY_SPREAD}  # fmt: skip
 
 
@@ -62,8 +63,9 @@ def _headline(sweep: Doc, run: Doc, quality: Doc | None) -> list[str]:
     s = run["points"][0]["summary"]
     w = run["sustained"]
     dev = "-" if w["max_deviation"] is None else f"{w['max_deviation'] * 100:.0f} %"
+    rate = w["mean_tok_per_s"] if w["tok_per_s"] else s["output_tok_per_s"]  # over the sending time
     lines.append(
-        f"sustained at {run['points'][0]['load']:g} for {s['wall_s']:.0f} s: {s['output_tok_per_s']:.1f} tok/s, "
+        f"sustained at {run['points'][0]['load']:g} for {s['wall_s']:.0f} s: {rate:.1f} tok/s, "
         f"TTFT p99 {(s['ttft_s']['p99'] or 0) * 1e3:.0f} ms, {s['success_rate'] * 100:.1f} % ok; "
         f"{'steady' if w['steady'] else 'NOT steady'} ({w['window_s']:g} s windows, max deviation {dev})"
     )
@@ -96,7 +98,9 @@ async def report(args: argparse.Namespace) -> int:
         run["label"] = f"sustained at the knee ({knee:g})"
         window = min(10.0, max(0.5, args.duration / 6))  # at least six windows in a short run
         point = run["points"][0]
-        run["sustained"] = sustained_windows(point["requests"], point["summary"]["wall_s"], window)
+        # the windows of the sending time only: the drain after it (requests finishing, none sent) is no load
+        sending_s = min(point["summary"]["wall_s"], args.duration)
+        run["sustained"] = sustained_windows(point["requests"], sending_s, window)
         quality = None if args.no_quality else await modes.quality_doc(http, args, target)
     sweep["label"] = f"sweep: {sweep['label']}"
     docs: list[tuple[str, Doc]] = [(sweep["label"], sweep), (run["label"], run)]

@@ -224,10 +224,15 @@ def _answered(summary: dict[str, Any]) -> float:
     return (summary["succeeded"] + summary.get("refused", 0)) / requests if requests else 0.0
 
 
+def _refused(summary: dict[str, Any]) -> float:
+    requests = summary["requests"]
+    return summary.get("refused", 0) / requests if requests else 0.0
+
+
 def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None:
     pts = [
         SweepPoint(p["load"], p["summary"]["ttft_s"]["p50"] or 0.0, p["summary"]["output_tok_per_s"],
-                   _answered(p["summary"]), p["summary"]["e2e_s"]["mean"] or 0.0)
+                   _answered(p["summary"]), p["summary"]["e2e_s"]["mean"] or 0.0, _refused(p["summary"]))
         for p in doc["points"]
     ]  # fmt: skip
     rule = KneeRule(ttft_factor=args.knee_ttft_factor, min_gain=args.knee_min_gain, min_success=args.min_success)
@@ -241,6 +246,9 @@ def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None
     if knee.found:
         text = (f"knee at {unit} {knee.load:g} ({knee.reason} at {knee.saturated_at:g}); recommended "
                 f"admission.replica_max_concurrency: {gate} for {replicas} replica(s)")  # fmt: skip
+    elif knee.saturated_at is not None:  # the lowest load already fails: nothing to recommend
+        text = (f"no knee: at the lowest {unit} tested ({knee.load:g}) requests already fail or are refused; "
+                "nothing recommended (check the target, or sweep lower)")  # fmt: skip
     elif by_rate:
         text = f"no knee up to {unit} {knee.load:g}: time to first token did not jump (sweep higher rates)"
     else:

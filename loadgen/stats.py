@@ -14,15 +14,19 @@ throughput r and success rate s. The baseline b is the TTFT p50 of the lowest-lo
     (c) max(r_j, j >= i) < (1 + min_gain) * r_{i-1}           (and it does not rise again at any higher load:
                                                                a single stalled setting is noise, not the knee),
 or when s_i < min_success (the endpoint fails requests; a request refused with Retry-After, the server's admission
-shedding load, is answered, not failed: s counts it with the successes). A rate sweep (open loop, `open_loop`)
+shedding load, is answered, not failed: s counts it with the successes), or when more than 1 - min_success of its
+requests are refused (an admission gate in front sheds what it cannot serve: through it the TTFT of the admitted
+never rises, and the shedding is the knee). A rate sweep (open loop, `open_loop`)
 saturates on (a) alone: arrivals do not slow down when the server does, so measured throughput keeps rising with the
 offered rate while requests queue, and a sharp TTFT rise is the knee. The knee is the point just before the first
 saturated point; when no point saturates the knee is the highest load tested and `found` is False (the sweep did not
-reach it). Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99. O(points^2) at worst, for
-(c).
+reach it); when the lowest load already fails or is refused there is no knee (`found` False, `saturated_at` that
+load) and nothing is recommended. Defaults: ttft_factor 3.0, min_rise_s 0.005, min_gain 0.10, min_success 0.99.
+O(points^2) at worst, for (c).
 
 Verdicts (`verdict`), with ratio = t_i / b and the knee load k:
     success < min_success         -> "failing"
+    refused > 1 - min_success     -> "shedding"
     x == k                        -> "sweet spot"   (most throughput before queueing)
     x < k and ratio <= 1.5        -> "interactive"
     x < k                         -> "production"
@@ -201,6 +205,7 @@ class SweepPoint:
     output_tok_per_s: float
     success_rate: float = 1.0
     e2e_mean_s: float = 0.0
+    refused_rate: float = 0.0  # answered with a refusal (429/503 + Retry-After): the target shedding load
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +232,8 @@ class Knee:
 def _saturated(prev: SweepPoint, cur: SweepPoint, base: float, rule: KneeRule, open_loop: bool) -> str | None:
     if cur.success_rate < rule.min_success:
         return f"success rate {cur.success_rate:.3f} < {rule.min_success}"
+    if cur.refused_rate > 1.0 - rule.min_success:  # an admission gate in front refuses what it cannot serve
+        return f"{cur.refused_rate * 100:.1f} % refused"
     ttft_jump = cur.ttft_p50_s > rule.ttft_factor * base and cur.ttft_p50_s - base > rule.min_rise_s
     if ttft_jump and open_loop:
         return f"TTFT p50 {cur.ttft_p50_s * 1e3:.1f} ms > {rule.ttft_factor:g} x baseline {base * 1e3:.1f} ms"
@@ -247,8 +254,8 @@ def find_knee(points: Sequence[SweepPoint], rule: KneeRule | None = None, *, ope
     rule = rule or KneeRule()
     pts = sorted(points, key=lambda p: p.load)
     base = pts[0].ttft_p50_s
-    if pts[0].success_rate < rule.min_success:
-        return Knee(0, pts[0].load, True, base, pts[0].load, "lowest load already fails requests")
+    if pts[0].success_rate < rule.min_success or pts[0].refused_rate > 1.0 - rule.min_success:
+        return Knee(0, pts[0].load, False, base, pts[0].load, "the lowest load already fails or is refused")
     for i in range(1, len(pts)):
         why = _saturated(pts[i - 1], pts[i], base, rule, open_loop)
         if why is None:
@@ -281,6 +288,8 @@ def verdict(point: SweepPoint, knee: Knee, rule: KneeRule | None = None) -> str:
     rule = rule or KneeRule()
     if point.success_rate < rule.min_success:
         return "failing"
+    if point.refused_rate > 1.0 - rule.min_success:
+        return "shedding"
     ratio = point.ttft_p50_s / knee.baseline_ttft_s if knee.baseline_ttft_s > 0 else 1.0
     if point.load == knee.load:
         return "sweet spot"

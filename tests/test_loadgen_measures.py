@@ -190,8 +190,9 @@ def test_sustained_windows_and_the_steady_verdict() -> None:
     assert spread["tok_per_s"] == pytest.approx([0.5, 0.5])
     stalled = [r for r in rows if not 10 <= r["start_s"] < 20]
     assert not sustained_windows(stalled, 30.0, 10.0)["steady"]
-    assert sustained_windows(rows, 5.0, 10.0) == {"window_s": 10.0, "tok_per_s": [], "max_deviation": None,
-                                                  "steady": False}  # fmt: skip
+    assert sustained_windows(rows, 5.0, 10.0) == {"window_s": 10.0, "tok_per_s": [], "mean_tok_per_s": 0.0,
+                                                  "max_deviation": None, "steady": False}  # fmt: skip
+    assert w["mean_tok_per_s"] == pytest.approx(10.0)
 
 
 def test_progress_is_a_bar_on_a_terminal_and_a_line_in_a_log() -> None:

@@ -142,6 +142,24 @@ def test_knee_on_failures_and_empty() -> None:
     assert knee.load == 2 and "success rate" in knee.reason
     with pytest.raises(ValueError):
         find_knee([])
+    # a target that cannot be reached (or a bad key): the lowest load fails, no knee, nothing to recommend
+    down = [SweepPoint(1, 0.0, 0.0, 0.0), SweepPoint(2, 0.0, 0.0, 0.0)]
+    knee = find_knee(down)
+    assert not knee.found and knee.saturated_at == 1
+
+
+def test_a_gateway_that_sheds_load_has_its_knee_before_the_shedding() -> None:
+    """Through an admission gate the admitted requests' TTFT never rises: the refusals (answered, with
+    Retry-After) are the saturation. The gate of 2 here: 92 % refused from 4 on, the throughput flat."""
+    shedding = [
+        SweepPoint(1, 0.005, 100.0, 1.0, 0.1, 0.0),
+        SweepPoint(2, 0.005, 199.0, 1.0, 0.1, 0.0),
+        SweepPoint(4, 0.0067, 197.7, 1.0, 0.1, 0.917),
+        SweepPoint(8, 0.0065, 197.9, 1.0, 0.1, 0.917),
+    ]
+    knee = find_knee(shedding)
+    assert knee.found and knee.load == 2 and knee.saturated_at == 4 and "refused" in knee.reason
+    assert [verdict(p, knee) for p in shedding][2:] == ["shedding", "shedding"]
 
 
 def test_verdicts_literal() -> None:
