@@ -348,17 +348,20 @@ class CompletionService:
         status = str(ctx.status)
         self.metrics.requests.labels(ctx.model, ctx.replica, ctx.endpoint, status).inc()
         self.admission.metrics.tenant(ctx.tenant).requests(status).inc()
+        if ctx.model == "-":  # refused before its model was known: no model's figures
+            return
+        m = self.metrics.model(ctx.model)
+        if ctx.ttft_s is not None:  # its first token reached the client, whether or not it stayed for the rest
+            m.ttft.observe(ctx.ttft_s)
         if ctx.status == 200:
-            m = self.metrics.model(ctx.model)
-            if ctx.ttft_s is not None:
-                m.ttft.observe(ctx.ttft_s)
-                if ctx.prefill_done_at is not None:
-                    self.metrics.handover.labels(ctx.model).observe(ctx.started + ctx.ttft_s - ctx.prefill_done_at)
+            if ctx.ttft_s is not None and ctx.prefill_done_at is not None:
+                self.metrics.handover.labels(ctx.model).observe(ctx.started + ctx.ttft_s - ctx.prefill_done_at)
             if ctx.duration_s is not None:
                 m.e2e.observe(ctx.duration_s)
-            if ctx.prompt_tokens:
-                m.prompt.value += ctx.prompt_tokens
-            if ctx.cached_tokens:
-                m.cached.value += ctx.cached_tokens
-            if ctx.completion_tokens:
-                m.completion.value += ctx.completion_tokens
+        # the tokens the engines worked for, as the tenant is charged them (a cut stream: those it delivered)
+        if ctx.prompt_tokens:
+            m.prompt.value += ctx.prompt_tokens
+        if ctx.cached_tokens:
+            m.cached.value += ctx.cached_tokens
+        if completion := ctx.delivered_tokens():
+            m.completion.value += completion

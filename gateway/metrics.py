@@ -64,7 +64,8 @@ class GatewayMetrics:
         )
         self.ttft = FastHistogram(
             "kvgate_time_to_first_token_seconds",
-            "Time from request arrival to the first token byte sent.",
+            "Time from request arrival to the first token byte sent (every request that got one, also those whose "
+            "client left before the end).",
             ["model"],
             r,
             LATENCY_BUCKETS,
@@ -150,7 +151,10 @@ class GatewayMetrics:
             LATENCY_BUCKETS,
         )
         self.tokens = FastCounter(
-            "kvgate_tokens", "Tokens by kind (prompt, cached, completion), from engine usage.", ["model", "kind"], r
+            "kvgate_tokens",
+            "Tokens by kind (prompt, cached, completion), from engine usage (a cut stream: those delivered).",
+            ["model", "kind"],
+            r,
         )
 
     @contextmanager

@@ -7,7 +7,9 @@ import asyncio
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.keys import REPLICAS
 from simengine import Faults, SimConfig
 from tests.conftest import gateway_over_sims, wait_for
 
@@ -121,3 +123,25 @@ async def test_retry_on_failing_replica_and_breaker(http: aiohttp.ClientSession)
         assert sims[0].engine.stats.failed == 2  # two failures opened the breaker; no traffic after that
         metrics = await (await http.get(gw.url + "/metrics")).text()
         assert 'kvgate_retries_total{model="sim"} 2.0' in metrics
+
+
+def samples(text: str, name: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+async def test_a_stream_its_client_leaves_counts_its_first_token_and_the_tokens_delivered(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Clients that give up are the slow ones: their time to first token is in the histogram (the engine's own
+    counts them too) and the tokens delivered are in the gateway's token counter, as the tenant is charged them."""
+    async with gateway_over_sims([SimConfig(model="sim", decode_ms=10.0)]) as (gw, sims):
+        body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True}
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            for _ in range(10):
+                await resp.content.readuntil(b"\n\n")
+        await wait_for(lambda: sims[0].engine.running == 0, what="the engine's request aborted")
+        await wait_for(lambda: sum(r.in_flight for r in gw.app[REPLICAS]) == 0, what="the gateway's request ended")
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+    assert samples(text, "kvgate_time_to_first_token_seconds_count") == 1
+    assert 9 <= samples(text, "kvgate_tokens_total") < 400

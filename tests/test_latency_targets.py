@@ -11,12 +11,23 @@ import random
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import engine_pool.replica
+from engine_pool.http_client import UpstreamClient
 from engine_pool.latency import MIN_SAMPLES, WINDOW, LatencyLearner
 from engine_pool.replica import Replica
+from engine_pool.replica_set import ReplicaSet
+from gateway.admission.auth import Identity
+from gateway.admission.config import AdmissionConfig
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.targets import LatencyGate
+from gateway.context import RequestContext
+from gateway.metrics import GatewayMetrics
+from gateway.router import Router
 from policies.latency import Held, Prediction, ReplicaLatency, Targets, judge, predict, room_wait
+from policies.least_load import LeastLoad
 from simengine import SimConfig
 from tests.conftest import gateway_over_sims, wait_for
 
@@ -324,3 +335,22 @@ async def test_a_max_tokens_past_the_context_holds_only_what_the_context_leaves(
             assert (await _post(http, gw.url, _body(2000 + i)))[0] == 200
         assert (await _post(http, gw.url, {**_body(3000), "max_tokens": 10**400}))[0] == 200
         assert [status for status, _ in await asyncio.gather(*huge)] == [200, 200]
+
+
+async def test_a_stream_whose_client_left_before_its_terminator_counts_as_served() -> None:
+    """The client read the whole answer and closed before the chunked terminator (aiohttp and openai clients do):
+    the gateway sets its status after admission's end, so the outcome must not wait for the status."""
+    registry = CollectorRegistry()
+    client = UpstreamClient()
+    replicas = ReplicaSet(client)
+    router = Router(LeastLoad(), replicas, GatewayMetrics(registry), None)
+    gate = LatencyGate(AdmissionConfig(), replicas, router, AdmissionMetrics(registry))
+    ctx = RequestContext("r", "chat", model="m", stream=True)
+    ctx.answered, ctx.ttft_s = True, 0.1
+    gate.finish(ctx, Identity("t", 1, "standard"), Targets(ttft_s=2.0, tpot_s=0.1))
+    counted = registry.get_sample_value(
+        "kvgate_slo_requests_total", {"model": "m", "priority": "standard", "tenant": "t", "outcome": "met"}
+    )
+    await replicas.close()
+    client.close()
+    assert counted == 1

@@ -135,9 +135,12 @@ class LatencyGate:
         if replica is not None and ctx.hold is not None:
             replica.release(ctx.hold)
         ctx.held_on, ctx.hold = None, None
-        if targets is not None and ctx.status == 200:
+        # served: a 200, or a stream whose end reached a client that left before the terminator (its status is set
+        # after this)
+        served = ctx.status == 200 or ctx.answered
+        if targets is not None and served:
             self.outcomes.labels(ctx.model, identity.priority_name, identity.tenant, _outcome(ctx, targets)).inc()
-        if replica is None or ctx.status != 200 or ctx.routed_at is None or ctx.ttft_s is None:
+        if replica is None or not served or ctx.routed_at is None or ctx.ttft_s is None:
             return
         self._learn(ctx, replica)
 
