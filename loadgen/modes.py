@@ -118,7 +118,13 @@ def _auth(args: argparse.Namespace) -> dict[str, str]:
 
 
 async def resolve_model(http: aiohttp.ClientSession, args: argparse.Namespace) -> str:
-    return str(args.model) if args.model else await fetch_model(http, args.url, _auth(args))
+    """`--model`, else the first model the target lists, asked with `--api-key` or else the first tenant's key."""
+    if args.model:
+        return str(args.model)
+    headers = _auth(args)
+    if not headers and (tenants := getattr(args, "tenant", None)):
+        headers = {"Authorization": f"Bearer {tenants[0].key}"}
+    return await fetch_model(http, args.url, headers)
 
 
 def _tenants(args: argparse.Namespace) -> list[Tenant]:
