@@ -152,7 +152,9 @@ class ClientEvents:
 
     async def write(self, events: list[bytes], first: bool) -> None:
         now = time.monotonic()
-        if not first:
+        last = self.last = events[-1]
+        ends = self.end is not None and last.startswith(self.end)
+        if not first and not ends:  # a gap between tokens (the answer's closing events are not one)
             self._itl.observe(now - self._last_write)
         self._last_write = now
         data = b"".join(events)
@@ -160,8 +162,7 @@ class ClientEvents:
         if self._ex.relayed is not None:
             self._ex.relayed.add(events, len(data))
         await self._ex.out.write(data)
-        last = self.last = events[-1]
-        if self.end is not None and last.startswith(self.end):
+        if ends:
             self.done = self._ex.ctx.answered = True
         elif self.end is MESSAGE_STOP and last.startswith(ANTHROPIC_ERROR):
             self.failed = True
