@@ -13,13 +13,15 @@
 - Progress: `cpu_seconds()` sums user+system time over the live processes of the group (from /proc), and
   `StallWatch` uses it to tell a slow start from a stalled one.
 - Stop: SIGTERM to the group, wait `timeout_s`, then SIGKILL to the group. After the main process exits for any
-  reason the group is SIGKILLed once more, so a child of a crashed engine cannot outlive it.
+  reason the group is SIGKILLed once more, so a child of a crashed engine cannot outlive it. An engine whose kvgate
+  dies without stopping it (SIGKILL, a crash) gets SIGTERM from the kernel (`PR_SET_PDEATHSIG`, Linux).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import secrets
@@ -181,6 +183,19 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
     return True
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal the process gets when its parent dies
+
+
+def _die_with_parent() -> None:
+    """In the engine's child, before exec: SIGTERM it when kvgate dies, however it dies (a SIGKILL gives kvgate no
+    chance to stop its engines, which would go on holding their ports and devices). Linux only; elsewhere nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
 class EngineProcess:
     """One launched engine process (and its process group)."""
 
@@ -218,6 +233,7 @@ class EngineProcess:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         except BaseException:  # OSError, or cancelled while starting: the log must not leak
             log_file.close()

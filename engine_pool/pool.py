@@ -37,6 +37,8 @@ from engine_pool.vllm_command import Device, EngineLaunchSpec, detect_device, vl
 log = logging.getLogger("kvgate.pool")
 
 _SETTLED = {SlotState.READY, SlotState.FAILED, SlotState.STOPPED}
+# how much a replica serves now, for choosing which a scale-down removes (least first)
+_SERVING = {SlotState.STARTING: 1, SlotState.DRAINING: 1, SlotState.READY: 2}
 
 
 def _tiny_model(out: Path) -> Path:
@@ -162,7 +164,8 @@ class EnginePool:
         return await self.supervisor.wait_for(slot.id, {SlotState.STOPPED, SlotState.FAILED})
 
     async def restart(self, replica_id: str, *, reason: str = "admin") -> SlotState:
-        """Drain, stop and relaunch one replica (also revives a stopped or failed one); waits for ready or failed."""
+        """Drain, stop and relaunch one replica (also revives a stopped or failed one); waits for ready or failed
+        (or stopped, when another command stopped it meanwhile)."""
         slot = self.slot(replica_id)
         gen = slot.gen
         self.supervisor.stop(slot.id, drain=True, after="restart", reason=reason)
@@ -187,6 +190,8 @@ class EnginePool:
                 state = await self.restart(slot.id, reason=reason)
                 if state is SlotState.FAILED:
                     raise PoolError(f"rolling restart stopped: {slot.id} failed: {slot.last_error}")
+                if state is not SlotState.READY and state is not SlotState.REMOVED:
+                    raise PoolError(f"rolling restart stopped: {slot.id} was {state.value} by another command")
         return [s.describe() for s in self.slots(m.name)]
 
     async def _others_ready(self, slot: Slot, timeout_s: float | None) -> None:
@@ -195,7 +200,7 @@ class EnginePool:
         if bad:
             raise PoolError(f"restarting {slot.id} would leave fewer than N-1 ready replicas ({bad} are down)")
         try:
-            await asyncio.wait_for(
+            states = await asyncio.wait_for(
                 asyncio.gather(*(self.supervisor.wait_for(s.id, {SlotState.READY}) for s in others)),
                 timeout_s if timeout_s is not None else slot.model.startup_deadline_s,
             )
@@ -203,6 +208,10 @@ class EnginePool:
             raise PoolError(
                 f"other replicas of {slot.model.name} did not become ready; not restarting {slot.id}"
             ) from None
+        down = [f"{s.id} ({state.value})" for s, state in zip(others, states, strict=True) if state is SlotState.FAILED
+                or state is SlotState.STOPPED]  # fmt: skip
+        if down:  # one failed or was stopped while it was waited for
+            raise PoolError(f"restarting {slot.id} would leave fewer than N-1 ready replicas: {down}")
 
     async def scale(self, model: str, replicas: int, *, wait: bool = True) -> list[str]:
         """Set the number of replicas of `model`; removal drains first. Returns the replica ids afterwards."""
@@ -217,8 +226,8 @@ class EnginePool:
                     self.supervisor.launch(slot.id)
                 if wait:
                     await asyncio.gather(*(self.supervisor.wait_for(s.id, _SETTLED - {SlotState.STOPPED}) for s in new))
-            else:
-                gone = current[replicas:]
+            else:  # the replicas that serve least go first: failed, stopped, backing off, starting, then ready
+                gone = sorted(current, key=lambda s: (_SERVING.get(s.state, 0), -s.index))[: len(current) - replicas]
                 for slot in gone:
                     self.supervisor.stop(slot.id, drain=True, after="remove", reason="scale-down")
                 if wait:

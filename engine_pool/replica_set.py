@@ -253,8 +253,9 @@ class ReplicaSet:
         if reason is None:
             self._warned.pop(replica.id, None)
         elif self._warned.get(replica.id) != reason:  # once per reason, not per probe
-            self._warned[replica.id] = reason
-            log.warning("replica %s (%s) is not routed to: %s", replica.id, replica.url, reason)
+            self._warned[replica.id] = reason  # (an engine kvgate launched: its supervisor reports its states)
+            log.log(logging.DEBUG if replica.managed else logging.WARNING, "replica %s (%s) is not routed to: %s",
+                    replica.id, replica.url, reason)  # fmt: skip
         return reason is None
 
     async def _probe(self, replica: Replica) -> str | None:

@@ -37,6 +37,8 @@ from engine_pool.spec import PoolConfig
 from kvcommon.backoff import backoff_delay
 
 log = logging.getLogger("kvgate.pool")
+# which of two intents for a stopping replica wins: a removal over a stop over a restart over a crash's back-off
+_STRENGTH = {"backoff": 0, "restart": 1, "stop": 2, "remove": 3}
 
 CommandFn = Callable[["Slot"], LaunchCommand]
 ReplicaFactory = Callable[["Slot"], Replica]
@@ -157,13 +159,17 @@ class Supervisor:
         elif isinstance(cmd, _Outcome) and cmd.gen == slot.gen:
             await self._on_outcome(slot, cmd)
 
-    def _set_state(self, slot: Slot, state: SlotState, note: str = "") -> None:
+    def _set_state(self, slot: Slot, state: SlotState, note: str = "", *, settled: bool = False) -> None:
+        """`settled`: a stop nothing follows (FAILED always is one): it ends every wait on the replica, whatever
+        state the wait was for, so no operation waits on a replica another command stopped."""
         slot.state = state
         slot.events.append((time.time(), f"{state.value}{': ' + note if note else ''}"))
         self.changed.set()
         self.changed = asyncio.Event()
+        settled = settled or state is SlotState.FAILED
         for states, newer_than, fut in slot.waiters:
-            if state in states and (slot.gen > newer_than or state is SlotState.REMOVED) and not fut.done():
+            wanted = state in states and (slot.gen > newer_than or state is SlotState.REMOVED)
+            if (wanted or settled) and not fut.done():
                 fut.set_result(state)
 
     def _spawn(self, slot: Slot, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -223,11 +229,11 @@ class Supervisor:
             elif cmd.after == "remove":
                 self._remove(slot)
             else:
-                self._set_state(slot, SlotState.STOPPED, cmd.reason)
+                self._set_state(slot, SlotState.STOPPED, cmd.reason, settled=True)
             return
         if slot.state in (SlotState.DRAINING, SlotState.STOPPING):
-            if cmd.after in ("remove", "stop") or slot.after == "backoff":
-                slot.after = cmd.after  # a stronger intent wins; a pending restart stays a restart
+            if _STRENGTH[cmd.after] > _STRENGTH.get(slot.after, 0):
+                slot.after = cmd.after  # the stronger intent wins: remove over stop over restart
             if not cmd.drain and slot.state is SlotState.DRAINING:
                 self._begin_stopping(slot)
             return
@@ -311,7 +317,7 @@ class Supervisor:
         elif slot.after == "remove":
             self._remove(slot)
         else:
-            self._set_state(slot, SlotState.STOPPED)
+            self._set_state(slot, SlotState.STOPPED, settled=True)
 
     def _remove(self, slot: Slot) -> None:
         self._cancel_tasks(slot)

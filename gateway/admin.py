@@ -110,14 +110,14 @@ async def list_replicas(request: web.Request) -> web.Response:
 async def drain(request: web.Request) -> web.Response:
     pool, rid = _pool(request), request.match_info["id"]
     pool.slot(rid)
-    return await _operation(request, f"drain {rid}", _state(pool.drain(rid)))
+    return await _operation(request, f"drain {rid}", _state(pool.drain(rid), "stopped"))
 
 
 @_admin
 async def restart(request: web.Request) -> web.Response:
     pool, rid = _pool(request), request.match_info["id"]
     pool.slot(rid)
-    return await _operation(request, f"restart {rid}", _state(pool.restart_one(rid, reason="admin")))
+    return await _operation(request, f"restart {rid}", _state(pool.restart_one(rid, reason="admin"), "ready"))
 
 
 @_admin
@@ -185,8 +185,13 @@ def _admission_keys(data: Any) -> dict[str, Any]:
     return data
 
 
-async def _state(awaitable: Awaitable[Any]) -> str:
-    return str(await awaitable)
+async def _state(awaitable: Awaitable[Any], wanted: str) -> str:
+    """The state an operation left its replica in; Conflict (409) when it is not the one it was for (a restart
+    that ended failed, or stopped by another command)."""
+    state = str(await awaitable)
+    if state != wanted:
+        raise Conflict(f"the replica ended {state}, not {wanted}", code=f"replica_{state}")
+    return state
 
 
 async def _ops_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -3,8 +3,10 @@ backoff, crash loop, hung replica, start-up deadline, stop without orphans."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, closing
 from pathlib import Path
@@ -18,8 +20,9 @@ from engine_pool.http_client import UpstreamClient
 from engine_pool.launcher import free_port, port_is_free
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
-from engine_pool.slots import SlotState
+from engine_pool.slots import PoolError, SlotState
 from engine_pool.spec import PoolConfig
+from tests.conftest import wait_for
 
 
 def group_alive(pgid: int) -> bool:
@@ -221,3 +224,58 @@ def test_engine_ports_are_chosen_below_the_ephemeral_range() -> None:
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = {free_port() for _ in range(20)}
     assert all(p < low for p in ports) and all(port_is_free("127.0.0.1", p) for p in ports)
+
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+async def test_an_engine_dies_with_a_kvgate_that_is_killed(tmp_path: Path) -> None:
+    """kvgate killed with SIGKILL cannot stop its engines: the kernel signals them (no process left holding its
+    port or its GPU)."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from engine_pool.launcher import EngineProcess\n"
+        "async def main():\n"
+        "    proc = await EngineProcess.start([sys.executable, '-c', 'import time; time.sleep(120)'], {}, "
+        f"Path({str(tmp_path / 'engine.log')!r}), max_bytes=1 << 20, backups=1, name='e')\n"
+        "    print(proc.pgid, flush=True)\n"
+        "    await asyncio.sleep(120)\n"
+        "asyncio.run(main())\n"
+    )
+    parent = await asyncio.create_subprocess_exec(sys.executable, str(script), stdout=asyncio.subprocess.PIPE, cwd=ROOT)
+    assert parent.stdout is not None
+    child = int(await asyncio.wait_for(parent.stdout.readline(), 30))
+    os.kill(child, 0)  # running
+    parent.kill()
+    await parent.wait()
+
+    def gone() -> bool:  # exited (a zombie until whoever adopted it reaps it)
+        try:
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+
+    await wait_for(gone, what="the engine gone with its kvgate")
+
+
+async def test_a_drain_during_a_rolling_restart_ends_it_instead_of_hanging_the_model(tmp_path: Path) -> None:
+    """A replica drained while a rolling restart restarts it stays stopped (the later command wins); the rolling
+    restart says so and lets go of the model, so the next scale runs at once."""
+    async with sim_pool(tmp_path, CollectorRegistry(), replicas=2) as pool:
+        await pool.wait_ready(timeout_s=60)
+        rolling = asyncio.create_task(pool.rolling_restart("m"))
+        await wait_for(lambda: pool.slot("m-0").state is not SlotState.READY, what="m-0 being restarted")
+        assert await asyncio.wait_for(pool.drain("m-0"), 60) is SlotState.STOPPED
+        with pytest.raises(PoolError, match="m-0 was stopped by another command"):
+            await asyncio.wait_for(rolling, 60)
+        assert await asyncio.wait_for(pool.scale("m", 3), 60) == ["m-0", "m-1", "m-2"]
+
+
+async def test_a_scale_down_removes_the_replicas_that_serve_least(tmp_path: Path) -> None:
+    async with sim_pool(tmp_path, CollectorRegistry(), replicas=2) as pool:
+        await pool.wait_ready(timeout_s=60)
+        await pool.drain("m-0")
+        assert await asyncio.wait_for(pool.scale("m", 1), 60) == ["m-1"]  # not the only ready one
+        assert pool.slot("m-1").state is SlotState.READY
