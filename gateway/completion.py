@@ -103,6 +103,9 @@ class CompletionService:
         sessions = config.cache
         self._session_headers = tuple(h.lower() for h in (sessions.session_header, *sessions.agent_session_headers))
         self._access_log = config.server.access_log
+        # the models the configuration names: one with no replica now is unavailable (503), not unknown (404)
+        pool = config.pool.models if config.pool is not None else []
+        self._configured = {m.served for m in pool} | {e.model for e in config.engines if e.model}
         self._running: set[asyncio.Task[object]] = set()  # the handlers' tasks of requests in flight
         self._drained = asyncio.Event()  # set once shutting down and none is in flight
         self._shutting_down = False
@@ -153,6 +156,8 @@ class CompletionService:
                         f"the model {parsed.model!r} is not served by any engine reached so far",
                         code="engines_not_discovered",
                     )
+                if parsed.model in self._configured:  # scaled to 0, every replica removed: it comes back
+                    raise Overloaded(f"no replica of model {parsed.model!r} is running", code="no_ready_replica")
                 raise NotFound(f"the model {parsed.model!r} does not exist", param="model")
             ctx.model, ctx.stream = parsed.model, parsed.stream
             salted = endpoint.body != "multipart" and admission.apply_cache_salt(identity, parsed.body)

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 from prometheus_client import CollectorRegistry
 
 from engine_pool.pool import EnginePool
@@ -162,7 +163,7 @@ async def test_rolling_restart_under_load_zero_failures(tmp_path: Path) -> None:
 
 
 async def test_scale_up_and_down(tmp_path: Path) -> None:
-    async with gateway(config(tmp_path, replicas=1)) as (_gw, pool, admin, _oai):
+    async with gateway(config(tmp_path, replicas=1)) as (_gw, pool, admin, oai):
         async with admin.post("/admin/models/m/scale", json={"replicas": 3}) as resp:
             assert resp.status == 200 and (await resp.json())["result"] == ["m-0", "m-1", "m-2"]
         assert all(s.state is SlotState.READY for s in pool.slots())
@@ -178,6 +179,11 @@ async def test_scale_up_and_down(tmp_path: Path) -> None:
             except ProcessLookupError:
                 alive = False
             assert not alive
+        async with admin.post("/admin/models/m/scale", json={"replicas": 0}) as resp:
+            assert resp.status == 200 and (await resp.json())["result"] == []
+        with pytest.raises(openai.APIStatusError) as refused:  # a model scaled to 0 is unavailable, not unknown
+            await oai.completions.create(model="m", prompt="hi", max_tokens=2)
+        assert refused.value.status_code == 503 and refused.value.response.headers["Retry-After"]
 
 
 async def test_degradation_rule_restarts_failing_replica(tmp_path: Path) -> None:
