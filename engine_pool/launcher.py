@@ -183,6 +183,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> bool:
     return True
 
 
+_TAIL_BYTES = 4096  # the end of an engine's output kept in memory for `last_line`
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal the process gets when its parent dies
 
 
@@ -205,6 +206,7 @@ class EngineProcess:
         self.name = name
         self.pid = proc.pid
         self.pgid = proc.pid  # start_new_session: the child leads its own group
+        self._tail = b""  # the end of its output so far (`last_line`)
         self._reader = asyncio.create_task(self._pump(), name=f"log:{name}")
         self._waiter = asyncio.create_task(self._wait(), name=f"wait:{name}")
 
@@ -247,6 +249,13 @@ class EngineProcess:
         return cls(proc, log_file, name)
 
     @property
+    def last_line(self) -> str:
+        """The last line it wrote (an engine that exits says why there: a bad flag, a port in use), at most 200
+        characters; "" when it wrote nothing."""
+        lines = [ln for ln in self._tail.decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1].strip()[:200] if lines else ""
+
+    @property
     def returncode(self) -> int | None:
         return self._proc.returncode
 
@@ -259,6 +268,7 @@ class EngineProcess:
         assert stream is not None
         try:
             while chunk := await stream.read(_READ_CHUNK):
+                self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
                 await asyncio.to_thread(self._log.write, chunk)
         except OSError as exc:  # disk full etc.: keep draining the pipe so the child never blocks on it
             log.warning("log for %s failed: %s; discarding its output", self.name, exc)

@@ -259,8 +259,8 @@ class Supervisor:
         elif cmd.kind == "drained" and slot.state is SlotState.DRAINING:
             self._begin_stopping(slot)
         elif cmd.kind == "exited":
-            if slot.state in (SlotState.STARTING, SlotState.READY):
-                self._failure(slot, "crash", cmd.detail)
+            if slot.state in (SlotState.STARTING, SlotState.READY):  # an exit before ready: it could not start
+                self._failure(slot, "crash" if slot.state is SlotState.READY else "startup", cmd.detail)
             self._cancel_tasks(slot)
             self._out_of_routing(slot)
             slot.process = None
@@ -338,7 +338,8 @@ class Supervisor:
 
     async def _watch_exit(self, slot: Slot, gen: int, proc: EngineProcess) -> None:
         rc = await proc.wait()
-        self._post(slot, gen, "exited", f"exit status {rc}")
+        said = proc.last_line
+        self._post(slot, gen, "exited", f"exit status {rc}" + (f": {said}" if said else ""))
 
     async def _timer(self, slot: Slot, gen: int, delay: float) -> None:
         await asyncio.sleep(delay)

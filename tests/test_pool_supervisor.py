@@ -117,7 +117,7 @@ async def test_crash_loop_is_reported_not_spinning(tmp_path: Path) -> None:
         assert state is SlotState.FAILED
         assert slot.gen == 3  # exactly crash_loop_limit launches, then it stays failed
         assert slot.process is None
-        assert slot.last_error is not None and slot.last_error.startswith("crash")
+        assert slot.last_error is not None and slot.last_error.startswith("startup: exit status")
         assert registry.get_sample_value("kvgate_pool_crash_loops_total", {"replica": "m-0", "model": "m"}) == 1
         assert not slot.replica.warm
         with pytest.raises(Exception, match="replicas failed"):
@@ -279,3 +279,13 @@ async def test_a_scale_down_removes_the_replicas_that_serve_least(tmp_path: Path
         await pool.drain("m-0")
         assert await asyncio.wait_for(pool.scale("m", 1), 60) == ["m-1"]  # not the only ready one
         assert pool.slot("m-1").state is SlotState.READY
+
+
+async def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """An engine that exits before it is ready is a start-up failure, with the last line it wrote (here its own
+    argument error), not a bare crash status: the operator need not open its log to see why."""
+    restart = {"backoff_base_s": 0.05, "crash_loop_limit": 2, "crash_loop_window_s": 600}
+    async with sim_pool(tmp_path, CollectorRegistry(), extra_args=["--no-such-flag"], restart=restart) as pool:
+        assert await pool.supervisor.wait_for("m-0", {SlotState.FAILED}, timeout_s=60) is SlotState.FAILED
+        error = pool.slot("m-0").last_error
+        assert error is not None and error.startswith("startup: exit status 2") and "--no-such-flag" in error
