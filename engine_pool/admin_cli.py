@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -74,6 +75,11 @@ def _print_status(data: Any) -> None:
             print(f"    last error: {r['last_error']}")
 
 
+def _seg(name: str) -> str:
+    """A replica or model name as one path segment (spaces, '?', '/' quoted)."""
+    return urllib.parse.quote(name, safe="")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if not args.key:
@@ -83,19 +89,19 @@ def main(argv: list[str]) -> int:
         if args.cmd == "status":
             status, data = request(args, "GET", "/admin/replicas")
         elif args.cmd == "drain":
-            status, data = request(args, "POST", f"/admin/replicas/{args.replica}/drain")
+            status, data = request(args, "POST", f"/admin/replicas/{_seg(args.replica)}/drain")
         elif args.cmd == "restart":
             if bool(args.model) == bool(args.replica):
                 print("kvgate admin restart: give either REPLICA or --model MODEL", file=sys.stderr)
                 return 2
             path = (
-                f"/admin/models/{args.model}/rolling-restart"
+                f"/admin/models/{_seg(args.model)}/rolling-restart"
                 if args.model
-                else f"/admin/replicas/{args.replica}/restart"
+                else f"/admin/replicas/{_seg(args.replica)}/restart"
             )
             status, data = request(args, "POST", path)
         else:
-            status, data = request(args, "POST", f"/admin/models/{args.model}/scale", {"replicas": args.replicas})
+            status, data = request(args, "POST", f"/admin/models/{_seg(args.model)}/scale", {"replicas": args.replicas})
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         print(f"kvgate admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ than N-1 ready, scale up and down, a degradation rule restarting a failing repli
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,6 +17,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from engine_pool.admin_cli import main as admin_main
 from engine_pool.pool import EnginePool
 from engine_pool.slots import SlotState
 from gateway.config import GatewayConfig
@@ -211,3 +213,19 @@ async def test_degradation_rule_restarts_failing_replica(tmp_path: Path) -> None
             )
             == 1
         )
+
+
+async def test_the_admin_cli_drives_the_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvgate admin` as an operator runs it: status, a drain, and a name that is no replica (any characters:
+    quoted into the path) answered as the gateway's 404, not a traceback."""
+    async with gateway(config(tmp_path)) as (gw, pool, _admin, _oai):
+        base = ["--url", gw.url, "--key", KEY]
+        assert await asyncio.to_thread(admin_main, [*base, "status"]) == 0
+        assert "m-0" in capsys.readouterr().out
+        assert await asyncio.to_thread(admin_main, [*base, "drain", "m-1"]) == 0
+        assert json.loads(capsys.readouterr().out)["result"] == "stopped"
+        assert pool.slot("m-1").state is SlotState.STOPPED
+        for name in ("a b", "x?y", "../m-0"):
+            assert await asyncio.to_thread(admin_main, [*base, "drain", name]) == 1
+            assert "replica_not_found" in capsys.readouterr().err
+        assert pool.slot("m-0").state is SlotState.READY
