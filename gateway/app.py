@@ -98,6 +98,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if resource is None:  # no route takes it (a scan, a wrong path or method): counted, with no model
+            request.app[METRICS].requests.labels("-", "-", "unrouted", str(exc.status)).inc()
         return error_response(http_exception_to_error(exc), request_id=request_id, api=api)
     except Exception:
         log.exception("unhandled error in %s %s (request %s)", request.method, request.path, request_id)

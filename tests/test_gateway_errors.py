@@ -89,6 +89,10 @@ async def test_wrong_method_and_unknown_path(gateway: RunningGateway, http: aioh
         async with http.request(method, gateway.url + path) as resp:
             body = await resp.json()
             assert resp.status == status and body["type"] == "error" and body["error"]["type"], body
+    async with http.get(gateway.url + "/metrics") as resp:  # a scan shows in the metrics, in bounded series
+        text = await resp.text()
+    assert 'kvgate_requests_total{endpoint="unrouted",model="-",replica="-",status="404"} 2.0' in text
+    assert 'kvgate_requests_total{endpoint="unrouted",model="-",replica="-",status="405"} 2.0' in text
 
 
 async def _post(http: aiohttp.ClientSession, url: str, **extra: Any) -> tuple[int, Any, Any]:
