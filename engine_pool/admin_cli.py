@@ -103,7 +103,11 @@ def main(argv: list[str]) -> int:
         else:
             status, data = request(args, "POST", f"/admin/models/{_seg(args.model)}/scale", {"replicas": args.replicas})
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-        print(f"kvgate admin: cannot reach {args.url}: {exc}", file=sys.stderr)
+        if isinstance(exc.reason if isinstance(exc, urllib.error.URLError) else exc, TimeoutError):
+            print(f"kvgate admin: no answer within {args.timeout:g} s; the operation may still be running on the "
+                  "gateway: see `kvgate admin status`", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"kvgate admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 2
     if status >= 400:
         print(json.dumps(data, indent=2), file=sys.stderr)

@@ -7,6 +7,7 @@ not import vLLM, matplotlib or the tokenizer stack. Every subcommand module expo
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -101,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     if sub is None:
         print(f"kvgate: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    return sub.run(args[1:])
+    try:
+        return sub.run(args[1:])
+    except BrokenPipeError:  # the reader of its output left (`| head`): no traceback, nothing more written
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
