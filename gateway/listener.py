@@ -8,7 +8,8 @@ Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each acce
   requests being answered (its 408 follows their answers); the body's own deadline is `server.body_timeout_s`,
   applied where a handler reads it (`gateway.body`);
 - a head is bounded in all: more than `server.max_head_bytes` of it gets 431 at once (aiohttp bounds each line and
-  the count of headers, and only checks the count when the head ends); the count is exact for a head that starts a
+  the count of headers, and only checks the count when the head ends), also a whole head that arrived in one read
+  (its request is dropped unserved); the count is exact for a head that starts a
   segment or follows a request without a body or with a Content-Length one, and starts with the next segment after a
   chunked one (`gateway.framing.after_request`);
 - requests are parsed one at a time (aiohttp's parser, told to stop after each whole request, keeps the rest), so a
@@ -138,17 +139,29 @@ class GuardedRequestHandler(RequestHandler):
         parsed = self._request_count
         self._parse(data)
         new_requests = self._request_count - parsed
+        limit = self._listener.config.server.max_head_bytes
+        if new_requests and between and self._head_size(data) > limit:  # a head over the bound, whole in one read
+            for _ in range(new_requests):  # not served: no handler has taken them yet
+                self._messages.pop()
+            self._request_count = parsed
+            self._refuse(HeadersTooLarge(f"request head too large: more than {limit} bytes"))
+            return
         if new_requests:
             self._newest = self._messages[-1][1] if self._messages else None
             self._head_bytes = self._next_head_bytes(data)
         elif between:
             self._head_bytes += len(data)
-        limit = self._listener.config.server.max_head_bytes
         if self._head_bytes > limit and not self._stopped_parsing:
             self._refuse(HeadersTooLarge(f"request head too large: more than {limit} bytes"))
         self._read_chunk_line(data, new_requests, between)
         self._carry = data[-CARRY:] if data else self._carry
         self._time_head(new_requests, bool(data))
+
+    def _head_size(self, data: bytes) -> int:
+        """The size of the head that ended in `data` (begun in it or in the segments before it), 0 if none did."""
+        seen = self._carry + data
+        end = seen.find(b"\r\n\r\n")
+        return 0 if end < 0 else self._head_bytes + end + 4 - len(self._carry)
 
     def _next_head_bytes(self, data: bytes) -> int:
         """Bytes of the next head in the segment in which the newest request ended (`framing.after_request`);

@@ -147,6 +147,18 @@ async def test_a_head_over_its_total_bound_is_431_at_once(pipelined: bool) -> No
             assert await conn.closed_by_server()
 
 
+async def test_a_whole_head_over_its_total_bound_in_one_write_is_431() -> None:
+    """A complete head of 40 KiB (40 lines under the line limit) arriving in one read: refused, not served."""
+    async with gateway_over_sims([SIM], server={"max_head_bytes": 16_384}) as (gw, sims):
+        async with connected(gw.port) as conn:
+            pads = [f"x-pad-{i}: {'a' * 1000}" for i in range(40)]
+            await conn.send(post("/v1/completions", COMPLETION, *pads))
+            error = assert_openai_error(await conn.response(), 431, request_id=False)
+            assert error["code"] == "request_header_too_large"
+            assert await conn.closed_by_server()
+            assert sims[0].engine.stats.started == 0
+
+
 async def test_a_head_under_its_total_bound_is_served() -> None:
     async with gateway_over_sims([SIM], server={"max_head_bytes": 16_384}) as (gw, _):
         async with connected(gw.port) as conn:
