@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import BadRequest
+from gateway.request_parse import as_int
 
 _ROLES = frozenset({"user", "assistant", "system"})
 _BLOCKS = frozenset(
@@ -165,8 +166,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 def messages_as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
     """The chat request vLLM renders for a `/v1/messages` body (see the module's docstring); BadRequest for what
     vLLM's request model refuses; None when no message is left to hash."""
-    max_tokens = body.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    max_tokens = as_int(body.get("max_tokens"))
+    if max_tokens is None or max_tokens < 1:
         raise BadRequest("'max_tokens' is required and must be an integer >= 1", param="max_tokens")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

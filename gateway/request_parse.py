@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
+from pydantic import TypeAdapter, ValidationError
 
 from gateway.body import nested_deeper, scan_value, too_deep
 from gateway.errors import ApiShape, BadRequest
@@ -37,15 +38,28 @@ class ParsedRequest:
 
 
 _INT_BOUND = 2**31 - 1  # what the gateway counts of an integer field at most (no context is longer)
+_INT = TypeAdapter(int)
+
+
+def as_int(value: object) -> int | None:
+    """`value` as vLLM's request models read an integer field (pydantic's lax int: 4, 4.0, "4", true); None when
+    they would refuse it. The gateway is no stricter than the engine it fronts."""
+    if type(value) is int:
+        return value
+    try:
+        return _INT.validate_python(value)
+    except ValidationError:
+        return None
 
 
 def _check_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    number = as_int(value)
+    if number is None or number < minimum:
         raise BadRequest(f"'{key}' must be an integer >= {minimum}", param=key)
-    return min(value, _INT_BOUND)  # the body goes on as sent: the engine caps it at the context left
+    return min(number, _INT_BOUND)  # the body goes on as sent: the engine caps it at the context left
 
 
 def _check_messages(messages: Any) -> None:

@@ -14,8 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_pool.launcher import free_port
+from gateway.anthropic import messages_as_chat
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
+from gateway.request_parse import parse_request
 from simengine import Faults, SimConfig, run_sim_engine
 from tests.conftest import gateway_config, gateway_over_sims, wait_for
 
@@ -54,6 +56,13 @@ BAD_INPUTS: list[tuple[str, str, bytes, int, str | None]] = [
         400,
         "max_tokens",
     ),
+    (
+        "fractional max_tokens",
+        COMP,
+        json.dumps({"model": "sim", "prompt": "x", "max_tokens": 4.5}).encode(),
+        400,
+        "max_tokens",
+    ),
     ("unknown model", COMP, json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
     ("body too large", COMP, json.dumps({"model": "sim", "prompt": "x" * 70_000}).encode(), 413, None),
     ("engine rejects n=2", COMP, json.dumps({"model": "sim", "prompt": "x", "n": 2}).encode(), 400, None),
@@ -75,6 +84,15 @@ async def test_bad_inputs_table(gateway: RunningGateway, http: aiohttp.ClientSes
             if param is not None:
                 assert payload["error"]["param"] == param, name
             assert resp.headers.get("x-request-id"), name
+
+
+@pytest.mark.parametrize("max_tokens", ["4", 4.0])
+def test_an_integer_field_is_read_as_vllm_reads_it(max_tokens: object) -> None:
+    """vLLM's request models take 4.0 and "4" for an integer (pydantic's lax mode): the gateway is no stricter."""
+    raw = json.dumps({"model": "m", "prompt": "x", "max_tokens": max_tokens}).encode()
+    assert parse_request("completions", raw, max_depth=64).max_tokens == 4
+    body = {"max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]}
+    assert messages_as_chat(body) is not None
 
 
 async def test_wrong_method_and_unknown_path(gateway: RunningGateway, http: aiohttp.ClientSession) -> None:
