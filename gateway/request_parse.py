@@ -38,7 +38,7 @@ class ParsedRequest:
 
 
 _INT_BOUND = 2**31 - 1  # what the gateway counts of an integer field at most (no context is longer)
-_INT = TypeAdapter(int)
+_INT, _BOOL = TypeAdapter(int), TypeAdapter(bool)
 
 
 def as_int(value: object) -> int | None:
@@ -50,6 +50,18 @@ def as_int(value: object) -> int | None:
         return _INT.validate_python(value)
     except ValidationError:
         return None
+
+
+def _stream(body: dict[str, Any]) -> bool:
+    """`stream` as vLLM's request models read a boolean (pydantic's lax bool: true, "true", 1, "yes"), absent or
+    null false; 400 for what they would refuse."""
+    value = body.get("stream")
+    if value is None or type(value) is bool:
+        return bool(value)
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        raise BadRequest("'stream' must be a boolean", param="stream") from None
 
 
 def _check_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
@@ -186,21 +198,14 @@ def parse_request(kind: BodyKind, raw: bytes, *, max_depth: int, model_optional:
     elif not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     if kind == "json":  # any other vLLM endpoint: the engine validates the rest
-        stream = body.get("stream", False)
-        if stream is not None and not isinstance(stream, bool):
-            raise BadRequest("'stream' must be a boolean", param="stream")
-        return ParsedRequest(kind, body, model, bool(stream), True, None, stdlib)
+        return ParsedRequest(kind, body, model, _stream(body), True, None, stdlib)
     if kind == "chat":
         _check_messages(body.get("messages"))
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
         _check_prompt(body["prompt"])
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
+    stream = _stream(body)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
