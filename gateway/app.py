@@ -31,7 +31,7 @@ from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
 from gateway.endpoints import API_BY_PATH
 from gateway.errors import BadRequest, GatewayError, LoopDetected, error_response, http_exception_to_error
-from gateway.ids import IdSource
+from gateway.ids import REQUEST_ID_MAX, IdSource, valid_request_id
 from gateway.keys import (
     ADMISSION,
     CACHE,
@@ -63,19 +63,13 @@ log = logging.getLogger("kvgate.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-_REQUEST_ID_MAX = 128
 _ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's routes (and those it has that kvgate does not: batches)
-
-
-def _valid_request_id(value: str) -> bool:
-    """Visible ASCII, at most `_REQUEST_ID_MAX` characters: what every hop (engines, logs, headers) can carry."""
-    return len(value) <= _REQUEST_ID_MAX and value.isascii() and value.isprintable() and " " not in value
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     client_id = request.headers.get("x-request-id")
-    request_id = client_id if client_id and _valid_request_id(client_id) else request.app[IDS].next()
+    request_id = client_id if client_id and valid_request_id(client_id) else request.app[IDS].next()
     request[REQUEST_ID] = request_id
     resource = request.match_info.route.resource
     # the route's shape (a path no route takes or a method it does not: Anthropic's below its Messages API)
@@ -85,7 +79,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         if client_id and client_id != request_id:
             raise BadRequest(
-                f"x-request-id must be visible ASCII, at most {_REQUEST_ID_MAX} characters", param="x-request-id"
+                f"x-request-id must be visible ASCII, at most {REQUEST_ID_MAX} characters", param="x-request-id"
             )
         if VIA in request.headers and request.app[IDS].instance in via_chain(request.headers.getall(VIA)):
             raise LoopDetected(

@@ -31,6 +31,7 @@ from gateway.endpoints import Endpoint
 from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, error_event, render_error
 from gateway.exchange import Exchange
 from gateway.fleet import RoutingShare
+from gateway.ids import valid_request_id
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Relayed, migratable
 from gateway.proxy import UpstreamProxy
@@ -144,6 +145,9 @@ class CompletionService:
             identity = admission.identify(headers, x_api_key=endpoint.api == "anthropic")  # 401 first when auth is on
             ctx.tenant = identity.tenant
             raw, parsed, holder = await self._read(request, endpoint)
+            named = parsed.body.get("request_id")  # vLLM names the request by the header, else by this
+            if isinstance(named, str) and "x-request-id" not in headers and valid_request_id(named):
+                ctx.request_id = named  # so the engine's id is the client's (an abort finds the rollout)
             if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
                 parsed.model = self.aliases.get(parsed.model, parsed.model)
             if parsed.model in self.adapters.catalog:  # a LoRA adapter kvgate loads on demand (models.dynamic_lora)

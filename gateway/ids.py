@@ -11,6 +11,13 @@ from __future__ import annotations
 import itertools
 import os
 
+REQUEST_ID_MAX = 128
+
+
+def valid_request_id(value: str) -> bool:
+    """Visible ASCII, at most `REQUEST_ID_MAX` characters: what every hop (engines, logs, headers) can carry."""
+    return len(value) <= REQUEST_ID_MAX and value.isascii() and value.isprintable() and " " not in value
+
 
 class IdSource:
     def __init__(self) -> None:

@@ -91,6 +91,7 @@ class SimEngine:
         self.publisher: KVEventPublisher | None = None
         self.traceparents: deque[str] = deque(maxlen=256)  # the W3C trace context of the last requests
         self.anthropic_headers: deque[tuple[str, str]] = deque(maxlen=256)  # anthropic-version, -beta of Messages
+        self.request_ids: deque[str] = deque(maxlen=256)  # the X-Request-Id of the last requests
         self.in_flight = 0  # HTTP generation requests being handled (GET /load)
         self._exit_fn = exit_fn
         self._fault_rng = random.Random(config.seed)

@@ -63,6 +63,7 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
     rid = request.headers.get("X-Request-Id")
     if rid is not None:
         response.headers["X-Request-Id"] = rid
+        request.app[ENGINE_KEY].request_ids.append(rid)  # the name vLLM gives the request
     for name, value in request.app[ENGINE_KEY].config.response_headers.items():
         response.headers.setdefault(name, value)
     traceparent = request.headers.get("traceparent")

@@ -297,3 +297,15 @@ async def test_a_stored_responses_events_are_streamed_when_asked(http: aiohttp.C
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             assert resp.headers["x-kvgate-replica"] == holder
             assert (await resp.read()).count(b"event: ") == 2
+
+
+async def test_a_request_named_in_its_body_keeps_that_name_to_the_engine(http: aiohttp.ClientSession) -> None:
+    """vLLM names a request by its X-Request-Id, else by the body's `request_id` (an RL framework's rollout id, which
+    its abort then names): without the header kvgate sends the body's name on, not one of its own."""
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        body = {"model": "sim", "prompt": "hi", "max_tokens": 2, "request_id": "rollout-7"}
+        async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200 and resp.headers["x-request-id"] == "rollout-7"
+        async with http.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "mine"}) as resp:
+            assert resp.headers["x-request-id"] == "mine"  # the header wins, as in vLLM
+        assert list(sims[0].engine.request_ids)[-2:] == ["rollout-7", "mine"]
