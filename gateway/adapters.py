@@ -4,7 +4,9 @@ A request for an adapter of `models.adapters` that no ready replica holds waits 
 request starts it (a task of its own, so a client leaving does not abort it), the others await the same task. The
 load picks a replica of the adapter's base model (`place_adapter`: free slot, then least load; else unload the
 least recently requested adapter), asks the engine (`ReplicaSet.load_adapter`), and the replica is routable for
-the adapter at once. A refusal is an `AdapterLoadFailed` (502, the engine's reason), a load past
+the adapter at once; one placement and load at a time per base model (two at once would take the same free slot
+or evict the same adapter). A refusal is an `AdapterLoadFailed` (502, the engine's reason; the same answer at once,
+with no engine call and no eviction, for `_FAILED_LOAD_S`), a load past
 `lora_load_timeout_s` a 504, no replica of the base model ready a 503 with Retry-After: never a hang. A hot
 adapter (every holder has `lora_replicate_load` requests outstanding) is loaded on one more replica with a free
 slot in the background (`policies.lora.replica_to_add`), one such load at a time per adapter. Per request
@@ -29,6 +31,8 @@ from policies.lora import place_adapter, replica_to_add
 
 log = logging.getLogger("kvgate.adapters")
 
+_FAILED_LOAD_S = 30.0  # an adapter whose load the engine refused is refused at once this long (no eviction for it)
+
 
 class AdapterLoader:
     def __init__(self, replicas: ReplicaSet, metrics: GatewayMetrics, models: ModelsConfig) -> None:
@@ -36,6 +40,9 @@ class AdapterLoader:
         self.metrics = metrics
         self.last_used: dict[str, float] = {}  # adapter -> when it was last requested (bounded by the catalog)
         self._loading: dict[str, asyncio.Task[None]] = {}
+        # a load that failed: refused again at once until then (no engine call, no eviction), bounded by the catalog
+        self._failed: dict[str, tuple[float, str]] = {}
+        self._placing: dict[str, asyncio.Lock] = {}  # base model -> one placement and load at a time on its replicas
         self.configure(models)
 
     def configure(self, models: ModelsConfig) -> None:
@@ -52,6 +59,9 @@ class AdapterLoader:
         if spec is None:
             return
         self.last_used[name] = time.monotonic()
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] > self.last_used[name]:
+            raise AdapterLoadFailed(f"{failed[1]} (not tried again for {failed[0] - self.last_used[name]:.0f} s)")
         for _ in range(2):  # a background replication awaited first may have failed: then a load of our own
             now = time.monotonic()
             task = self._loading.get(name)
@@ -95,7 +105,8 @@ class AdapterLoader:
 
     async def _replicate(self, name: str, spec: AdapterSpec, replica: Replica) -> None:
         try:
-            error = await self._call(replica, name, None, spec.path)
+            async with self._placing.setdefault(spec.base, asyncio.Lock()):
+                error = await self._call(replica, name, None, spec.path)
         except GatewayError as exc:
             error = str(exc)
         self.metrics.lora_loads.labels(name, "failed" if error else "loaded").inc()
@@ -116,6 +127,17 @@ class AdapterLoader:
             task.exception()  # retrieved: every waiter got it already, or none was left to
 
     async def _load(self, name: str, spec: AdapterSpec) -> None:
+        """Place and load under the base model's lock: two loads at once would both see the same free slot or evict
+        the same adapter."""
+        async with self._placing.setdefault(spec.base, asyncio.Lock()):
+            try:
+                await self._place_and_load(name, spec)
+            except AdapterLoadFailed as exc:
+                self._failed[name] = (time.monotonic() + _FAILED_LOAD_S, str(exc))
+                raise
+            self._failed.pop(name, None)
+
+    async def _place_and_load(self, name: str, spec: AdapterSpec) -> None:
         now = time.monotonic()
         bases = self._bases(spec)
         placement = place_adapter(

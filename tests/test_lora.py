@@ -221,3 +221,38 @@ async def test_a_hot_adapter_is_loaded_on_one_more_replica(
             assert loads == 1 and len(spread) == 1
         else:
             assert loads == 2 and len(spread) == 2
+
+
+async def test_an_adapter_that_cannot_load_evicts_nothing_and_is_not_retried_at_once(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Two slots holding two good adapters: a broken one is tried once (evicting the least recent for it), then
+    refused at once by the gateway, so it evicts nothing more (it evicted one adapter for every request)."""
+    models = adapters_config(tmp_path, ["sql", "chat"], lora_slots=2)
+    models["adapters"]["gone"] = {"base": "base", "path": str(tmp_path / "no-such-folder")}
+    async with gateway_over_sims([RUNTIME], models=models) as (gw, sims):
+        for name in ("sql", "chat"):
+            assert (await complete(http, gw.url, name))[0] == 200
+        messages = []
+        for i in range(3):
+            status, _, body = await complete(http, gw.url, "gone", i)
+            assert status == 502 and "No adapter found" in body["error"]["message"]
+            messages.append(body["error"]["message"])
+        assert ["not tried again" in m for m in messages] == [False, True, True]
+        assert await sim_totals(http, sims, "lora_unloads") == [1]  # sql, for the one try
+        assert (await complete(http, gw.url, "chat"))[0] == 200
+        assert await sim_totals(http, sims, "lora_loads") == [2]  # chat stayed loaded
+
+
+async def test_two_adapters_loaded_at_once_keep_to_the_slots(http: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """One replica with one slot, taken: concurrent first requests for two more adapters take turns, so the
+    replica ends with one adapter, not two (the second load saw the slot the first had just freed)."""
+    models = adapters_config(tmp_path, ["ops", "sql", "chat"])
+    slow = RUNTIME.model_copy(update={"lora_load_ms": 200.0})
+    async with gateway_over_sims([slow], models=models) as (gw, _):
+        assert (await complete(http, gw.url, "ops"))[0] == 200
+        await asyncio.gather(complete(http, gw.url, "sql"), complete(http, gw.url, "chat"))
+        async with http.get(gw.url + "/metrics") as resp:
+            counts = lora_counts(await resp.text())
+        held = {name for (metric, name, _), n in counts.items() if metric == "kvgate_lora_adapter_replicas" and n}
+        assert len(held) == 1, counts
