@@ -370,7 +370,7 @@ class CompletionService:
         # the tokens the engines worked for, as the tenant is charged them (a cut stream: those it delivered)
         if ctx.prompt_tokens:
             m.prompt.value += ctx.prompt_tokens
-        if ctx.cached_tokens:
-            m.cached.value += ctx.cached_tokens
+        if hits := ctx.cache_hits():
+            m.cached.value += hits
         if completion := ctx.delivered_tokens():
             m.completion.value += completion

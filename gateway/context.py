@@ -74,6 +74,12 @@ class RequestContext:
             return self.completion_tokens
         return max(0, self.events_sent - 1)
 
+    def cache_hits(self) -> int:
+        """The prompt tokens its engine found cached: what metrics count as hits and quotas charge less for; none
+        for a split request, whose cached tokens (as the engine reports them) are the KV its prefill step computed
+        and handed over."""
+        return 0 if self.split else self.cached_tokens or 0
+
     def set_usage(self, usage: object) -> None:
         """Token counts from an answer's `usage`: chat and completions' names, the Responses API's, or the Messages
         API's, whose `input_tokens` are only the uncached ones (the prompt is those plus `cache_read_input_tokens`

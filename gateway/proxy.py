@@ -357,10 +357,11 @@ class UpstreamProxy:
         return await self._end_stream(ex, failure)
 
     async def _prefill(self, step: Exchange) -> tuple[Replica, dict[str, Any]] | None:
-        """A prefill step (gateway.disagg) through the same attempts, on prefill replicas; None when none ran it."""
+        """A prefill step (gateway.disagg) through the same attempts, on prefill replicas; None when none ran it
+        (each failed, refused it or ran past the step's deadline): the request then runs whole."""
         try:
             return await self.retrying(step, self._prefill_answer, self.settings.retry.max_attempts, prefill=True)
-        except Exhausted:
+        except (Exhausted, GatewayError):
             return None
 
     async def _prefill_answer(

@@ -3,6 +3,7 @@ simulated engines with a shared-storage KV connector (prefill step, hand-over, d
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -72,9 +73,8 @@ async def pd_gateway(
              for c in decode]  # fmt: skip
         engines = [{"url": s.url, "model": "sim", "name": f"prefill-{i}", "role": "prefill"} for i, s in enumerate(p)]
         engines += [{"url": s.url, "model": "sim", "name": f"decode-{i}", "role": "decode"} for i, s in enumerate(d)]
-        cfg = gateway_config(
-            [], engines=engines, routing={"policy": "cache-aware"}, cache={"tokenizers": {"sim": "sim"}}, **overrides
-        )
+        routing = {"policy": "cache-aware", **overrides.pop("routing", {})}
+        cfg = gateway_config([], engines=engines, routing=routing, cache={"tokenizers": {"sim": "sim"}}, **overrides)
         gw = await stack.enter_async_context(running_gateway(cfg))
         replicas = gw.app[REPLICAS]
         expected = sum(1 for c in prefill if not c.faults.fail_health) + len(decode)
@@ -109,6 +109,9 @@ async def test_a_long_prompt_is_prefilled_on_a_prefill_replica_and_decoded_from_
         assert 'kvgate_disagg_requests_total{mode="split",model="sim"} 1.0' in metrics
         assert 'kvgate_disagg_prefill_seconds_count{model="sim"} 1.0' in metrics
         assert 'kvgate_disagg_handover_seconds_count{model="sim"} 1.0' in metrics
+        # the handed-over KV was computed for this request: no cache hit in the gateway's counters or a tenant's bill
+        assert not re.search(r'kvgate_tokens_total\{kind="cached",model="sim"\} [1-9]', metrics)
+        assert re.search(r'kvgate_tokens_total\{kind="prompt",model="sim"\} [1-9]', metrics)
 
 
 async def test_a_short_prompt_runs_whole_on_a_decode_replica(http: aiohttp.ClientSession, tmp_path: Path) -> None:
@@ -139,16 +142,21 @@ async def test_a_failing_prefill_replica_is_retried_on_another(http: aiohttp.Cli
         assert good.engine.stats.completed == 3 and bad.engine.stats.completed == 0
 
 
-@pytest.mark.parametrize("fault", ["error_rate", "fail_health"])
+@pytest.mark.parametrize(
+    "fault",
+    [{"error_rate": 1.0}, {"fail_health": True}, {"stall_s": 5.0, "stall_rate": 1.0}],
+    ids=lambda f: next(iter(f)),
+)
 async def test_without_a_working_prefill_replica_the_request_runs_whole(
-    http: aiohttp.ClientSession, tmp_path: Path, fault: str
+    http: aiohttp.ClientSession, tmp_path: Path, fault: dict[str, Any]
 ) -> None:
-    broken = SIM.model_copy(
-        update={"faults": SIM.faults.model_copy(update={fault: True if fault == "fail_health" else 1.0})}
-    )
-    async with pd_gateway(tmp_path, [broken], [SIM]) as (gw, _, (decode,)):
+    """Two prefill replicas that fail (500 both: not the request's fault here), are down, or stall past
+    prefill_timeout_s: the request runs whole on the decode replica, never answered with their error."""
+    broken = SIM.model_copy(update={"faults": SIM.faults.model_copy(update=fault)})
+    routing = {"disaggregation": {"prefill_timeout_s": 1.0}}
+    async with pd_gateway(tmp_path, [broken, broken], [SIM], routing=routing) as (gw, _, (decode,)):
         data, headers = await complete(http, gw.url, LONG)
-        reason = "prefill-failed" if fault == "error_rate" else "no-prefill-replica"
+        reason = "no-prefill-replica" if "fail_health" in fault else "prefill-failed"
         assert headers["x-kvgate-disagg"] == f"aggregated; reason={reason}"
         assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed whole on decode
         assert decode.engine.stats.completed == 1

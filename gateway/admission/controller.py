@@ -227,7 +227,7 @@ class AdmissionController:
             else:
                 del self._tenant_active[tenant]
             stats = self.metrics.tenant(tenant)
-            prompt, cached, completion = ctx.prompt_tokens, ctx.cached_tokens, ctx.delivered_tokens()
+            prompt, cached, completion = ctx.prompt_tokens, ctx.cache_hits(), ctx.delivered_tokens()
             if prompt:
                 stats.prompt.value += prompt
             if cached:
@@ -243,7 +243,7 @@ class AdmissionController:
         it failed) and the tokens its stream delivered."""
         prompt = ctx.prompt_tokens if ctx.prompt_tokens is not None else (0 if failed else ticket.prompt_estimate)
         weight = self.config.tenant(ticket.identity.tenant).limits.cached_token_weight
-        return token_cost(prompt, ctx.cached_tokens or 0, ctx.delivered_tokens(), weight)
+        return token_cost(prompt, ctx.cache_hits(), ctx.delivered_tokens(), weight)
 
     def tenant_in_flight(self, tenant: str) -> int:
         """Requests of the tenant this controller admitted and has not finished."""
