@@ -150,11 +150,11 @@ class CompletionService:
                 ctx.request_id = named  # so the engine's id is the client's (an abort finds the rollout)
             if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
                 parsed.model = self.aliases.get(parsed.model, parsed.model)
-            if parsed.model in self.adapters.catalog:  # a LoRA adapter kvgate loads on demand (models.dynamic_lora)
-                await self.adapters.ensure(parsed.model)
             chain = [parsed.model, *(self._fallbacks.get(parsed.model, ()) if holder is None else ())]
-            # metrics label only known models (bounded cardinality); a model with fallbacks is a configured name
-            if len(chain) == 1 and not self.replicas.for_model(parsed.model):
+            # metrics label only known models (bounded cardinality); a model with fallbacks or of the adapter
+            # catalog is a configured name
+            loadable = parsed.model in self.adapters.catalog  # a LoRA adapter kvgate loads on demand: not unknown
+            if len(chain) == 1 and not loadable and not self.replicas.for_model(parsed.model):
                 if self.replicas.undiscovered():  # an engine not reached yet may serve it: ask again soon
                     raise Overloaded(
                         f"the model {parsed.model!r} is not served by any engine reached so far",
@@ -173,6 +173,13 @@ class CompletionService:
                     self.metrics.fallbacks.labels(chain[0], model).inc()
                     ctx.extra_headers["x-kvgate-fallback"] = f"{chain[0]} -> {model}"
                     parsed.model = ctx.model = model
+                try:
+                    if model in self.adapters.catalog:  # loaded first (models.dynamic_lora); no replica: a fallback
+                        await self.adapters.ensure(model)
+                except Overloaded as err:
+                    if i + 1 == len(chain) or err.code not in _NO_CAPACITY:
+                        raise
+                    continue
                 info = await self.router.request_info(
                     model=model,
                     endpoint=kind,

@@ -256,3 +256,21 @@ async def test_two_adapters_loaded_at_once_keep_to_the_slots(http: aiohttp.Clien
             counts = lora_counts(await resp.text())
         held = {name for (metric, name, _), n in counts.items() if metric == "kvgate_lora_adapter_replicas" and n}
         assert len(held) == 1, counts
+
+
+async def test_an_adapter_no_replica_can_load_goes_to_its_fallback(http: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """The adapter's base model has no ready replica: its configured fallback answers, as for any 503; with no
+    fallback the 503 is counted under the adapter's name."""
+    small = SimConfig(model="small", instant=True)
+    models = {**adapters_config(tmp_path, ["sql", "chat"]), "fallbacks": {"sql": ["small"]}}
+    async with gateway_over_sims([RUNTIME, small], models=models) as (gw, sims):
+        async with http.post(f"{sims[0].url}/sim/faults", json={"fail_health": True}) as resp:
+            assert resp.status == 200
+        base = next(r for r in gw.app[REPLICAS] if r.model == "base")
+        await wait_for(lambda: not base.healthy, what="the base replica down")
+        async with http.post(gw.url + "/v1/completions", json={"model": "sql", "prompt": "x"}) as resp:
+            assert resp.status == 200 and resp.headers["x-kvgate-fallback"] == "sql -> small"
+        assert (await complete(http, gw.url, "chat"))[0] == 503
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+        assert 'model="chat",replica="-",status="503"' in text
