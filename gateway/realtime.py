@@ -106,12 +106,19 @@ async def _engine_socket(
 
 
 async def _relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse, idle_s: float) -> None:
-    """Both directions until one side closes (or sends too big a message, or both stay idle past `idle_s`); the
-    other side is then closed with the same code."""
+    """Both directions until one side closes (or sends too big a message, or both stay idle past `idle_s`: 1001);
+    the other side is then closed with the same code. A session busy in one direction is not idle."""
+    last = [time.monotonic()]  # the last message either way
 
     async def pump(source: _Socket, sink: _Socket) -> int:
         while True:
-            msg = await source.receive(timeout=idle_s)
+            try:
+                msg = await source.receive(timeout=max(0.01, last[0] + idle_s - time.monotonic()))
+            except TimeoutError:
+                if time.monotonic() - last[0] >= idle_s:  # nothing either way for idle_s
+                    return WSCloseCode.GOING_AWAY
+                continue
+            last[0] = time.monotonic()
             if msg.type == WSMsgType.TEXT:
                 await sink.send_str(msg.data)
             elif msg.type == WSMsgType.BINARY:

@@ -110,3 +110,24 @@ async def test_the_engine_going_away_and_the_gateway_shutting_down_close_the_ses
             assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.GOING_AWAY, msg
             await stopping
             assert time.monotonic() - started < 10
+
+
+async def test_a_session_busy_one_way_is_not_idle_and_an_idle_one_is_closed_with_1001() -> None:
+    """The client streams audio (the engine says nothing until a commit) for twice the idle bound: the session
+    stays; then nothing either way for the bound: closed with 1001, not as a normal end."""
+    async with (
+        gateway_over_sims(sims(1), server={"keepalive_timeout_s": 1.0}) as (gw, _),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.ws_connect(f"{gw.url}/v1/realtime") as ws:
+            await ws.receive_json(timeout=10)
+            await ws.send_json({"type": "session.update", "model": MODEL})
+            chunk = base64.b64encode(bytes(320)).decode()
+            for _ in range(8):  # 2.4 s of audio, a chunk every 0.3 s, one way only
+                await ws.send_json({"type": "input_audio_buffer.append", "audio": chunk})
+                await asyncio.sleep(0.3)
+            await ws.send_json({"type": "input_audio_buffer.commit"})
+            assert (await ws.receive_json(timeout=10))["type"] == "transcription.delta"  # the session lived on
+            assert (await ws.receive_json(timeout=10))["type"] == "transcription.done"
+            msg = await ws.receive(timeout=10)
+            assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.GOING_AWAY, msg
