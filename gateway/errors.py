@@ -12,6 +12,7 @@ catch either.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -110,7 +111,7 @@ class Overloaded(GatewayError):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        merged = {"Retry-After": str(max(1, round(retry_after_s)))}
+        merged = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}  # up: a client that waits it finds room
         merged.update(headers or {})
         super().__init__(message, code=code, headers=merged)
         self.retry_after_s = retry_after_s

@@ -100,14 +100,14 @@ def admission(url: str, policy: str) -> dict[str, Any]:
 
 @asynccontextmanager
 async def two_gateways(
-    url: str, policy: str
+    url: str, policy: str, *, share_routing: bool = True
 ) -> AsyncIterator[tuple[list[RunningGateway], list[SimServer], aiohttp.ClientSession]]:
+    """`share_routing`: False leaves Redis to the quotas alone (no session lookup or claim before them)."""
     async with AsyncExitStack() as es:
         engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, decode_ms=30)))
-        gws = [
-            await es.enter_async_context(running_gateway(gateway_config([engine], admission(url, policy))))
-            for _ in range(2)
-        ]
+        config = gateway_config([engine], admission(url, policy))
+        config = config.model_copy(update={"fleet": config.fleet.model_copy(update={"share_routing": share_routing})})
+        gws = [await es.enter_async_context(running_gateway(config)) for _ in range(2)]
         session = await es.enter_async_context(aiohttp.ClientSession())
         for gw in gws:
             await wait_ready(session, gw.url)
@@ -337,3 +337,25 @@ async def test_the_store_gauge_follows_redis_back_under_traffic(redis_server: Re
         counted = await redis_counted(redis_server.url)
         assert (await post(session, gw.url, chat(), key="sk-acme"))[0] == 200
         assert await redis_counted(redis_server.url) == counted + 1 and gauge() == 1  # served by the recovered store
+
+
+async def test_a_client_that_leaves_during_the_quota_check_leaves_no_slot_behind(redis_server: RedisProcess) -> None:
+    """Redis slow to answer (frozen) while a client gives up and leaves: the check still grants it a slot in Redis
+    when it answers, and that slot is given back at once, not held for lease_s (the tenant locked out meanwhile)."""
+    await redis_server.start()
+    async with two_gateways(redis_server.url, "open", share_routing=False) as (gws, _, session):
+        assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200  # its connection to Redis open
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                async with session.post(
+                    f"{gws[0].url}/v1/chat/completions", json=chat(), headers={"Authorization": "Bearer sk-acme"},
+                    timeout=aiohttp.ClientTimeout(total=0.1),
+                ):  # fmt: skip
+                    pass
+            await wait_for(lambda: gws[0].app[ADMISSION].tenant_in_flight("acme") == 0, 10.0, "the request gone")
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        held = await hold_two_slots(session, gws)  # both slots free for the tenant (its give-back ran first)
+        assert [(await t)[0] for t in held] == [200, 200]

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from engine_pool.launcher import free_port
 from gateway.anthropic import messages_as_chat
 from gateway.embedded import RunningGateway, running_gateway
+from gateway.errors import Overloaded
 from gateway.keys import REPLICAS
 from gateway.request_parse import parse_request
 from simengine import Faults, SimConfig, run_sim_engine
@@ -267,3 +268,9 @@ async def test_a_model_asked_for_before_its_engine_answered_is_503_not_404(http:
                 assert resp.status == 200
             async with http.post(gw.url + COMP, json={**body, "model": "other"}) as resp:
                 assert resp.status == 404  # every engine answered: an unknown model does not exist
+
+
+def test_retry_after_is_rounded_up() -> None:
+    """A client that waits exactly Retry-After must find room: 16.3 s left is 17, not 16."""
+    assert Overloaded("full", retry_after_s=16.3).headers["Retry-After"] == "17"
+    assert Overloaded("full", retry_after_s=0.2).headers["Retry-After"] == "1"

@@ -198,7 +198,7 @@ class AdmissionController:
                 raise Overloaded(
                     "quota store unavailable", retry_after_s=quota.retry_after_s, code="quota_store_unavailable"
                 )
-            retry = str(max(1, round(quota.retry_after_s)))
+            retry = str(max(1, math.ceil(quota.retry_after_s)))  # up: a client that waits it finds room
             raise RateLimited(
                 f"rate limit exceeded for tenant {tenant!r}: {quota.reason}",
                 code="rate_limit_exceeded",

@@ -35,6 +35,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.admission.config import LimitsConfig, RedisConfig
@@ -146,7 +147,9 @@ class RedisQuotaStore:
             config.url,
             socket_timeout=config.timeout_s,
             socket_connect_timeout=config.timeout_s,
-            retry=Retry(NoBackoff(), 1),  # once more on a fresh connection: a stale pooled one fails once
+            # once more on a fresh connection (a stale pooled one fails once), only where the command never ran: a
+            # timeout is not retried (the scripts count: run twice, a request would be counted twice)
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             health_check_interval=0,
         )
         self._check = self.client.register_script(_CHECK)
@@ -160,6 +163,7 @@ class RedisQuotaStore:
         self._unreleased: dict[str, tuple[str, int]] = {}  # Redis lease -> (tenant, token delta), while down
         self._granted_locally: dict[str, Lease] = {}  # live leases the fallback granted while down
         self._reconnect: asyncio.Task[None] | None = None
+        self._giving_back: set[asyncio.Task[None]] = set()  # releases of leases whose request was cancelled
         self._renewer: asyncio.Task[None] | None = None
         metrics.store_up.labels("redis").set(1)
 
@@ -186,6 +190,9 @@ class RedisQuotaStore:
             except REDIS_ERRORS as exc:
                 self._unreleased[lease_id] = (tenant, 0)  # it may have been granted: undone on recovery
                 self._mark_down(exc)
+            except asyncio.CancelledError:  # the client left while Redis answered: a slot it may hold goes back
+                self._give_back(tenant, lease_id)
+                raise
             else:
                 return self._result(tenant, limits, tokens, lease_id, raw)
         if self.config.failure_policy == "closed":
@@ -217,6 +224,25 @@ class RedisQuotaStore:
             remaining_tokens=(tpm - int(toks)) if tpm else 0,
             reset_tokens_s=int(to_min_ms) / 1000,
         )
+
+    def _give_back(self, tenant: str, lease_id: str) -> None:
+        """Release a lease the check may have granted to a request that is gone (in a task of its own: the request's
+        is cancelled); while Redis is down, recorded for the recovery."""
+
+        async def release() -> None:
+            try:
+                async with asyncio.timeout(self._call_timeout_s):
+                    await self._release(args=[self.config.key_prefix, tenant, lease_id, 0])
+            except REDIS_ERRORS as exc:
+                self._unreleased[lease_id] = (tenant, 0)
+                self._mark_down(exc)
+
+        if not self.up:
+            self._unreleased[lease_id] = (tenant, 0)
+            return
+        task = asyncio.get_running_loop().create_task(release(), name="kvgate:redis-give-back")
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
 
     async def release(self, lease: Lease, tokens: int) -> None:
         if lease.store != self.name:
@@ -337,6 +363,7 @@ class RedisQuotaStore:
                 self._mark_down(exc)
 
     async def close(self) -> None:
+        await asyncio.gather(*self._giving_back, return_exceptions=True)
         for task in (self._reconnect, self._renewer):
             if task is not None:
                 task.cancel()
