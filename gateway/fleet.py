@@ -76,13 +76,15 @@ class FleetMetrics:
         self.claims = FastCounter(
             "kvgate_fleet_claims",
             "Cold placements claimed in Redis: won (this gateway's choice stands), joined (another gateway's claim "
-            "decided the replica), error (Redis did not answer: own choice)",
+            "decided the replica), error (Redis did not answer: own choice), skipped (Redis failed to answer within "
+            "reconnect_max_s: not asked, own choice)",
             ["outcome"],
             registry,
         )
         self.session_lookups = FastCounter(
             "kvgate_fleet_session_lookups",
-            "Sessions unknown here looked up in Redis (found, missing, error)",
+            "Sessions unknown here looked up in Redis (found, missing, error; skipped: not asked, Redis failed to "
+            "answer within reconnect_max_s)",
             ["outcome"],
             registry,
         )
@@ -106,6 +108,7 @@ class RoutingShare:
             url, socket_timeout=_READ_BLOCK_MS / 1000 + timeout, socket_connect_timeout=timeout
         )
         self._reading_since: float | None = None
+        self._off_until = 0.0  # no lookup before then: the last one failed (`_lookups_off`)
         self._tasks: list[asyncio.Task[None]] = []
 
     def _session_key(self, digest: bytes) -> str:
@@ -155,11 +158,22 @@ class RoutingShare:
         return await self._get(self._response_key(response_id))
 
     async def _get(self, key: str) -> str | None:
+        if self._lookups_off():
+            return None
         try:
             value = await self._client.get(key)
         except REDIS_ERRORS:
+            self._lookup_failed()
             return None
         return value.decode() if isinstance(value, bytes) else value
+
+    def _lookups_off(self) -> bool:
+        """Whether a lookup failed in the last `reconnect_max_s`: then none is tried (each would wait `timeout_s`
+        for a Redis that does not answer, on every request); the gateway routes on its own knowledge."""
+        return time.monotonic() < self._off_until
+
+    def _lookup_failed(self) -> None:
+        self._off_until = time.monotonic() + self.config.reconnect_max_s
 
     async def claim(self, first_block: int, replica: str) -> str:
         """The replica a cold prefix starting with `first_block` goes to: `replica`, unless another gateway claimed
@@ -167,9 +181,13 @@ class RoutingShare:
         if not self.config.claim_ms:
             return replica
         key = f"{self.config.key_prefix}:claim:{first_block:x}"
+        if self._lookups_off():
+            self.metrics.claims.labels("skipped").inc()
+            return replica
         try:
             prior = await self._client.set(key, replica, nx=True, get=True, px=int(self.config.claim_ms))
         except REDIS_ERRORS:
+            self._lookup_failed()
             self.metrics.claims.labels("error").inc()
             return replica
         if prior is None:
@@ -182,9 +200,13 @@ class RoutingShare:
         since = self._reading_since
         if since is not None and time.monotonic() - since > self._session_ttl:
             return None  # every live binding came through the stream
+        if self._lookups_off():
+            self.metrics.session_lookups.labels("skipped").inc()
+            return None
         try:
             value = await self._client.get(self._session_key(session))
         except REDIS_ERRORS:
+            self._lookup_failed()
             self.metrics.session_lookups.labels("error").inc()
             return None
         self.metrics.session_lookups.labels("missing" if value is None else "found").inc()

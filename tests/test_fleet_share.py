@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -152,6 +153,26 @@ async def test_losing_redis_fails_no_request_and_sharing_resumes(
                 lambda: metric(b, "kvgate_fleet_decisions_total", outcome="applied") > applied, 15.0, "b applied it"
             )
             assert await chat(http, b, "after the outage, again", session="late") == (replica, "session")
+
+
+async def test_a_hung_redis_costs_one_lookup_timeout_not_one_per_request(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    """Redis frozen (it accepts, never answers): the first session lookup waits fleet.timeout_s and fails; the
+    requests after it route on the gateway's own knowledge without asking Redis again (each waited the timeout)."""
+    await redis_server.start()
+    async with sims(2) as servers, running_gateway(config(servers, redis_server.url)) as gw:
+        await wait_subscribed(gw)
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(6):
+                await chat(http, gw, f"q{i}", session=f"hung-{i}")
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        tried = metric(gw, "kvgate_fleet_session_lookups_total", outcome="error")
+        assert tried == 1 and metric(gw, "kvgate_fleet_session_lookups_total", outcome="skipped") == 5
 
 
 async def test_a_stored_response_is_found_through_another_gateway(
