@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -90,22 +91,22 @@ async def redis_server() -> AsyncIterator[RedisProcess]:
         await server.stop()
 
 
-def admission(url: str, policy: str) -> dict[str, Any]:
+def admission(url: str, policy: str, limits: dict[str, int] | None = None) -> dict[str, Any]:
     return {
         "auth": True,
-        "tenants": {"acme": {"keys": [hash_key("sk-acme")], "limits": {"max_concurrency": 2}}},
+        "tenants": {"acme": {"keys": [hash_key("sk-acme")], "limits": limits or {"max_concurrency": 2}}},
         "redis": {"url": url, "failure_policy": policy, "reconnect_min_s": 0.05, "reconnect_max_s": 0.2},
     }
 
 
 @asynccontextmanager
 async def two_gateways(
-    url: str, policy: str, *, share_routing: bool = True
+    url: str, policy: str, *, share_routing: bool = True, limits: dict[str, int] | None = None
 ) -> AsyncIterator[tuple[list[RunningGateway], list[SimServer], aiohttp.ClientSession]]:
     """`share_routing`: False leaves Redis to the quotas alone (no session lookup or claim before them)."""
     async with AsyncExitStack() as es:
         engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, decode_ms=30)))
-        config = gateway_config([engine], admission(url, policy))
+        config = gateway_config([engine], admission(url, policy, limits))
         config = config.model_copy(update={"fleet": config.fleet.model_copy(update={"share_routing": share_routing})})
         gws = [await es.enter_async_context(running_gateway(config)) for _ in range(2)]
         session = await es.enter_async_context(aiohttp.ClientSession())
@@ -359,3 +360,23 @@ async def test_a_client_that_leaves_during_the_quota_check_leaves_no_slot_behind
             redis_server.proc.send_signal(signal.SIGCONT)
         held = await hold_two_slots(session, gws)  # both slots free for the tenant (its give-back ran first)
         assert [(await t)[0] for t in held] == [200, 200]
+
+
+async def test_requests_that_finished_while_redis_was_frozen_are_counted_there(redis_server: RedisProcess) -> None:
+    """Six requests a minute over two gateways: four granted from memory and finished while Redis was frozen are
+    counted there once it answers, so the other gateway grants two more, not six."""
+    await redis_server.start()
+    # a minute's counter is what is checked: not across a minute's change (Redis' clock is this machine's)
+    await wait_for(lambda: time.time() % 60 < 45, 20.0, "a minute with room for the test")
+    async with two_gateways(redis_server.url, "open", limits={"requests_per_minute": 6}) as (gws, _, session):
+        assert redis_server.proc is not None
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(4):
+                assert (await post(session, gws[0].url, chat(), key="sk-acme"))[0] == 200
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        reg = gws[0].app[REGISTRY]
+        await wait_for(lambda: reg.get_sample_value("kvgate_quota_store_up", {"store": "redis"}) == 1, 30.0, "up")
+        statuses = [(await post(session, gws[1].url, chat(), key="sk-acme"))[0] for _ in range(4)]
+        assert statuses == [200, 200, 429, 429]

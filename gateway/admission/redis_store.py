@@ -15,9 +15,10 @@ the store down (metric, one warning log) and starts a reconnect task (PING with 
 reconnect_min_s to reconnect_max_s). While down, checks never touch Redis: policy "open" answers from an in-process
 `LocalQuotaStore` (each gateway enforces the limits alone), "closed" refuses (503).
 Recovery makes the shared counts exact again as the store is marked up: the releases of Redis leases that came
-while it was down (and the lease of a check whose outcome was lost) are applied, and the live leases granted
-locally while it was down are adopted into Redis (slot, request and tokens counted there; later renewed and
-released there like any other), each in one script call per pass. Under traffic every pass finds the leases
+while it was down (and the lease of a check whose outcome was lost) are applied, the requests and tokens of the
+local grants that finished while it was down are counted there, and the live leases granted locally while it was
+down are adopted into Redis (slot, request and tokens counted there; later renewed and released there like any
+other), each in one script call per pass. Under traffic every pass finds the leases
 granted (and released) during the one before, so the store is marked up after at most `_PASSES_BEFORE_UP` passes
 (checks go to Redis from then on, so no more are granted locally) and the passes continue until none is left:
 the counts miss at most the grants of one pass's round trip, for one more. (Waiting for a pass that finds nothing
@@ -130,6 +131,23 @@ end
 return 1
 """
 
+_CATCH_UP = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
+for i = 2, #ARGV, 3 do
+  local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
+  local rk, tk, dk = base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
+  redis.call('INCRBY', rk, tonumber(ARGV[i + 1]))
+  redis.call('PEXPIRE', rk, 120000)
+  redis.call('INCRBY', tk, tonumber(ARGV[i + 2]))
+  redis.call('PEXPIRE', tk, 120000)
+  redis.call('INCRBY', dk, tonumber(ARGV[i + 2]))
+  redis.call('PEXPIRE', dk, 172800000)
+end
+return 1
+"""
+
 # What a Redis call raises when the server or the link is gone: redis-py's errors, the socket's, and uvloop's
 # RuntimeError for a write to a transport that closed under the client (redis-py 8 writes its connection's
 # health check before it notices the close: seen as a 500 in CI before it was listed here).
@@ -156,12 +174,15 @@ class RedisQuotaStore:
         self._release = self.client.register_script(_RELEASE)
         self._renew = self.client.register_script(_RENEW)
         self._adopt = self.client.register_script(_ADOPT)
+        self._catch_up = self.client.register_script(_CATCH_UP)
         self.fallback = LocalQuotaStore(max_tenants=max_tenants)
         self.up = True
         self._call_timeout_s = 2 * config.timeout_s  # the retry on a fresh connection included
         self._leases: dict[str, str] = {}  # lease_id -> tenant, for renewal; bounded by requests in flight
         self._unreleased: dict[str, tuple[str, int]] = {}  # Redis lease -> (tenant, token delta), while down
         self._granted_locally: dict[str, Lease] = {}  # live leases the fallback granted while down
+        # tenant -> [requests, tokens] of the local grants that finished while down (bounded by the tenants)
+        self._finished_locally: dict[str, list[int]] = {}
         self._reconnect: asyncio.Task[None] | None = None
         self._giving_back: set[asyncio.Task[None]] = set()  # releases of leases whose request was cancelled
         self._renewer: asyncio.Task[None] | None = None
@@ -246,7 +267,9 @@ class RedisQuotaStore:
 
     async def release(self, lease: Lease, tokens: int) -> None:
         if lease.store != self.name:
-            self._granted_locally.pop(lease.lease_id, None)
+            if self._granted_locally.pop(lease.lease_id, None) is not None:  # counted in Redis on recovery
+                done = self._finished_locally.setdefault(lease.tenant, [0, 0])
+                done[0], done[1] = done[0] + 1, done[1] + tokens
             await self.fallback.release(lease, tokens)
             return
         self._leases.pop(lease.lease_id, None)
@@ -276,6 +299,18 @@ class RedisQuotaStore:
             for lease_id, entry in releases:
                 if self._unreleased.get(lease_id) is entry:  # not recorded again meanwhile
                     del self._unreleased[lease_id]
+        finished = list(self._finished_locally.items())
+        if finished:
+            args = [self.config.key_prefix]
+            for tenant, (requests, tokens) in finished:
+                args += [tenant, requests, tokens]
+            async with asyncio.timeout(self._call_timeout_s):
+                await self._catch_up(args=args)
+            for tenant, (requests, tokens) in finished:  # less what was applied: more may have come meanwhile
+                done = self._finished_locally[tenant]
+                done[0], done[1] = done[0] - requests, done[1] - tokens
+                if done[0] <= 0:
+                    del self._finished_locally[tenant]
         adopted = list(self._granted_locally.values())
         if not adopted:
             return
@@ -294,7 +329,7 @@ class RedisQuotaStore:
 
     def _behind(self) -> bool:
         """Whether Redis' counts still miss something recorded while it was down."""
-        return bool(self._unreleased or self._granted_locally)
+        return bool(self._unreleased or self._granted_locally or self._finished_locally)
 
     def _mark_down(self, exc: BaseException) -> None:
         if not self.up:
