@@ -380,3 +380,18 @@ async def test_requests_that_finished_while_redis_was_frozen_are_counted_there(r
         await wait_for(lambda: reg.get_sample_value("kvgate_quota_store_up", {"store": "redis"}) == 1, 30.0, "up")
         statuses = [(await post(session, gws[1].url, chat(), key="sk-acme"))[0] for _ in range(4)]
         assert statuses == [200, 200, 429, 429]
+
+
+async def test_a_gateway_without_redis_counts_its_running_requests_in_its_local_limit(
+    redis_server: RedisProcess,
+) -> None:
+    """A limit of 2, both slots taken through one gateway when Redis goes away: that gateway, now enforcing the
+    limit from memory, counts them and refuses a third (it granted two more: twice the limit)."""
+    await redis_server.start()
+    async with two_gateways(redis_server.url, "open") as (gws, _, session):
+        held = [asyncio.create_task(post(session, gws[0].url, chat(max_tokens=60), key="sk-acme")) for _ in range(2)]
+        await wait_for(lambda: gws[0].app[ADMISSION].tenant_in_flight("acme") == 2, 30.0, "both slots taken")
+        await redis_server.stop()
+        statuses = [(await post(session, gws[0].url, chat(), key="sk-acme"))[0] for _ in range(2)]
+        assert 429 in statuses and 200 not in statuses
+        assert [(await t)[0] for t in held] == [200, 200]

@@ -55,6 +55,15 @@ class LocalQuotaStore:
             self._tenants.move_to_end(tenant)
         return state
 
+    def hold(self, tenant: str, lease_id: str) -> None:
+        """Count a slot held elsewhere (a lease of the shared store that failed) as in flight here."""
+        self._state(tenant).leases.add(lease_id)
+
+    def unhold(self, tenant: str, lease_id: str) -> None:
+        state = self._tenants.get(tenant)
+        if state is not None:
+            state.leases.discard(lease_id)
+
     def in_flight(self, tenant: str) -> int:
         state = self._tenants.get(tenant)
         return len(state.leases) if state else 0

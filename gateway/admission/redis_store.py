@@ -13,7 +13,8 @@ Failure policy: a command that fails on a connection is retried once on a fresh 
 restarted server fails once: that is not an outage); a second failure, or a command slower than its timeout, marks
 the store down (metric, one warning log) and starts a reconnect task (PING with exponential backoff from
 reconnect_min_s to reconnect_max_s). While down, checks never touch Redis: policy "open" answers from an in-process
-`LocalQuotaStore` (each gateway enforces the limits alone), "closed" refuses (503).
+`LocalQuotaStore` (each gateway enforces the limits alone, its requests still running on Redis leases counted
+in them), "closed" refuses (503).
 Recovery makes the shared counts exact again as the store is marked up: the releases of Redis leases that came
 while it was down (and the lease of a check whose outcome was lost) are applied, the requests and tokens of the
 local grants that finished while it was down are counted there, and the live leases granted locally while it was
@@ -273,6 +274,7 @@ class RedisQuotaStore:
             await self.fallback.release(lease, tokens)
             return
         self._leases.pop(lease.lease_id, None)
+        self.fallback.unhold(lease.tenant, lease.lease_id)
         delta = tokens - lease.charged_tokens
         lease.charged_tokens = tokens
         if not self.up:
@@ -340,6 +342,8 @@ class RedisQuotaStore:
 
     def _set_down(self, exc: BaseException) -> None:
         self.up = False
+        for lease_id, tenant in self._leases.items():  # its own running requests fill the local limits too
+            self.fallback.hold(tenant, lease_id)
         self.metrics.store_up.labels("redis").set(0)
         self.metrics.store_transitions.labels("redis", "down").inc()
         log.warning(
