@@ -109,6 +109,7 @@ class RoutingShare:
         )
         self._reading_since: float | None = None
         self._off_until = 0.0  # no lookup before then: the last one failed (`_lookups_off`)
+        self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
 
     def _session_key(self, digest: bytes) -> str:
@@ -127,6 +128,10 @@ class RoutingShare:
         ]
 
     async def close(self) -> None:
+        # the loops end on the flag too: redis-py may turn a cancellation into one of its connection errors, which a
+        # loop takes for an outage and waits on (the gateway's shutdown then hung)
+        self._closed = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -216,7 +221,7 @@ class RoutingShare:
     async def _send_loop(self) -> None:
         cfg = self.config
         backoff = Backoff(_MIN_BACKOFF_S, cfg.reconnect_max_s)
-        while True:
+        while not self._closed:
             await self._wake.wait()
             if cfg.flush_ms:
                 await asyncio.sleep(cfg.flush_ms / 1000)
@@ -254,7 +259,7 @@ class RoutingShare:
         last_id = b"0"  # from the start of the retained history
         catching_up = True  # reading decisions made before this gateway was reading: until a short read
         backoff = Backoff(_MIN_BACKOFF_S, self.config.reconnect_max_s)
-        while True:
+        while not self._closed:
             try:
                 reply: list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] = await self._reader.xread(
                     {self.config.channel: last_id}, count=_READ_COUNT, block=_READ_BLOCK_MS
