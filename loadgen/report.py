@@ -124,17 +124,25 @@ def format_table(doc: Doc) -> str:
     return "\n".join([_render(*table_rows(doc)), *findings(doc)])
 
 
+def _unit(doc: Doc) -> str:
+    return "req/s" if doc.get("arrival") == "poisson" else "concurrent"
+
+
 def format_compare(docs: Sequence[tuple[str, Doc]]) -> str:
-    """Side by side: one row per load, per document output tok/s, TTFT p50 (ms) and prefix hit rate."""
-    loads = sorted({p["load"] for _, d in docs for p in d.get("points", [])})
-    head = ["load"]
+    """Side by side: one row per load (a rate and a concurrency are different loads), per document output tok/s,
+    TTFT p50 (ms) and prefix hit rate (the engines' when scraped, else the share of prompt tokens cached)."""
+    loads = sorted({(_unit(d), p["load"]) for _, d in docs for p in d.get("points", [])})
+    head, seen = ["load"], dict[str, int]()
     for label, _ in docs:
-        head += [f"{label} tok/s", f"{label} TTFT p50 ms", f"{label} hit %"]
+        seen[label] = seen.get(label, 0) + 1
+        name = label if seen[label] == 1 else f"{label} ({seen[label]})"  # two documents of one label told apart
+        head += [f"{name} tok/s", f"{name} TTFT p50 ms", f"{name} hit %"]
     rows = []
-    for load in loads:
-        row = [f"{load:g}"]
+    for unit, load in loads:
+        row = [f"{load:g} {unit}"]
         for _, d in docs:
-            p = next((x for x in d.get("points", []) if x["load"] == load), None)
+            points = d.get("points", []) if _unit(d) == unit else []
+            p = next((x for x in points if x["load"] == load), None)
             if p is None:
                 row += ["-", "-", "-"]
                 continue

@@ -402,6 +402,11 @@ def test_tables_render_with_units_and_slo_columns() -> None:
     assert format_table(doc).endswith("gate 4\ngoodput knee\nplan: knee 4")
     cmp = format_compare([("rr", doc), ("cache", {"points": []})])
     assert "rr tok/s" in cmp and "cache TTFT p50 ms" in cmp
+    # a rate sweep's load 4 is not a concurrency sweep's: their own rows; two documents of one label told apart
+    cmp = format_compare([("gw", doc), ("gw", {**doc, "arrival": "poisson"})])
+    lines = cmp.splitlines()
+    assert "gw (2) tok/s" in lines[0]
+    assert {line.strip().split("  ")[0] for line in lines[1:]} == {"4 concurrent", "4 req/s"}
 
 
 def test_tokenizer_text_maker_counts_model_tokens(tmp_path: Path) -> None:
