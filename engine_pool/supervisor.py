@@ -223,7 +223,9 @@ class Supervisor:
     def _on_stop(self, slot: Slot, cmd: _Stop) -> None:
         if slot.state in (SlotState.STOPPED, SlotState.FAILED, SlotState.BACKOFF):
             self._cancel_tasks(slot)
-            if cmd.after == "restart":
+            if cmd.after == "restart":  # a stopped or failed replica revived: a restart too
+                slot.restarts += 1
+                self.metrics.restarts.labels(slot.id, slot.model.name, cmd.reason).inc()
                 slot.state = SlotState.STOPPED
                 self.launch(slot.id)
             elif cmd.after == "remove":

@@ -274,8 +274,13 @@ async def test_a_drain_during_a_rolling_restart_ends_it_instead_of_hanging_the_m
 
 
 async def test_a_scale_down_removes_the_replicas_that_serve_least(tmp_path: Path) -> None:
-    async with sim_pool(tmp_path, CollectorRegistry(), replicas=2) as pool:
+    registry = CollectorRegistry()
+    async with sim_pool(tmp_path, registry, replicas=2) as pool:
         await pool.wait_ready(timeout_s=60)
+        await pool.drain("m-0")
+        assert await pool.restart("m-0") is SlotState.READY  # a drained replica revived: counted as a restart
+        labels = {"replica": "m-0", "model": "m", "reason": "admin"}
+        assert registry.get_sample_value("kvgate_pool_restarts_total", labels) == 1
         await pool.drain("m-0")
         assert await asyncio.wait_for(pool.scale("m", 1), 60) == ["m-1"]  # not the only ready one
         assert pool.slot("m-1").state is SlotState.READY
