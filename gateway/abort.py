@@ -20,15 +20,30 @@ import time
 from aiohttp import web
 
 from gateway.body import read_body
-from gateway.errors import BadRequest, UpstreamError
-from gateway.keys import COMPLETIONS, CONFIG, REPLICAS, UPSTREAM
+from gateway.context import RequestContext
+from gateway.errors import BadRequest, GatewayError, UpstreamError
+from gateway.keys import COMPLETIONS, CONFIG, REPLICAS, REQUEST_ID, UPSTREAM
 
 PATH = "/inference/v1/abort_requests"
 _JSON = {"Content-Type": "application/json"}
 
 
 async def abort_requests(request: web.Request) -> web.Response:
-    request.app[COMPLETIONS].admission.identify(request.headers, x_api_key=False)  # 401 first when auth is on
+    """Recorded as any request is (access log, `kvgate_requests_total{endpoint="abort"}`)."""
+    ctx = RequestContext(request[REQUEST_ID], "abort")
+    try:
+        response = await _abort(request, ctx)
+        ctx.status = response.status
+        return response
+    except GatewayError as err:
+        ctx.status, ctx.error = err.status, err.code
+        raise
+    finally:
+        request.app[COMPLETIONS].done(ctx, None)
+
+
+async def _abort(request: web.Request, ctx: RequestContext) -> web.Response:
+    ctx.tenant = request.app[COMPLETIONS].admission.identify(request.headers, x_api_key=False).tenant  # 401 first
     raw = await read_body(request, request.app[CONFIG].server)
     try:
         body = json.loads(raw)

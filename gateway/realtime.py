@@ -28,8 +28,9 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from engine_pool.http_client import VIA
 from engine_pool.replica import Replica, rank_headers
-from gateway.errors import NotFound, Overloaded, UpstreamError, UpstreamUnavailable
-from gateway.keys import COMPLETIONS, CONFIG, IDS, REPLICAS
+from gateway.context import RequestContext
+from gateway.errors import GatewayError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+from gateway.keys import COMPLETIONS, CONFIG, IDS, REPLICAS, REQUEST_ID
 
 _Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
 _NOT_SENDABLE = {1005, 1006, 1015}  # close codes a peer reports but no close frame may carry (RFC 6455 7.4.1)
@@ -61,13 +62,34 @@ def _replica(request: web.Request, model: str) -> Replica:
 
 
 async def realtime(request: web.Request) -> web.StreamResponse:
+    """One session, recorded as any request is (access log, `kvgate_requests_total{endpoint="realtime"}`): 101 for
+    a session that was opened, the refusal's status for one that was not."""
+    completions = request.app[COMPLETIONS]
+    ctx = RequestContext(request[REQUEST_ID], "realtime")
+    try:
+        response = await _session(request, ctx)
+        ctx.status = 101
+        return response
+    except GatewayError as err:
+        ctx.status, ctx.error = err.status, err.code
+        raise
+    except BaseException:  # cancelled: the client's connection closed (also at the end of an open session)
+        ctx.status = 101 if ctx.answered else 499
+        ctx.client_disconnected = not ctx.answered
+        raise
+    finally:
+        completions.done(ctx, None)
+
+
+async def _session(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
     cfg, service = request.app[CONFIG].server, request.app[REALTIME]
     completions = request.app[COMPLETIONS]
-    completions.admission.identify(request.headers, x_api_key=False)  # 401 first when auth is on
+    ctx.tenant = completions.admission.identify(request.headers, x_api_key=False).tenant  # 401 first (auth on)
     if service.opening >= cfg.realtime_max_sessions:
         raise Overloaded("too many realtime sessions open", retry_after_s=1.0, code="realtime_sessions_full")
     model = request.query.get("model") or completions.only_model()
     replica = _replica(request, completions.aliases.get(model, model))
+    ctx.model, ctx.replica, ctx.route_reason = replica.model or model, replica.id, "least-load"
     started = replica.begin()
     service.opening += 1
     try:
@@ -75,6 +97,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         async with _engine_socket(service, replica, cfg.realtime_max_message_bytes, via) as upstream:
             client = web.WebSocketResponse(max_msg_size=cfg.realtime_max_message_bytes, autoping=True)
             await client.prepare(request)
+            ctx.answered = True  # the session is open: however it ends, it was served
             service.sessions.add(client)
             try:
                 await _relay(client, upstream, cfg.keepalive_timeout_s)

@@ -309,3 +309,16 @@ async def test_a_request_named_in_its_body_keeps_that_name_to_the_engine(http: a
         async with http.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "mine"}) as resp:
             assert resp.headers["x-request-id"] == "mine"  # the header wins, as in vLLM
         assert list(sims[0].engine.request_ids)[-2:] == ["rollout-7", "mine"]
+
+
+async def test_an_abort_call_is_recorded_as_requests_are(http: aiohttp.ClientSession) -> None:
+    """`/inference/v1/abort_requests` (sent to every engine) is in the metrics and the access log like any request:
+    answered 200, refused 400."""
+    async with gateway_over_sims([SIM]) as (gw, _):
+        for body, status in (({"request_ids": ["generate-tokens-x"]}, 200), ({"ids": ["x"]}, 400)):
+            async with http.post(gw.url + "/inference/v1/abort_requests", json=body) as resp:
+                assert resp.status == status
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+    for status in ("200", "400"):
+        assert f'kvgate_requests_total{{endpoint="abort",model="-",replica="-",status="{status}"}} 1.0' in text

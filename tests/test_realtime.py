@@ -16,7 +16,7 @@ import pytest
 
 from gateway.admission.auth import hash_key
 from gateway.embedded import running_gateway
-from gateway.keys import REPLICAS
+from gateway.keys import REGISTRY, REPLICAS
 from simengine import SimConfig, run_sim_engine
 from tests.conftest import gateway_config, gateway_over_sims, wait_for
 
@@ -61,6 +61,15 @@ async def test_a_session_is_relayed_both_ways_to_one_replica_and_counted_in_its_
                 assert sorted(r.in_flight for r in replicas) == [1, 1]
         await wait_for(lambda: all(r.in_flight == 0 for r in replicas), what="sessions released")
         assert ws.close_code == aiohttp.WSCloseCode.OK
+        # recorded as requests are: each session once, on its replica (and so in the access log)
+        registry = gw.app[REGISTRY]
+        counted = [
+            registry.get_sample_value(
+                "kvgate_requests_total", {"model": MODEL, "replica": r.id, "endpoint": "realtime", "status": "101"}
+            )
+            for r in replicas
+        ]
+        assert sorted(counted) == [1.0, 1.0]
 
 
 async def test_bounds_and_refusals_are_answered_before_the_upgrade() -> None:
