@@ -35,7 +35,7 @@ from gateway.ids import valid_request_id
 from gateway.metrics import GatewayMetrics
 from gateway.migration import Relayed, migratable
 from gateway.proxy import UpstreamProxy
-from gateway.request_parse import ParsedRequest, engine_body, parse_multipart, parse_request
+from gateway.request_parse import ParsedRequest, engine_body, multipart_with_model, parse_multipart, parse_request
 from gateway.responder import Responder
 from gateway.router import Router
 from gateway.tracing import Tracer, valid_traceparent
@@ -148,8 +148,11 @@ class CompletionService:
             named = parsed.body.get("request_id")  # vLLM names the request by the header, else by this
             if isinstance(named, str) and "x-request-id" not in headers and valid_request_id(named):
                 ctx.request_id = named  # so the engine's id is the client's (an abort finds the rollout)
-            if endpoint.body != "multipart":  # a form's model field is sent as the client wrote it
-                parsed.model = self.aliases.get(parsed.model, parsed.model)
+            if (target := self.aliases.get(parsed.model)) is not None:
+                if endpoint.body == "multipart":  # the form's field too: the engine reads the model there
+                    raw = multipart_with_model(raw, parsed.content_type, target)
+                    parsed.body["model"] = target  # (the form, not a JSON body, is what goes on)
+                parsed.model = target
             chain = [parsed.model, *(self._fallbacks.get(parsed.model, ()) if holder is None else ())]
             # metrics label only known models (bounded cardinality); a model with fallbacks or of the adapter
             # catalog is a configured name

@@ -21,12 +21,13 @@ SIM = SimConfig(model="sim", instant=True)
 async def requests_total(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
     async with http.get(url + "/metrics") as resp:
         text = await resp.text()
-    return {
-        (s.labels["endpoint"], s.labels["status"]): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "kvgate_requests_total"
-    }
+    counted: dict[tuple[str, str], float] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.name == "kvgate_requests_total":  # summed over models and replicas
+                key = (s.labels["endpoint"], s.labels["status"])
+                counted[key] = counted.get(key, 0.0) + s.value
+    return counted
 
 
 async def test_embeddings_with_the_openai_client(http: aiohttp.ClientSession) -> None:
@@ -89,10 +90,13 @@ async def test_version_reports_the_engine_and_kvgate(http: aiohttp.ClientSession
 async def test_audio_forms_are_forwarded_intact(http: aiohttp.ClientSession) -> None:
     audio = bytes(range(256)) * 400  # 100 KiB of "audio", every byte value: binary, brackets included
     expected = f"{len(audio)} bytes, sum {sum(audio) % 65536}"
-    async with gateway_over_sims([SIM, SIM]) as (gw, _):
+    async with gateway_over_sims([SIM, SIM], models={"aliases": {"whisper-1": "sim"}}) as (gw, _):
         async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
             result = await client.audio.transcriptions.create(model="sim", file=("clip.wav", audio))
-        assert result.text == expected
+            assert result.text == expected
+            # an alias resolved in the form too (the engine reads its model there), the audio untouched
+            aliased = await client.audio.transcriptions.create(model="whisper-1", file=("clip.wav", audio))
+        assert aliased.text == expected
         for fields, status in (({"model": "sim"}, 200), ({}, 400)):
             form = aiohttp.FormData({**fields})
             form.add_field("file", audio, filename="clip.wav")
@@ -104,7 +108,7 @@ async def test_audio_forms_are_forwarded_intact(http: aiohttp.ClientSession) -> 
                 else:
                     assert body["error"]["param"] == "model"
         counted = await requests_total(http, gw.url)
-        assert counted[("transcriptions", "200")] == 1 and counted[("translations", "200")] == 1
+        assert counted[("transcriptions", "200")] == 2 and counted[("translations", "200")] == 1
 
 
 async def test_a_stored_response_is_retrieved_and_cancelled_on_the_replica_that_holds_it(
