@@ -357,6 +357,18 @@ def _is_text(model: type[BaseModel], path: list[str]) -> bool:
     return annotation is str
 
 
+def _cased_like(tree: dict[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """Environment keys (upper-cased by convention, read lower-cased) spelled as the file spells them: a tenant
+    named `TeamA` in the file is overridden by `KVGATE__ADMISSION__TENANTS__TEAMA__...`."""
+    spelled = {k.lower(): k for k in base if isinstance(k, str)}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = key if key in base else spelled.get(key, key)
+        below = base.get(name)
+        out[name] = _cased_like(value, below) if isinstance(value, dict) and isinstance(below, Mapping) else value
+    return out
+
+
 def deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
@@ -383,7 +395,7 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config {path} must be a mapping at the top level")
         data = loaded or {}
-    data = deep_merge(data, env_overrides(os.environ if environ is None else environ))
+    data = deep_merge(data, _cased_like(env_overrides(os.environ if environ is None else environ), data))
     data = deep_merge(data, overrides or {})
     try:
         return GatewayConfig.model_validate(data)

@@ -150,3 +150,10 @@ def test_check_prints_the_configuration_without_its_secrets(tmp_path: Path, caps
     assert not any(v in json.dumps(printed) for v in ("adm-secret", "salt-secret", "redis-secret", "otlp-secret"))
     assert printed["admission"]["redis"]["url"] == "redis://u:<redacted>@h:6379/0"
     assert printed["admin"]["key"] == "<redacted>" and printed["tracing"]["headers"] == {"authorization": "<redacted>"}
+
+
+def test_an_environment_override_reaches_a_key_the_file_spells_with_capitals(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text("admission:\n  tenants:\n    TeamA: {limits: {requests_per_minute: 5}}\n")
+    cfg = load_config(path, environ={"KVGATE__ADMISSION__TENANTS__TEAMA__LIMITS__REQUESTS_PER_MINUTE": "50"})
+    assert list(cfg.admission.tenants) == ["TeamA"] and cfg.admission.tenants["TeamA"].limits.requests_per_minute == 50
