@@ -62,6 +62,10 @@ _MAX_RESPONSE_ID = 256
 _READ_COUNT = 512  # stream entries per XREAD: a long history is applied in slices, between requests
 
 
+_FAILURES_OFF = 2  # lookups failed in a row that turn the lookups off (`_lookups_off`) ...
+_OFF_S = 1.0  # ... for this long
+
+
 class FleetMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.decisions = FastCounter(
@@ -76,15 +80,15 @@ class FleetMetrics:
         self.claims = FastCounter(
             "kvgate_fleet_claims",
             "Cold placements claimed in Redis: won (this gateway's choice stands), joined (another gateway's claim "
-            "decided the replica), error (Redis did not answer: own choice), skipped (Redis failed to answer within "
-            "reconnect_max_s: not asked, own choice)",
+            "decided the replica), error (Redis did not answer: own choice), skipped (Redis failed to answer twice in "
+            "a row within the last second: not asked, own choice)",
             ["outcome"],
             registry,
         )
         self.session_lookups = FastCounter(
             "kvgate_fleet_session_lookups",
             "Sessions unknown here looked up in Redis (found, missing, error; skipped: not asked, Redis failed to "
-            "answer within reconnect_max_s)",
+            "answer twice in a row within the last second)",
             ["outcome"],
             registry,
         )
@@ -108,7 +112,8 @@ class RoutingShare:
             url, socket_timeout=_READ_BLOCK_MS / 1000 + timeout, socket_connect_timeout=timeout
         )
         self._reading_since: float | None = None
-        self._off_until = 0.0  # no lookup before then: the last one failed (`_lookups_off`)
+        self._off_until = 0.0  # no lookup before then: they failed (`_lookups_off`)
+        self._failures = 0  # lookups failed in a row
         self._closed = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -170,15 +175,22 @@ class RoutingShare:
         except REDIS_ERRORS:
             self._lookup_failed()
             return None
+        self._lookup_answered()
         return value.decode() if isinstance(value, bytes) else value
 
     def _lookups_off(self) -> bool:
-        """Whether a lookup failed in the last `reconnect_max_s`: then none is tried (each would wait `timeout_s`
-        for a Redis that does not answer, on every request); the gateway routes on its own knowledge."""
+        """Whether lookups failed `_FAILURES_OFF` times in a row within the last `_OFF_S`: then none is tried (each
+        would wait `timeout_s` for a Redis that does not answer, on every request) and the gateway routes on its
+        own knowledge. One slow answer on a busy machine is no outage: it turns nothing off."""
         return time.monotonic() < self._off_until
 
     def _lookup_failed(self) -> None:
-        self._off_until = time.monotonic() + self.config.reconnect_max_s
+        self._failures += 1
+        if self._failures >= _FAILURES_OFF:
+            self._off_until = time.monotonic() + _OFF_S
+
+    def _lookup_answered(self) -> None:
+        self._failures = 0
 
     async def claim(self, first_block: int, replica: str) -> str:
         """The replica a cold prefix starting with `first_block` goes to: `replica`, unless another gateway claimed
@@ -195,6 +207,7 @@ class RoutingShare:
             self._lookup_failed()
             self.metrics.claims.labels("error").inc()
             return replica
+        self._lookup_answered()
         if prior is None:
             self.metrics.claims.labels("won").inc()
             return replica
@@ -214,6 +227,7 @@ class RoutingShare:
             self._lookup_failed()
             self.metrics.session_lookups.labels("error").inc()
             return None
+        self._lookup_answered()
         self.metrics.session_lookups.labels("missing" if value is None else "found").inc()
         return value.decode() if isinstance(value, bytes) else value
 

@@ -159,8 +159,9 @@ async def test_a_hung_redis_costs_one_lookup_timeout_not_one_per_request(
     redis_server: RedisProcess,  # noqa: F811
     http: aiohttp.ClientSession,
 ) -> None:
-    """Redis frozen (it accepts, never answers): the first session lookup waits fleet.timeout_s and fails; the
-    requests after it route on the gateway's own knowledge without asking Redis again (each waited the timeout)."""
+    """Redis frozen (it accepts, never answers): the first request's lookups (its session, its cold prefix's claim)
+    wait fleet.timeout_s and fail; the requests after it route on the gateway's own knowledge without asking Redis
+    again (each waited the timeout twice)."""
     await redis_server.start()
     async with sims(2) as servers, running_gateway(config(servers, redis_server.url)) as gw:
         await wait_subscribed(gw)
