@@ -117,33 +117,18 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
 local lease_ms = tonumber(ARGV[2])
-for i = 3, #ARGV, 3 do
+for i = 3, #ARGV, 4 do
   local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
   local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
-  redis.call('ZADD', ck, now + lease_ms, ARGV[i + 1])
-  redis.call('PEXPIRE', ck, lease_ms * 2)
-  redis.call('INCR', rk)
+  if ARGV[i + 1] ~= '' then
+    redis.call('ZADD', ck, now + lease_ms, ARGV[i + 1])
+    redis.call('PEXPIRE', ck, lease_ms * 2)
+  end
+  redis.call('INCRBY', rk, tonumber(ARGV[i + 2]))
   redis.call('PEXPIRE', rk, 120000)
-  redis.call('INCRBY', tk, tonumber(ARGV[i + 2]))
+  redis.call('INCRBY', tk, tonumber(ARGV[i + 3]))
   redis.call('PEXPIRE', tk, 120000)
-  redis.call('INCRBY', dk, tonumber(ARGV[i + 2]))
-  redis.call('PEXPIRE', dk, 172800000)
-end
-return 1
-"""
-
-_CATCH_UP = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
-for i = 2, #ARGV, 3 do
-  local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
-  local rk, tk, dk = base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
-  redis.call('INCRBY', rk, tonumber(ARGV[i + 1]))
-  redis.call('PEXPIRE', rk, 120000)
-  redis.call('INCRBY', tk, tonumber(ARGV[i + 2]))
-  redis.call('PEXPIRE', tk, 120000)
-  redis.call('INCRBY', dk, tonumber(ARGV[i + 2]))
+  redis.call('INCRBY', dk, tonumber(ARGV[i + 3]))
   redis.call('PEXPIRE', dk, 172800000)
 end
 return 1
@@ -175,7 +160,6 @@ class RedisQuotaStore:
         self._release = self.client.register_script(_RELEASE)
         self._renew = self.client.register_script(_RENEW)
         self._adopt = self.client.register_script(_ADOPT)
-        self._catch_up = self.client.register_script(_CATCH_UP)
         self.fallback = LocalQuotaStore(max_tenants=max_tenants)
         self.up = True
         self._call_timeout_s = 2 * config.timeout_s  # the retry on a fresh connection included
@@ -184,6 +168,7 @@ class RedisQuotaStore:
         self._granted_locally: dict[str, Lease] = {}  # live leases the fallback granted while down
         # tenant -> [requests, tokens] of the local grants that finished while down (bounded by the tenants)
         self._finished_locally: dict[str, list[int]] = {}
+        self._adopting: set[str] = set()  # the live local leases a recovery pass is adopting now
         self._reconnect: asyncio.Task[None] | None = None
         self._giving_back: set[asyncio.Task[None]] = set()  # releases of leases whose request was cancelled
         self._renewer: asyncio.Task[None] | None = None
@@ -268,7 +253,8 @@ class RedisQuotaStore:
 
     async def release(self, lease: Lease, tokens: int) -> None:
         if lease.store != self.name:
-            if self._granted_locally.pop(lease.lease_id, None) is not None:  # counted in Redis on recovery
+            # counted in Redis on recovery (one being adopted now is counted by that, released after it)
+            if self._granted_locally.pop(lease.lease_id, None) is not None and lease.lease_id not in self._adopting:
                 done = self._finished_locally.setdefault(lease.tenant, [0, 0])
                 done[0], done[1] = done[0] + 1, done[1] + tokens
             await self.fallback.release(lease, tokens)
@@ -301,26 +287,33 @@ class RedisQuotaStore:
             for lease_id, entry in releases:
                 if self._unreleased.get(lease_id) is entry:  # not recorded again meanwhile
                     del self._unreleased[lease_id]
+        # one call: (tenant, lease or "", requests, tokens) for the finished grants' counts and the live leases
         finished = list(self._finished_locally.items())
-        if finished:
-            args = [self.config.key_prefix]
-            for tenant, (requests, tokens) in finished:
-                args += [tenant, requests, tokens]
-            async with asyncio.timeout(self._call_timeout_s):
-                await self._catch_up(args=args)
-            for tenant, (requests, tokens) in finished:  # less what was applied: more may have come meanwhile
-                done = self._finished_locally[tenant]
-                done[0], done[1] = done[0] - requests, done[1] - tokens
-                if done[0] <= 0:
-                    del self._finished_locally[tenant]
         adopted = list(self._granted_locally.values())
-        if not adopted:
+        if not finished and not adopted:
             return
         args = [self.config.key_prefix, round(self.config.lease_s * 1000)]
+        for tenant, (requests, tokens) in finished:
+            args += [tenant, "", requests, tokens]
         for lease in adopted:
-            args += [lease.tenant, lease.lease_id, lease.charged_tokens]
-        async with asyncio.timeout(self._call_timeout_s):
-            await self._adopt(args=args)
+            args += [lease.tenant, lease.lease_id, 1, lease.charged_tokens]
+        self._adopting = {lease.lease_id for lease in adopted}
+        try:
+            async with asyncio.timeout(self._call_timeout_s):
+                await self._adopt(args=args)
+        except BaseException:  # not adopted: those that finished meanwhile are counted as finished ones
+            for lease in adopted:
+                if lease.lease_id not in self._granted_locally:
+                    done = self._finished_locally.setdefault(lease.tenant, [0, 0])
+                    done[0], done[1] = done[0] + 1, done[1] + lease.charged_tokens
+            raise
+        finally:
+            self._adopting = set()
+        for tenant, (requests, tokens) in finished:  # less what was applied: more may have come meanwhile
+            done = self._finished_locally[tenant]
+            done[0], done[1] = done[0] - requests, done[1] - tokens
+            if done[0] <= 0:
+                del self._finished_locally[tenant]
         for lease in adopted:
             if self._granted_locally.pop(lease.lease_id, None) is None:  # it finished while being adopted
                 self._unreleased[lease.lease_id] = (lease.tenant, 0)
