@@ -229,7 +229,9 @@ class UpstreamProxy:
     ) -> int:
         """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or stalled
         after it started (the client then gets an error event in its API's shape before the end, never a clean end that
-        looks complete), unless it can continue on another replica: then `Migration` is raised."""
+        looks complete), unless it can continue on another replica: then `Migration` is raised. A stream cut when all
+        of the answer but its last event reached the client (`ClientEvents.closing`) gets that event from the gateway
+        and ends as the engine would have ended it."""
         timeouts = self.settings.timeouts
         splitter, client = SseSplitter(), ClientEvents(ex, self.metrics.model(ex.parsed.model).itl)
         started = False
@@ -272,7 +274,12 @@ class UpstreamProxy:
             self.count_failure(replica)
         if not started:
             raise Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
-        if failure is None and client.end is None:  # a stream without an end event ends with the body
+        if not client.done and (closing := client.closing()) is not None:  # whole but for its last event
+            await ex.out.write(closing)
+            client.done = ex.ctx.answered = True
+        if client.done:  # the answer and its last event reached the client: a failure after them is not its
+            failure = ex.ctx.error = None
+        elif failure is None and client.end is None:  # a stream without an end event ends with the body
             ex.ctx.answered = True
         elif failure is None and client.failed:  # the engine's own error event ended it: relayed as it came
             ex.ctx.error = "upstream_error_event"
@@ -281,7 +288,7 @@ class UpstreamProxy:
         elif failure is None and not client.done:  # cut short without its end event ([DONE], message_stop)
             ex.ctx.error = "upstream_truncated"
             failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
-        if failure is not None and not client.done and self._may_migrate(ex):
+        if failure is not None and self._may_migrate(ex):
             raise Migration(failure)
         return await self._end_stream(ex, failure, client.last)
 

@@ -7,7 +7,8 @@ a stored response's id, the end of the answer) and, for a stream that may contin
 role the client already has, its usage told as the whole answer's; a Messages stream's continuation (chat events)
 is told in Anthropic's shape (`gateway.migration.MessagesSeam`). A stream is complete with its API's last event
 (`end_marker`): `data: [DONE]` for chat and completions, `message_stop` for the Messages API (whose `error` event
-from the engine ends it too, as failed); other streams end with their body.
+from the engine ends it too, as failed); other streams end with their body. A stream cut when only that last event
+was missing (the engine died as it finished) gets it from the gateway (`ClientEvents.closing`).
 
 Cost per event: one `bytes.find` for its end; one substring check for usage (and, on a stream that may migrate,
 one `rfind` that moves the engine's continuous usage out of the event); events that carry a final usage object are
@@ -21,16 +22,20 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+import orjson
+
 from gateway.answers import answer_id, ends_in_tool_call, usage_event
 from gateway.exchange import Exchange
 from gateway.migration import Relayed, split_usage, whole_usage, without_role
-from gateway.request_parse import ParsedRequest
+from gateway.request_parse import ParsedRequest, as_int
 
 DONE = b"data: [DONE]"
 MESSAGE_STOP = b"event: message_stop"
 # the Responses API's terminal events: after one the answer is whole (a client may leave before the body's end)
 RESPONSE_END = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
 ANTHROPIC_ERROR = b"event: error"
+# the stream's last event itself, written by the gateway when the engine's stream was cut right before it
+_CLOSING = {DONE: DONE + b"\n\n", MESSAGE_STOP: MESSAGE_STOP + b'\ndata: {"type":"message_stop"}\n\n'}
 
 
 def end_marker(parsed: ParsedRequest) -> bytes | tuple[bytes, ...] | None:
@@ -166,3 +171,27 @@ class ClientEvents:
             self.done = self._ex.ctx.answered = True
         elif self.end is MESSAGE_STOP and last.startswith(ANTHROPIC_ERROR):
             self.failed = True
+
+    def closing(self) -> bytes | None:
+        """The stream's last event when everything of the answer but that event reached the client (the engine's
+        stream was cut between them: the answer is whole), else None. Whole: a Messages stream's last event was
+        `message_delta` (its stop reason and usage); a chat or completions stream's (of one choice) carried a
+        `finish_reason`, or was the usage event after it. Read when a stream is cut, not per event."""
+        end, last = self.end, self.last
+        closing = _CLOSING.get(end) if isinstance(end, bytes) else None
+        if closing is None or not last or self.failed:
+            return None
+        if end is MESSAGE_STOP:
+            return closing if last.startswith(b"event: message_delta") else None
+        if as_int(self._ex.parsed.body.get("n", 1)) not in (1, None):  # another choice may still be open
+            return None
+        try:
+            payload = orjson.loads(last[last.index(b"{") :])
+        except ValueError:
+            return None
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        if not isinstance(choices, list):
+            return None
+        if not choices:  # the usage event after the last choice's finish
+            return closing if isinstance(payload.get("usage"), dict) else None
+        return closing if all(isinstance(c, dict) and c.get("finish_reason") for c in choices) else None

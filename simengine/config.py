@@ -15,6 +15,8 @@ class Faults(BaseModel):
     - ``fail_health``: ``GET /health`` answers 503.
     - ``cut_after_tokens``: a stream's connection is aborted (as when the engine process dies) after N tokens.
     - ``stall_after_tokens``: a stream goes silent for ``stall_s`` seconds after N tokens (engine alive).
+    - ``cut_before_end``: a stream's connection is aborted after its answer's last event, before the stream's own
+      last one (`data: [DONE]`, `message_stop`): the engine died as it finished.
     Draws come from the engine's fault RNG, seeded from ``SimConfig.seed``.
     """
 
@@ -27,6 +29,7 @@ class Faults(BaseModel):
     fail_health: bool = False
     cut_after_tokens: int | None = Field(default=None, ge=1)
     stall_after_tokens: int | None = Field(default=None, ge=1)
+    cut_before_end: bool = False
 
 
 class SimConfig(BaseModel):

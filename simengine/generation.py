@@ -125,6 +125,10 @@ async def _stream(
 
     res = await engine.generate(req.tokens, hashes, req.max_tokens, emit)
     tail = writer.usage_event(usage(prompt_len, res.completion_tokens, res.cached_tokens)) if req.include_usage else ""
+    if engine.faults.cut_before_end and request.transport:
+        await resp.write(tail.encode())
+        request.transport.abort()
+        raise ConnectionResetError("injected cut")
     await resp.write(tail.encode() + _DONE)
     await resp.write_eof()
     return resp

@@ -255,6 +255,10 @@ async def create(request: web.Request, engine: SimEngine) -> web.StreamResponse:
         _event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": use}),
         _event("message_stop", {}),
     ]
+    if engine.faults.cut_before_end and request.transport:
+        await resp.write(b"".join(tail[:-1]))
+        request.transport.abort()
+        raise ConnectionResetError("injected cut")
     await resp.write(b"".join(tail))
     await resp.write_eof()
     return resp

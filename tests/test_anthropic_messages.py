@@ -231,6 +231,21 @@ async def test_a_stream_its_engine_cuts_ends_with_an_anthropic_error_event() -> 
         assert failed.value.type == "api_error" and failed.value.body["type"] == "error"  # type: ignore[index]
 
 
+async def test_a_stream_cut_right_before_message_stop_ends_whole() -> None:
+    """The engine died after `message_delta` (the stop reason and usage): the SDK gets its final message whole, and
+    the continuation that would run nothing is not tried."""
+    cut = SIM.model_copy(update={"faults": Faults(cut_before_end=True)})
+    async with gateway_over_sims([cut, cut]) as (gw, sims), sdk(gw.url) as client:
+        async with client().messages.stream(
+            model="sim", max_tokens=4, messages=[{"role": "user", "content": "a short answer"}]
+        ) as stream:
+            text = "".join([piece async for piece in stream.text_stream])
+            final = await stream.get_final_message()
+        assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 4
+        assert final.content[0].type == "text" and final.content[0].text == text and text
+        assert sum(s.engine.stats.started for s in sims) == 1
+
+
 def test_anthropic_error_shapes_and_statuses() -> None:
     status, headers, body = render_error(Overloaded("no capacity", retry_after_s=3), api="anthropic")
     assert (status, headers["Retry-After"]) == (529, "3")  # Anthropic's SDK raises OverloadedError for 529

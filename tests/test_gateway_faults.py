@@ -79,6 +79,32 @@ async def test_a_stream_its_engine_cuts_or_stalls_ends_with_an_error_event(
         assert counted.get("200", 0) == 0 and counted.get("502" if fault == "cut" else "504") == 1
 
 
+@pytest.mark.parametrize(("kind", "include_usage"), [("chat", False), ("chat", True), ("completions", False)])
+async def test_a_stream_cut_after_its_answer_before_its_last_event_ends_whole(
+    kind: str, include_usage: bool, http: aiohttp.ClientSession
+) -> None:
+    """The engine died as it finished: every token, the finish reason (and the usage asked for) reached the client,
+    only `data: [DONE]` did not. The client gets a whole answer and a clean end, not an error event after a finished
+    answer, and nothing is run again."""
+    cut = SIM.model_copy(update={"faults": Faults(cut_before_end=True)})
+    async with gateway_over_sims([cut, cut]) as (gw, sims):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            options: dict[str, Any] = {"stream_options": {"include_usage": True}} if include_usage else {}
+            if kind == "chat":
+                messages: Any = [{"role": "user", "content": "hello"}]
+                stream: Any = await client.chat.completions.create(
+                    model="sim", messages=messages, max_tokens=5, stream=True, **options
+                )
+            else:
+                stream = await client.completions.create(model="sim", prompt="hello", max_tokens=5, stream=True)
+            chunks = [chunk async for chunk in stream]  # ends without an error
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["length"]
+        assert (chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5) == include_usage
+        assert sum(s.engine.stats.started for s in sims) == 1
+        assert (await requests_by_status(http, gw.url)) == {"200": 1.0}
+
+
 async def test_a_steady_stream_longer_than_many_idle_windows_is_not_cut(http: aiohttp.ClientSession) -> None:
     """The idle window bounds the silence between chunks, not the stream: tokens 0.1 s apart for ~2 s under a
     0.6 s window (moved out once in a while rather than per chunk) all arrive, and the stream ends cleanly."""
