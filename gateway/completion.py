@@ -192,9 +192,12 @@ class CompletionService:
                     # follows one
                     session_key=self.session_key(headers) if kind in ("chat", "completions") else None,
                 )
-                demand = Demand(info, parsed.max_tokens, admission.latency.targets(identity, model, headers))
+                kv, demand, tokens = endpoint.computes_kv, None, 0  # counting a prompt: no tokens, no targets
+                if kv:
+                    demand = Demand(info, parsed.max_tokens, admission.latency.targets(identity, model, headers))
+                    tokens = info.prompt_tokens or len(raw) // 4
                 try:
-                    async with admission.slot(identity, model, info.prompt_tokens or len(raw) // 4, ctx, demand):
+                    async with admission.slot(identity, model, tokens, ctx, demand, kv=kv):
                         ctx.admitted_at = time.monotonic()
                         ctx.status = await self.proxy.forward(
                             self._exchange(out, request, endpoint, parsed, info, ctx, raw, salted, holder)
@@ -250,6 +253,7 @@ class CompletionService:
         data = engine_body(parsed, raw, salted=salted, usage_stats=relayed is not None and parsed.kind != "json")
         deadline = time.monotonic() + self.config.timeouts.total_s
         ex = Exchange(out, request.method, request.raw_path, parsed, info, ctx, data, deadline, holder, relayed)
+        ex.gated = endpoint.computes_kv
         if endpoint.records_id and parsed.stream:  # GET, cancel, resume reach its replica while it runs or after
             ex.on_answer_id = lambda response_id: self.holders.record(response_id, ctx.replica)
         for name in endpoint.forward_headers:

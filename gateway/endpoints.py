@@ -47,14 +47,17 @@ class Endpoint:
     view_kind: BodyKind = "chat"
     api: ApiShape = "openai"
     forward_headers: tuple[str, ...] = ()
+    # False: the route computes no KV (counting, rendering, tokenizing): it takes no capacity slot, is not held to
+    # latency targets and charges no tokens (it still counts as a request of the tenant's)
+    computes_kv: bool = True
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("chat", "/v1/chat/completions", "chat"),
     Endpoint("completions", "/v1/completions", "completions"),
     Endpoint("responses", "/v1/responses", "json", records_id=True, view=responses_as_chat),
-    Endpoint("responses", "/v1/responses/{response_id}", "held", method="GET"),
-    Endpoint("responses", "/v1/responses/{response_id}/cancel", "held"),
+    Endpoint("responses", "/v1/responses/{response_id}", "held", method="GET", computes_kv=False),
+    Endpoint("responses", "/v1/responses/{response_id}/cancel", "held", computes_kv=False),
     # the Messages API: routed cache-aware as the chat request vLLM turns it into; counting tokens computes no KV
     # (routing it cache-aware would teach the index blocks no engine holds): routed by load
     Endpoint(
@@ -65,7 +68,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         api="anthropic",
         forward_headers=ANTHROPIC_HEADERS,
     ),
-    Endpoint("count_tokens", "/v1/messages/count_tokens", "json", api="anthropic", forward_headers=ANTHROPIC_HEADERS),
+    Endpoint(
+        "count_tokens",
+        "/v1/messages/count_tokens",
+        "json",
+        api="anthropic",
+        forward_headers=ANTHROPIC_HEADERS,
+        computes_kv=False,
+    ),
     # vLLM's token-in, token-out route (`--enable-scale-out`; RL rollout frameworks drive it): cache-aware on the
     # token ids it carries
     Endpoint(
@@ -80,18 +90,20 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("cohere_chat", "/cohere/v2/chat", "json"),
     Endpoint("generative_scoring", "/generative_scoring", "json"),
     # rendering a prompt (and its inverse) computes no KV: routed by load
-    Endpoint("render", "/v1/chat/completions/render", "json"),
-    Endpoint("render", "/v1/completions/render", "json"),
-    Endpoint("render", "/v1/responses/render", "json"),
-    Endpoint("render", "/v1/messages/render", "json", api="anthropic", forward_headers=ANTHROPIC_HEADERS),
-    Endpoint("render", "/cohere/v2/chat/render", "json"),
-    Endpoint("derender", "/v1/chat/completions/derender", "json", model_optional=True),
-    Endpoint("derender", "/v1/completions/derender", "json", model_optional=True),
+    Endpoint("render", "/v1/chat/completions/render", "json", computes_kv=False),
+    Endpoint("render", "/v1/completions/render", "json", computes_kv=False),
+    Endpoint("render", "/v1/responses/render", "json", computes_kv=False),
+    Endpoint(
+        "render", "/v1/messages/render", "json", api="anthropic", forward_headers=ANTHROPIC_HEADERS, computes_kv=False
+    ),
+    Endpoint("render", "/cohere/v2/chat/render", "json", computes_kv=False),
+    Endpoint("derender", "/v1/chat/completions/derender", "json", model_optional=True, computes_kv=False),
+    Endpoint("derender", "/v1/completions/derender", "json", model_optional=True, computes_kv=False),
     Endpoint("embeddings", "/v1/embeddings", "json"),
     Endpoint("embeddings", "/v2/embed", "json"),
     Endpoint("invocations", "/invocations", "json", model_optional=True),
-    Endpoint("tokenize", "/tokenize", "json", model_optional=True),
-    Endpoint("detokenize", "/detokenize", "json", model_optional=True),
+    Endpoint("tokenize", "/tokenize", "json", model_optional=True, computes_kv=False),
+    Endpoint("detokenize", "/detokenize", "json", model_optional=True, computes_kv=False),
     Endpoint("pooling", "/pooling", "json"),
     Endpoint("classify", "/classify", "json"),
     Endpoint("score", "/score", "json"),

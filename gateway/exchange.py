@@ -35,6 +35,7 @@ class Exchange:
     tried: list[str] = field(default_factory=list)  # replica ids, in the order they were tried
     refused: list[Replica] = field(default_factory=list)  # replicas that answered 5xx (see proxy.forward)
     forward: dict[str, str] = field(default_factory=dict)  # client headers the engine gets (Endpoint.forward_headers)
+    gated: bool = True  # False: routed past the replicas' capacity gates (it computes no KV: Endpoint.computes_kv)
     # a stored response's id, told once a stream names it: which replica holds it is known while it runs
     on_answer_id: Callable[[str], None] | None = None
 

@@ -127,7 +127,7 @@ class UpstreamProxy:
             replica, decision = ex.pinned, Decision(ex.pinned.id, "holds-response")
         else:
             started = time.monotonic()
-            replica, decision = await self._choose(ex, prefill, over_gate=migrated)
+            replica, decision = await self._choose(ex, prefill, over_gate=migrated or not ex.gated)
             if not prefill:
                 ctx.route_started, ctx.routed_at = started, time.monotonic()
         ex.tried.append(replica.id)
@@ -143,7 +143,8 @@ class UpstreamProxy:
 
     async def _choose(self, ex: Exchange, prefill: bool, *, over_gate: bool = False) -> tuple[Replica, Decision]:
         """The router's choice; a first try among the replicas admission prefers (those with KV room when some have
-        none), any replica if none of those can take it; a stream's continuation past the replicas' gates."""
+        none), any replica if none of those can take it; a stream's continuation, and a request that computes no KV,
+        past the replicas' gates."""
         prefer = ex.ctx.prefer
         if not prefill and not ex.tried and prefer:
             try:

@@ -246,6 +246,35 @@ async def test_a_stream_cut_right_before_message_stop_ends_whole() -> None:
         assert sum(s.engine.stats.started for s in sims) == 1
 
 
+async def test_counting_tokens_takes_no_capacity_slot_and_charges_no_tokens() -> None:
+    """Claude Code counts its prompt while its answers stream: with the pool's one slot taken by a stream, a count
+    is answered at once (a message is refused), and the tenant's token quota is not charged for counting."""
+    slow = SIM.model_copy(update={"decode_ms": 20})
+    tenants = {"carol": {"keys": [hash_key("sk-carol")], "limits": {"tokens_per_minute": 100_000}}}
+    admission = {"auth": True, "tenants": tenants, "replica_max_concurrency": 1, "queue": {"max_queued": 0}}
+    async with gateway_over_sims([slow], admission=admission) as (gw, _), sdk(gw.url) as make:
+        api = make("sk-carol")
+        msgs: list[anthropic.types.MessageParam] = [{"role": "user", "content": "a long answer"}]
+        async with api.messages.stream(model="sim", max_tokens=100, messages=msgs) as stream:
+            async for _ in stream.text_stream:  # the stream holds the slot from its first token on
+                break
+            windows: set[str] = set()
+            while len(windows) != 1:  # two counts in one window of the quota (a minute's boundary between: again)
+                remaining, windows = [], set()
+                for _ in range(2):
+                    counted = await api.messages.with_raw_response.count_tokens(
+                        model="sim", system=SYSTEM, messages=msgs
+                    )
+                    assert (await counted.parse()).input_tokens > 300
+                    remaining.append(int(counted.headers["anthropic-ratelimit-tokens-remaining"]))
+                    windows.add(counted.headers["anthropic-ratelimit-tokens-reset"])
+            with pytest.raises(anthropic.APIStatusError) as refused:
+                await api.messages.create(model="sim", max_tokens=2, messages=msgs)
+            assert refused.value.status_code == 529
+            await stream.until_done()
+        assert remaining[0] == remaining[1]
+
+
 def test_anthropic_error_shapes_and_statuses() -> None:
     status, headers, body = render_error(Overloaded("no capacity", retry_after_s=3), api="anthropic")
     assert (status, headers["Retry-After"]) == (529, "3")  # Anthropic's SDK raises OverloadedError for 529

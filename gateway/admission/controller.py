@@ -75,7 +75,7 @@ class Ticket:
 class AdmissionSlot:
     """The async context manager `AdmissionController.slot` returns: `finish` always runs, however the block ends."""
 
-    __slots__ = ("controller", "ctx", "demand", "identity", "model", "prompt_tokens", "ticket")
+    __slots__ = ("controller", "ctx", "demand", "identity", "kv", "model", "prompt_tokens", "ticket")
 
     def __init__(
         self,
@@ -85,14 +85,17 @@ class AdmissionSlot:
         prompt_tokens: int,
         ctx: RequestContext,
         demand: Demand | None,
+        kv: bool,
     ) -> None:
         self.controller = controller
         self.identity, self.model, self.prompt_tokens, self.ctx = identity, model, prompt_tokens, ctx
-        self.demand = demand
+        self.demand, self.kv = demand, kv
         self.ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self.ticket = await self.controller.admit(self.identity, self.model, self.prompt_tokens, self.ctx, self.demand)
+        self.ticket = await self.controller.admit(
+            self.identity, self.model, self.prompt_tokens, self.ctx, self.demand, kv=self.kv
+        )
         return self.ticket
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -148,18 +151,33 @@ class AdmissionController:
         return True
 
     def slot(
-        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext, demand: Demand | None = None
+        self,
+        identity: Identity,
+        model: str,
+        prompt_tokens: int,
+        ctx: RequestContext,
+        demand: Demand | None = None,
+        *,
+        kv: bool = True,
     ) -> AdmissionSlot:
         """`async with controller.slot(...)`: admitted inside the block (or a refusal raised), released after it."""
-        return AdmissionSlot(self, identity, model, prompt_tokens, ctx, demand)
+        return AdmissionSlot(self, identity, model, prompt_tokens, ctx, demand, kv)
 
     async def admit(
-        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext, demand: Demand | None = None
+        self,
+        identity: Identity,
+        model: str,
+        prompt_tokens: int,
+        ctx: RequestContext,
+        demand: Demand | None = None,
+        *,
+        kv: bool = True,
     ) -> Ticket:
         """Admission: the quota check (no round trip without limits or with the in-process store), then the
         latency targets (`demand`: refused at once where no replica is predicted to meet them), then a slot, at
         once when one is free and nothing of the model is queued, else in the model's fair queue, for at most what
-        the time-to-first-token target leaves."""
+        the time-to-first-token target leaves. `kv` False: a request that computes no KV (counting or rendering a
+        prompt) passes the quota check only."""
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
         limits = tenant_cfg.limits
@@ -169,7 +187,7 @@ class AdmissionController:
             quota = await self.store.check(tenant, limits, prompt_tokens, self._lease_ids.next())
         ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
         try:
-            if self.config.enabled:
+            if self.config.enabled and kv:
                 max_wait = self.config.queue.max_wait_s
                 if demand is not None and self.latency.enabled:
                     ticket.targets = demand.targets
