@@ -98,6 +98,11 @@ class EnginePool:
             else:
                 self._model_paths[m.name] = m.model or m.name
 
+    def quiesce(self) -> None:
+        """The gateway is draining: no engine is launched or relaunched from now on (`Supervisor.quiesce`); the
+        running ones serve the drain and are stopped by `stop`."""
+        self.supervisor.quiesce()
+
     async def stop(self) -> None:
         """Stop every replica (SIGTERM, then SIGKILL of the group) and the supervisor; idempotent."""
         if not self._started:

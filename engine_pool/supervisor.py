@@ -87,6 +87,7 @@ class Supervisor:
         self._queue: asyncio.Queue[_Cmd] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()  # replaced after being set on every state change (for waiters)
+        self.quiet = False  # the gateway is shutting down: nothing is launched any more (`quiesce`)
 
     # --- public: everything only enqueues -------------------------------------------------------------------------
     def start(self) -> None:
@@ -113,6 +114,11 @@ class Supervisor:
 
     def launch(self, slot_id: str) -> None:
         self._queue.put_nowait(_Launch(slot_id))
+
+    def quiesce(self) -> None:
+        """Launch nothing from now on (the gateway is draining before it stops the pool): a replica that fails or
+        hangs is stopped, not relaunched, and neither a restart nor a scale-up starts an engine."""
+        self.quiet = True
 
     def stop(self, slot_id: str, *, drain: bool, after: After = "stop", reason: str = "admin") -> None:
         self._queue.put_nowait(_Stop(slot_id, drain, after, reason))
@@ -192,6 +198,9 @@ class Supervisor:
             return  # a stale backoff timer
         if slot.state not in (SlotState.STOPPED, SlotState.BACKOFF, SlotState.FAILED):
             return  # already running or on its way
+        if self.quiet:
+            self._set_state(slot, SlotState.STOPPED, "not launched: the gateway is shutting down", settled=True)
+            return
         if cmd.gen is None:
             slot.failures.clear()
             slot.attempts = 0
@@ -295,7 +304,9 @@ class Supervisor:
 
     def _after_exit(self, slot: Slot) -> None:
         self.replicas.set_draining(slot.replica, False)
-        if slot.after == "backoff":
+        if self.quiet and slot.after in ("backoff", "restart"):
+            self._set_state(slot, SlotState.STOPPED, "not relaunched: the gateway is shutting down", settled=True)
+        elif slot.after == "backoff":
             limit = slot.model.restart.crash_loop_limit
             if len(slot.failures) >= limit:
                 self.metrics.crash_loops.labels(slot.id, slot.model.name).inc()

@@ -59,7 +59,7 @@ from gateway.errors import (
     render_error,
 )
 from gateway.framing import CARRY, ChunkLine, after_request, body_start
-from gateway.keys import COMPLETIONS, METRICS
+from gateway.keys import COMPLETIONS, METRICS, POOL
 from gateway.server_config import ServerConfig
 
 log = logging.getLogger("kvgate.server")
@@ -367,6 +367,8 @@ class GatewayListener:
         self._stopped = True
         if self._server is not None:
             self._server.close()  # stop accepting
+        if (pool := self.app.get(POOL)) is not None:
+            pool.quiesce()  # an engine that fails during the drain is not relaunched only to be stopped after it
         server = self.runner.server
         if server is not None:
             server.pre_shutdown()  # idle connections close now

@@ -5,6 +5,7 @@ than N-1 ready, scale up and down, a degradation rule restarting a failing repli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -121,6 +122,38 @@ async def test_drain_lets_in_flight_streams_finish(tmp_path: Path) -> None:
         for _ in range(3):
             again = await oai.completions.with_raw_response.create(model="m", prompt="after", max_tokens=2)
             assert again.headers["x-kvgate-replica"] != target
+
+
+async def test_an_engine_that_hangs_during_the_gateways_drain_is_not_relaunched(tmp_path: Path) -> None:
+    """SIGTERM: the gateway drains a stream on each replica, and one engine hangs meanwhile. It is stopped, not
+    relaunched (an engine started during the drain would only be stopped after it: a GPU's minutes of loading for
+    nothing), and the other stream runs to its end."""
+    async with gateway(config(tmp_path, extra_args=["--decode-ms", "20"])) as (gw, pool, _admin, oai):
+        streams = {}
+        for _ in range(2):
+            raw = await oai.completions.with_raw_response.create(model="m", prompt="drain", max_tokens=100, stream=True)
+            streams[raw.headers["x-kvgate-replica"]] = raw.parse()
+        assert sorted(streams) == ["m-0", "m-1"]
+
+        async def consume(stream: Any) -> str | None:
+            finish = None
+            with contextlib.suppress(openai.APIError):  # the hung engine's stream may end with an error event
+                async for chunk in stream:
+                    finish = chunk.choices[0].finish_reason if chunk.choices else finish
+            return finish
+
+        consumers = [asyncio.create_task(consume(s)) for s in streams.values()]
+        draining = asyncio.create_task(gw.listener.stop())
+        hung = pool.slot("m-0")
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{hung.replica.url}/sim/faults", json={"fail_health": True}) as resp:
+                assert resp.status == 200
+        assert (await asyncio.gather(*consumers))[1] == "length"
+        await draining
+        states = [event for _, event in hung.events]
+        assert "stopped: not relaunched: the gateway is shutting down" in states, states
+        ready = next(i for i, event in enumerate(states) if event.startswith("ready"))
+        assert not any(event.startswith("starting") for event in states[ready:]), states
 
 
 async def test_rolling_restart_under_load_zero_failures(tmp_path: Path) -> None:

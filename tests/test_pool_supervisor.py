@@ -143,6 +143,20 @@ async def test_hung_replica_is_taken_out_and_restarted(tmp_path: Path) -> None:
         )
 
 
+async def test_a_replica_that_hangs_while_the_gateway_drains_is_stopped_not_relaunched(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    async with sim_pool(tmp_path, registry) as pool:
+        await pool.wait_ready(timeout_s=60)
+        slot = pool.slot("m-0")
+        pool.quiesce()  # the gateway's drain began
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{slot.replica.url}/sim/faults", json={"fail_health": True}) as resp:
+                assert resp.status == 200
+        assert await pool.supervisor.wait_for("m-0", {SlotState.STOPPED}, timeout_s=30) is SlotState.STOPPED
+        assert slot.process is None and not slot.replica.routable(0.0)
+        assert slot.events[-1][1] == "stopped: not relaunched: the gateway is shutting down"
+
+
 async def test_start_up_deadline(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     async with sim_pool(
