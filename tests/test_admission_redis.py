@@ -213,6 +213,44 @@ async def test_requests_granted_while_redis_was_down_count_once_it_is_back(redis
             )
 
 
+async def test_live_slots_survive_a_redis_restart_that_lost_them(redis_server: RedisProcess) -> None:
+    """Both of the tenant's 2 shared slots held by long requests when Redis restarts empty (no persistence), so fast
+    that no request sees it down: the gateways put their slots back (within lease_s/3), and a third request is still
+    refused; they are released there at the end."""
+    await redis_server.start()
+    limits = {"max_concurrency": 2}
+    async with AsyncExitStack() as es:
+        engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, decode_ms=30)))
+        adm = admission(redis_server.url, "open", limits)
+        adm["redis"]["lease_s"] = 1.5
+        gws = [await es.enter_async_context(running_gateway(gateway_config([engine], adm))) for _ in range(2)]
+        session = await es.enter_async_context(aiohttp.ClientSession())
+        for gw in gws:
+            await wait_ready(session, gw.url)
+        held = [asyncio.create_task(post(session, gw.url, chat(max_tokens=150), key="sk-acme")) for gw in gws]
+        controllers = [gw.app[ADMISSION] for gw in gws]
+        await wait_for(lambda: all(c.tenant_in_flight("acme") for c in controllers), 30.0, "both slots taken")
+        await redis_server.stop()
+        await redis_server.start()  # empty
+        async with asyncio.timeout(10.0):  # the live slots put back by their gateways
+            while await redis_slots(redis_server.url) != 2:
+                await asyncio.sleep(0.05)
+        assert not any(t.done() for t in held), "the held requests ended before the slots were back"
+        for gw in gws:
+            assert (await post(session, gw.url, chat(), key="sk-acme"))[0] == 429
+        assert [(await t)[0] for t in held] == [200, 200]
+        assert await redis_slots(redis_server.url) == 0
+
+
+async def redis_slots(url: str) -> int:
+    """The tenant's concurrency slots taken in Redis."""
+    redis = aioredis.Redis.from_url(url)
+    try:
+        return int(await redis.zcard("kvgate:{acme}:conc"))
+    finally:
+        await redis.aclose()
+
+
 async def test_requests_that_finished_while_redis_was_frozen_leave_no_lease(redis_server: RedisProcess) -> None:
     """Redis stopped (SIGSTOP) with both slots held in it; the requests finish while it is frozen; once it resumes,
     both slots are free at once (not after the lease expiry)."""

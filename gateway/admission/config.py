@@ -196,7 +196,8 @@ class RedisConfig(_Strict):
         120.0,
         gt=0,
         description="expiry (seconds) of a concurrency slot in Redis, renewed every lease_s/3 while the request runs; "
-        "bounds how long a crashed gateway's slots stay taken",
+        "bounds how long a crashed gateway's slots stay taken; a gateway puts its live slots back within lease_s/3 "
+        "when Redis lost them (restarted without persistence)",
     )
 
 

@@ -1,9 +1,11 @@
 """Quota store shared by several gateways through Redis: one Lua script per check and one per release.
 
-Keys (all under the `{tenant}` hash tag, so a tenant's keys share a cluster slot):
+Keys (a tenant's under its `{tenant}` hash tag, so they share a cluster slot):
   <prefix>:{t}:conc        sorted set lease_id -> expiry (ms, Redis clock); expired leases are dropped on check,
                            live ones renewed every lease_s/3 by the gateway that holds them, so a crashed gateway's
-                           slots come back after at most lease_s
+                           slots come back after at most lease_s; added back by it if Redis lost them (restarted
+                           without persistence: found by the gateway's mark key missing, within lease_s/3)
+  <prefix>:gateway:<id>    a gateway's mark, set with each renewal (expires after two leases)
   <prefix>:{t}:req:<min>   requests in the clock minute (expires after 2 min)
   <prefix>:{t}:tok:<min>   tokens charged in the clock minute (expires after 2 min)
   <prefix>:{t}:day:<day>   tokens charged in the UTC day (expires after 2 days)
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -104,12 +107,19 @@ _RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease_ms = tonumber(ARGV[2])
-for i = 3, #ARGV, 2 do
+local lost = redis.call('EXISTS', ARGV[3]) == 0
+for i = 4, #ARGV, 2 do
   local ck = ARGV[1] .. ':{' .. ARGV[i] .. '}:conc'
-  redis.call('ZADD', ck, 'XX', now + lease_ms, ARGV[i + 1])
+  if lost then
+    redis.call('ZADD', ck, now + lease_ms, ARGV[i + 1])
+  else
+    redis.call('ZADD', ck, 'XX', now + lease_ms, ARGV[i + 1])
+  end
   redis.call('PEXPIRE', ck, lease_ms * 2)
 end
-return 1
+redis.call('SET', ARGV[3], 1, 'PX', lease_ms * 2)
+if lost then return 1 end
+return 0
 """
 
 _ADOPT = """
@@ -172,6 +182,9 @@ class RedisQuotaStore:
         self._reconnect: asyncio.Task[None] | None = None
         self._giving_back: set[asyncio.Task[None]] = set()  # releases of leases whose request was cancelled
         self._renewer: asyncio.Task[None] | None = None
+        # this gateway's mark in Redis, set with every renewal: found missing, Redis lost what the gateway wrote there
+        # (a restart without persistence, a flush, an outage longer than two leases) and its live leases are put back
+        self._mark = f"{config.key_prefix}:gateway:{secrets.token_hex(8)}"
         metrics.store_up.labels("redis").set(1)
 
     def start(self) -> None:
@@ -370,6 +383,7 @@ class RedisQuotaStore:
                 continue
             self._set_up()
             try:
+                await self._renew_leases()  # those Redis lost while down are back at once
                 while self.up and self._behind():  # once up, no more local grants: this ends
                     await self._reconcile_pass()
             except REDIS_ERRORS as exc:
@@ -380,19 +394,27 @@ class RedisQuotaStore:
             backoff.reset()
 
     async def _renew_loop(self) -> None:
-        period = self.config.lease_s / 3
         while True:
-            await asyncio.sleep(period)
-            if not self.up or not self._leases:
-                continue
-            args: list[str | int] = [self.config.key_prefix, round(self.config.lease_s * 1000)]
-            for lease_id, tenant in self._leases.items():
-                args += [tenant, lease_id]
-            try:
-                async with asyncio.timeout(self._call_timeout_s):
-                    await self._renew(args=args)
-            except REDIS_ERRORS as exc:
-                self._mark_down(exc)
+            if self.up:
+                try:
+                    await self._renew_leases()
+                except REDIS_ERRORS as exc:
+                    self._mark_down(exc)
+            await asyncio.sleep(self.config.lease_s / 3)
+
+    async def _renew_leases(self) -> None:
+        """Extend this gateway's live Redis leases by lease_s and set its mark; where the mark is gone (Redis lost
+        its data) the leases are added back, not only extended. A release racing that re-addition may leave its
+        lease until it expires (lease_s): only after such a loss."""
+        args: list[str | int] = [self.config.key_prefix, round(self.config.lease_s * 1000), self._mark]
+        for lease_id, tenant in self._leases.items():
+            args += [tenant, lease_id]
+        async with asyncio.timeout(self._call_timeout_s):
+            lost = await self._renew(args=args)
+        if lost and len(args) > 3:
+            log.warning(
+                "redis had lost this gateway's %d live leases (restarted or flushed): added back", (len(args) - 3) // 2
+            )
 
     async def close(self) -> None:
         await asyncio.gather(*self._giving_back, return_exceptions=True)
