@@ -255,12 +255,15 @@ class UpstreamProxy:
                     if not events:
                         continue
                     if not started:
-                        await client.start(upstream.status, self._headers(ex, replica, decision, upstream))
-                        ex.ctx.batch_mark = replica.batch_mark()  # its decode begins
+                        await self._begin(ex, client, upstream, replica, decision)
                         closes = min(end_at, loop.time() + extend)
                         window.reschedule(closes)
-                        replica.record_success()
                     await client.write(events, first=not started)
+                    started = True
+                if held := client.flush():  # the engine's stream ended: what the client's events held back
+                    if not started:
+                        await self._begin(ex, client, upstream, replica, decision)
+                    await client.write(held, first=not started)
                     started = True
         except TimeoutError:
             if not started:
@@ -275,6 +278,8 @@ class UpstreamProxy:
             self.count_failure(replica)
         if not started:
             raise Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
+        if held := client.flush():  # cut with a finish event held back: it is the client's
+            await client.write(held, first=False)
         if not client.done and (closing := client.closing()) is not None:  # whole but for its last event
             await ex.out.write(closing)
             client.done = ex.ctx.answered = True
@@ -292,6 +297,14 @@ class UpstreamProxy:
         if failure is not None and self._may_migrate(ex):
             raise Migration(failure)
         return await self._end_stream(ex, failure, client.last)
+
+    async def _begin(
+        self, ex: Exchange, client: ClientEvents, upstream: UpstreamResponse, replica: Replica, decision: Decision
+    ) -> None:
+        """The client's stream starts with the first events the engine sent."""
+        await client.start(upstream.status, self._headers(ex, replica, decision, upstream))
+        ex.ctx.batch_mark = replica.batch_mark()  # its decode begins
+        replica.record_success()
 
     def _stalled(self, ex: Exchange, replica: Replica, *, idle: bool) -> GatewayError:
         timeouts = self.settings.timeouts

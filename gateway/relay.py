@@ -57,6 +57,28 @@ def sequence_number(event: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _one_choice(parsed: ParsedRequest) -> bool:
+    return as_int(parsed.body.get("n", 1)) in (1, None)
+
+
+def _stamped(held: list[bytes], usage: bytes) -> list[bytes]:
+    """The held finish events with the usage event's `system_fingerprint` (where vLLM puts it when no usage event
+    follows), as they came when it carries none."""
+    try:
+        payload = orjson.loads(usage[usage.index(b"{") :])
+        fingerprint = payload.get("system_fingerprint") if isinstance(payload, dict) else None
+        if not isinstance(fingerprint, str):
+            return held
+        stamped = []
+        for event in held:
+            data = orjson.loads(event[event.index(b"{") :])
+            data["system_fingerprint"] = fingerprint
+            stamped.append(b"data: " + orjson.dumps(data) + b"\n\n")
+    except ValueError:
+        return held
+    return stamped
+
+
 class Observer(Protocol):
     def observe(self, value: float) -> None: ...
 
@@ -86,7 +108,9 @@ class SseSplitter:
 class ClientEvents:
     """The client's side of one attempt's stream."""
 
-    __slots__ = ("_continuing", "_ex", "_itl", "_last_write", "_tools", "done", "end", "failed", "last")
+    __slots__ = (
+        "_continuing", "_ex", "_held", "_itl", "_last_write", "_stamp", "_tools", "done", "end", "failed", "last"
+    )  # fmt: skip
 
     def __init__(self, ex: Exchange, itl: Observer) -> None:
         self._ex = ex
@@ -94,7 +118,12 @@ class ClientEvents:
         self._continuing = ex.out.started  # a continuation: the client has the stream's opening already
         self._tools = ex.info.session_key is not None  # watch for a tool call: its session will be back
         self._last_write = 0.0
-        self.end = end_marker(ex.parsed)
+        parsed = ex.parsed
+        # the usage the gateway asked for and the client did not: vLLM then puts its system_fingerprint on the usage
+        # event the client does not get, not on the finish event; the finish event waits for it (`_stamped`)
+        self._stamp = parsed.kind in ("chat", "completions") and not parsed.include_usage and _one_choice(parsed)
+        self._held: list[bytes] = []
+        self.end = end_marker(parsed)
         self.done = False  # the answer's end reached the client (`end`); it may leave before the terminator
         self.failed = False  # the engine ended the stream with its own error event (the Messages API's)
         self.last = b""  # the last event the client got
@@ -112,6 +141,9 @@ class ClientEvents:
                 out.extend(self._from_chat(event, relayed))
                 continue
             if b'"usage"' in event and not event.startswith(DONE):
+                if self._held and b'"choices":[]' in event:  # the usage event after the held finish event
+                    out.extend(_stamped(self._held, event))
+                    self._held = []
                 cut = split_usage(event) if relayed is not None and ex.parsed.kind != "json" else None
                 if cut is not None and relayed is not None:  # the engine's running count, asked for by the gateway
                     relayed.usage = cut[1]
@@ -128,10 +160,21 @@ class ClientEvents:
                 if ex.ctx.answer_id is not None and ex.on_answer_id is not None:
                     ex.on_answer_id(ex.ctx.answer_id)
             if event:
+                if self._held:  # another event after it: the finish event goes out as it came
+                    out.extend(self._held)
+                    self._held = []
+                if self._stamp and b'"finish_reason":"' in event:
+                    self._held.append(event)
+                    continue
                 out.append(event)
         if out:
             self._continuing = False
         return out
+
+    def flush(self) -> list[bytes]:
+        """What `take` holds back, for the client when the engine's stream ends without the usage event."""
+        held, self._held = self._held, []
+        return held
 
     def _from_chat(self, event: bytes, relayed: Relayed) -> list[bytes]:
         """A chat continuation's event as the Anthropic events the client gets; its usage recorded as the whole
@@ -183,7 +226,7 @@ class ClientEvents:
             return None
         if end is MESSAGE_STOP:
             return closing if last.startswith(b"event: message_delta") else None
-        if as_int(self._ex.parsed.body.get("n", 1)) not in (1, None):  # another choice may still be open
+        if not _one_choice(self._ex.parsed):  # another choice may still be open
             return None
         try:
             payload = orjson.loads(last[last.index(b"{") :])

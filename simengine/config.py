@@ -78,6 +78,9 @@ class SimConfig(BaseModel):
     role_in_first_token: bool = False
     # headers of the engine's own on every answer (an OpenAI-compatible server's rate limits, timings, ...)
     response_headers: dict[str, str] = Field(default_factory=dict)
+    # vLLM's `system_fingerprint` (its default --fingerprint-mode full always sets one; None: mode none): on a whole
+    # answer; in a stream on the usage event when the request asked for usage, else on the finish event
+    system_fingerprint: str | None = None
     seed: int = 0
     # KV events: None = off, 0 = any free port
     kv_events_port: int | None = Field(default=None, ge=0, le=65535)

@@ -52,7 +52,9 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             "max_tokens",
         )
     hashes = engine.cache.block_hashes(req.tokens)
-    writer = ResponseWriter(req, engine.new_id("chatcmpl" if kind == "chat" else "cmpl"))
+    writer = ResponseWriter(
+        req, engine.new_id("chatcmpl" if kind == "chat" else "cmpl"), engine.config.system_fingerprint
+    )
     engine.in_flight += 1
     try:
         if req.stream:

@@ -261,9 +261,10 @@ def dumps(obj: Any) -> str:
 class ResponseWriter:
     """Builds the JSON bodies and SSE events of one response (ids and timestamps fixed per response)."""
 
-    def __init__(self, req: GenRequest, response_id: str) -> None:
+    def __init__(self, req: GenRequest, response_id: str, fingerprint: str | None = None) -> None:
         self.req = req
         self.id = response_id
+        self.fingerprint = fingerprint
         self.created = int(time.time())
         self.object = "chat.completion" if req.kind == "chat" else "text_completion"
         self.chunk_object = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
@@ -312,13 +313,13 @@ class ResponseWriter:
             "model": self.req.model,
             "choices": [choice],
             "service_tier": None,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
             "usage": use,
             "prompt_logprobs": None,
             "kv_transfer_params": None,
         }
 
-    def _event(self, choices: list[dict[str, Any]], use: dict[str, Any] | None) -> str:
+    def _event(self, choices: list[dict[str, Any]], use: dict[str, Any] | None, fingerprint: bool = False) -> str:
         chunk: dict[str, Any] = {
             "id": self.id,
             "object": self.chunk_object,
@@ -328,6 +329,8 @@ class ResponseWriter:
         }
         if use is not None:
             chunk["usage"] = use
+        if fingerprint and self.fingerprint is not None:
+            chunk["system_fingerprint"] = self.fingerprint
         return f"data: {dumps(chunk)}\n\n"
 
     def first_event(self, prompt_tokens: int, role_in_first_token: bool = False) -> str:
@@ -365,7 +368,8 @@ class ResponseWriter:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if last:
             choice["stop_reason"] = None
-        return self._event([choice], use if self.req.continuous_usage else None)
+        # vLLM stamps the fingerprint on the finish event unless a usage event follows (then on that one)
+        return self._event([choice], use if self.req.continuous_usage else None, last and not self.req.include_usage)
 
     def usage_event(self, use: dict[str, Any]) -> str:
-        return self._event([], use)
+        return self._event([], use, fingerprint=True)

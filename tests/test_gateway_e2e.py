@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import openai
@@ -49,6 +50,36 @@ async def test_chat_and_completions_stream_and_not() -> None:
         # without include_usage the client sees no usage chunk (kvgate asked the engine for it and dropped it)
         plain = [ch async for ch in await c.completions.create(model="sim", prompt="abc", max_tokens=4, stream=True)]
         assert plain and all(ch.usage is None for ch in plain) and all(ch.choices for ch in plain)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_the_system_fingerprint_reaches_the_client_where_the_engine_puts_it(kind: str) -> None:
+    """vLLM's `system_fingerprint` is on the finish event of a stream without usage, on the usage event of one
+    with it, and on a whole answer. kvgate asks the engine for the usage the client did not, which moves it to the
+    usage event the client does not get: the client still gets it on the finish event, as directly from vLLM."""
+    sim = SIM.model_copy(update={"system_fingerprint": "vllm-0.32-fp1"})
+    async with gateway_over_sims([sim, sim]) as (gw, sims), client(gw.url) as via, client(sims[0].url) as direct:
+
+        async def stream(c: openai.AsyncOpenAI, **options: object) -> list[tuple[str | None, bool, bool]]:
+            """(fingerprint, finishes, usage) of each chunk."""
+            args: dict[str, Any] = {"model": "sim", "max_tokens": 4, "stream": True, **options}
+            if kind == "chat":
+                chunks = [c async for c in await c.chat.completions.create(messages=MESSAGES, **args)]
+            else:
+                chunks = [c async for c in await c.completions.create(prompt="once upon a time", **args)]
+            return [(c.system_fingerprint, bool(c.choices and c.choices[0].finish_reason), c.usage is not None)
+                    for c in chunks]  # fmt: skip
+
+        plain, counted = await stream(via), await stream(via, stream_options={"include_usage": True})
+        assert plain == await stream(direct)
+        assert [fp for fp, finishes, _ in plain if finishes] == ["vllm-0.32-fp1"]
+        assert counted == await stream(direct, stream_options={"include_usage": True})
+        assert counted[-1] == ("vllm-0.32-fp1", False, True)
+        if kind == "chat":
+            whole: Any = await via.chat.completions.create(model="sim", messages=MESSAGES, max_tokens=2)
+        else:
+            whole = await via.completions.create(model="sim", prompt="x", max_tokens=2)
+        assert whole.system_fingerprint == "vllm-0.32-fp1"
 
 
 async def test_request_id_and_route_headers(http: aiohttp.ClientSession) -> None:
