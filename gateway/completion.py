@@ -220,7 +220,7 @@ class CompletionService:
                 self.client_left(ctx)
                 raise
             task.uncancel()
-            await self._shut(ctx, out)
+            await self._shut(ctx, out, done=endpoint.body in ("chat", "completions"))
         except BaseException:
             self.client_left(ctx)
             raise
@@ -340,7 +340,8 @@ class CompletionService:
         for task in list(self._running):
             task.cancel()
 
-    async def _shut(self, ctx: RequestContext, out: Responder) -> None:
+    async def _shut(self, ctx: RequestContext, out: Responder, *, done: bool) -> None:
+        """`done`: a chat or completions stream (ended with `[DONE]` after its error event)."""
         err = Overloaded("the gateway is shutting down: retry on another instance", code="shutting_down")
         try:
             if not out.started:
@@ -348,7 +349,7 @@ class CompletionService:
                 return
             if not ctx.answered:  # a stream the client has not had whole: said so, never a clean end
                 ctx.status, ctx.error = err.status, err.code
-                await out.write(error_event(err, ctx.api))
+                await out.write(error_event(err, ctx.api, done=done))
             await out.end()
         except ConnectionResetError:
             self.client_left(ctx)

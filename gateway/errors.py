@@ -229,15 +229,18 @@ def render_error(
     return err.status, headers, orjson.dumps(err.body())
 
 
-def error_event(err: GatewayError, api: ApiShape = "openai", *, responses_after: int | None = None) -> bytes:
+def error_event(
+    err: GatewayError, api: ApiShape = "openai", *, responses_after: int | None = None, done: bool = False
+) -> bytes:
     """`err` as the last event of a stream that already started (its status line is long sent); a Responses
-    stream's (`responses_after`: the sequence number of the last event it had) as its typed `error` event."""
+    stream's (`responses_after`: the sequence number of the last event it had) as its typed `error` event; `done`:
+    a chat or completions stream's, followed by `data: [DONE]` as vLLM ends such a stream after its error."""
     if api == "anthropic":
         return b"event: error\ndata: " + orjson.dumps(anthropic_error(err)[1]) + b"\n\n"
     if responses_after is not None:
         event = {"type": "error", "code": err.code, "message": err.message, "param": err.param}
         return b"event: error\ndata: " + orjson.dumps({**event, "sequence_number": responses_after + 1}) + b"\n\n"
-    return b"data: " + orjson.dumps(err.body()) + b"\n\n"
+    return b"data: " + orjson.dumps(err.body()) + (b"\n\ndata: [DONE]\n\n" if done else b"\n\n")
 
 
 def error_response(err: GatewayError, *, request_id: str | None = None, api: ApiShape = "openai") -> web.Response:

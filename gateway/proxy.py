@@ -229,10 +229,11 @@ class UpstreamProxy:
         self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
     ) -> int:
         """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or stalled
-        after it started (the client then gets an error event in its API's shape before the end, never a clean end that
-        looks complete), unless it can continue on another replica: then `Migration` is raised. A stream cut when all
-        of the answer but its last event reached the client (`ClientEvents.closing`) gets that event from the gateway
-        and ends as the engine would have ended it."""
+        after it started (the client then gets an error event in its API's shape, never a clean end that looks
+        complete; chat and completions: then `[DONE]`, as vLLM ends a stream after its error), unless it can continue
+        on another replica: then `Migration` is raised. A stream cut when all of the answer but its last event
+        reached the client (`ClientEvents.closing`) gets that event from the gateway and ends as the engine would have
+        ended it."""
         timeouts = self.settings.timeouts
         splitter, client = SseSplitter(), ClientEvents(ex, self.metrics.model(ex.parsed.model).itl)
         started = False
@@ -325,7 +326,8 @@ class UpstreamProxy:
             if ex.parsed.records_id:
                 found = sequence_number(last)
                 after = -1 if found is None else found
-            await ex.out.write(error_event(failure, ex.parsed.api, responses_after=after))
+            done = ex.parsed.kind in ("chat", "completions")
+            await ex.out.write(error_event(failure, ex.parsed.api, responses_after=after, done=done))
         await ex.out.end()
         return 200 if failure is None else failure.status
 

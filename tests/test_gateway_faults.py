@@ -105,6 +105,18 @@ async def test_a_stream_cut_after_its_answer_before_its_last_event_ends_whole(
         assert (await requests_by_status(http, gw.url)) == {"200": 1.0}
 
 
+async def test_a_cut_chat_stream_ends_with_its_error_event_then_done_as_vllms(http: aiohttp.ClientSession) -> None:
+    """vLLM ends a chat or completions stream that failed with its error event and then `data: [DONE]` (clients
+    that read until `[DONE]` end there); kvgate ends a stream whose engine failed the same way."""
+    cut = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=5, faults=Faults(cut_after_tokens=3))
+    async with gateway_over_sims([cut], retry={"migrate_streams": False}) as (gw, _):
+        body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            events = [e for e in (await resp.read()).split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]"
+        assert b'"code":"upstream_reset"' in events[-2] and events[-2].startswith(b'data: {"error"')
+
+
 async def test_a_steady_stream_longer_than_many_idle_windows_is_not_cut(http: aiohttp.ClientSession) -> None:
     """The idle window bounds the silence between chunks, not the stream: tokens 0.1 s apart for ~2 s under a
     0.6 s window (moved out once in a while rather than per chunk) all arrive, and the stream ends cleanly."""
