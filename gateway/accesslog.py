@@ -29,7 +29,7 @@ def access_record(ctx: RequestContext) -> dict[str, object]:
         "migrations": ctx.migrations,
         "prompt_tokens": ctx.prompt_tokens,
         "cached_tokens": ctx.cached_tokens,
-        "completion_tokens": ctx.completion_tokens,
+        "completion_tokens": ctx.completion_shown(),
         "ttft_ms": _ms(ctx.ttft_s),
         "predicted_ttft_ms": _ms(ctx.prediction.ttft_s) if ctx.prediction is not None else None,
         "queue_ms": _ms(ctx.queue_wait_s),
@@ -42,7 +42,7 @@ def access_record(ctx: RequestContext) -> dict[str, object]:
 def plain_line(ctx: RequestContext) -> str:
     """`access_record` as `key=value` pairs ('-' for none), built in one f-string (this runs for every request)."""
     ttft, duration, prediction = ctx.ttft_s, ctx.duration_s, ctx.prediction
-    prompt, cached, completion, error = ctx.prompt_tokens, ctx.cached_tokens, ctx.completion_tokens, ctx.error
+    prompt, cached, completion, error = ctx.prompt_tokens, ctx.cached_tokens, ctx.completion_shown(), ctx.error
     return (
         f"request_id={ctx.request_id} tenant={ctx.tenant} endpoint={ctx.endpoint} model={ctx.model} "
         f"replica={ctx.replica} route_reason={ctx.route_reason} status={ctx.status} stream={ctx.stream} "

@@ -68,7 +68,7 @@ def usage_event(event: bytes, ctx: RequestContext, strip_usage: bool, tokens_bef
     if not isinstance(payload, dict) or not isinstance(payload.get("usage"), dict):
         return event
     if tokens_before:
-        payload["usage"] = whole_usage(payload["usage"], tokens_before)
+        payload["usage"] = whole_usage(payload["usage"], tokens_before, ctx.prompt_tokens)
         event = b"data: " + orjson.dumps(payload) + b"\n\n"
     ctx.set_usage(payload["usage"])
     if strip_usage and not payload.get("choices"):

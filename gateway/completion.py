@@ -375,9 +375,12 @@ class CompletionService:
         if ctx.model == "-":  # refused before its model was known: no model's figures
             return
         m = self.metrics.model(ctx.model)
-        if ctx.ttft_s is not None:  # its first token reached the client, whether or not it stayed for the rest
+        # the latencies of what an engine computed: a time to first token where tokens came (not a count, a render
+        # or an embedding), an end-to-end latency where a prompt was computed or tokens came
+        completion = ctx.delivered_tokens()
+        if ctx.ttft_s is not None and completion:  # its first token reached the client, stayed or not for the rest
             m.ttft.observe(ctx.ttft_s)
-        if ctx.status == 200:
+        if ctx.status == 200 and (completion or ctx.prompt_tokens):
             if ctx.ttft_s is not None and ctx.prefill_done_at is not None:
                 self.metrics.handover.labels(ctx.model).observe(ctx.started + ctx.ttft_s - ctx.prefill_done_at)
             if ctx.duration_s is not None:
@@ -387,5 +390,5 @@ class CompletionService:
             m.prompt.value += ctx.prompt_tokens
         if hits := ctx.cache_hits():
             m.cached.value += hits
-        if completion := ctx.delivered_tokens():
+        if completion:
             m.completion.value += completion

@@ -68,11 +68,17 @@ class RequestContext:
     api: ApiShape = "openai"  # the route's API shape: its errors and rate-limit headers (gateway.endpoints)
 
     def delivered_tokens(self) -> int:
-        """The completion tokens as the engine reported them; for a stream cut before its usage (the client left,
-        the engine failed), one a token event after the first (the role's): what the tenant is charged."""
-        if self.completion_tokens is not None:
+        """The completion tokens as the engine reported them; for a stream cut before its final usage (the client
+        left, the engine failed), one a token event after the first (the role's, the Messages API's message_start),
+        at least the count the engine reported so far: what the tenant is charged."""
+        if self.completion_tokens is not None and (self.answered or not self.stream):
             return self.completion_tokens
-        return max(0, self.events_sent - 1)
+        return max(self.completion_tokens or 0, self.events_sent - 1)
+
+    def completion_shown(self) -> int | None:
+        """The completion tokens the access log and traces show: a stream's delivered ones (`delivered_tokens`), a
+        whole answer's as its usage reports them (None: it reports none)."""
+        return self.delivered_tokens() if self.events_sent else self.completion_tokens
 
     def cache_hits(self) -> int:
         """The prompt tokens its engine found cached: what metrics count as hits and quotas charge less for; none

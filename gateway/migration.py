@@ -91,6 +91,7 @@ class Relayed:
     tokens_before: int = 0  # tokens delivered by earlier engines of this stream (after a migration)
     migrations: int = 0
     usage: bytes | None = None  # the current engine's last usage object sent with a token (JSON, not parsed)
+    answer_id: bytes | None = None  # the first engine's chunk `id` (`"id":"..."`): a continuation's events carry it
     text_before: str = ""  # the text delivered by earlier engines of this stream
     seam: MessagesSeam | None = None  # a Messages stream continued through chat
 
@@ -323,12 +324,15 @@ def _object_end(data: bytes, start: int) -> int:
     return close + 1 if close >= 0 else -1
 
 
-def whole_usage(usage: dict[str, Any], tokens_before: int) -> dict[str, Any]:
+def whole_usage(usage: dict[str, Any], tokens_before: int, prompt_tokens: int | None = None) -> dict[str, Any]:
     """A continuation's usage as the whole answer's: its prompt held the tokens delivered before. The completion
-    count is exact; the prompt's is the continuation's less those tokens, exact when the engine tokenizes the text
-    delivered into the tokens it generated (a BPE tokenizer may merge them differently at the seam)."""
+    count is exact; the prompt's is the first engine's (`prompt_tokens`, from its running usage or the Messages
+    API's message_start), else the continuation's less those tokens (inexact: the continuation's prompt is rendered
+    with the answer so far, and a BPE tokenizer may merge the text at the seam differently)."""
     out = dict(usage)
-    if isinstance(out.get("prompt_tokens"), int):
+    if prompt_tokens is not None:
+        out["prompt_tokens"] = prompt_tokens
+    elif isinstance(out.get("prompt_tokens"), int):
         out["prompt_tokens"] = max(0, out["prompt_tokens"] - tokens_before)
     if isinstance(out.get("completion_tokens"), int):
         out["completion_tokens"] += tokens_before

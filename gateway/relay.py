@@ -57,6 +57,21 @@ def sequence_number(event: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _chunk_id(event: bytes) -> bytes:
+    """A chat or completions event's `"id":"..."` (empty when it has none)."""
+    start = event.find(b'"id":"')
+    end = event.find(b'"', start + 6) if start >= 0 else -1
+    return event[start : end + 1] if end >= 0 else b""
+
+
+def _prompt_tokens(usage: bytes) -> int | None:
+    try:
+        count = orjson.loads(usage).get("prompt_tokens")
+    except (ValueError, AttributeError):
+        return None
+    return count if isinstance(count, int) and count >= 0 else None
+
+
 def _one_choice(parsed: ParsedRequest) -> bool:
     return as_int(parsed.body.get("n", 1)) in (1, None)
 
@@ -109,7 +124,8 @@ class ClientEvents:
     """The client's side of one attempt's stream."""
 
     __slots__ = (
-        "_continuing", "_ex", "_held", "_itl", "_last_write", "_stamp", "_tools", "done", "end", "failed", "last"
+        "_continuing", "_ex", "_held", "_itl", "_last_write", "_renamed", "_stamp", "_tools", "done", "end", "failed",
+        "last",
     )  # fmt: skip
 
     def __init__(self, ex: Exchange, itl: Observer) -> None:
@@ -123,6 +139,7 @@ class ClientEvents:
         # event the client does not get, not on the finish event; the finish event waits for it (`_stamped`)
         self._stamp = parsed.kind in ("chat", "completions") and not parsed.include_usage and _one_choice(parsed)
         self._held: list[bytes] = []
+        self._renamed: tuple[bytes, bytes] | None = None  # a continuation's chunk id -> the stream's (first engine's)
         self.end = end_marker(parsed)
         self.done = False  # the answer's end reached the client (`end`); it may leave before the terminator
         self.failed = False  # the engine ended the stream with its own error event (the Messages API's)
@@ -137,9 +154,17 @@ class ClientEvents:
         for event in events:
             if self._tools and ends_in_tool_call(event):
                 self._tools, ex.ctx.tool_call = False, True
-            if relayed is not None and relayed.seam is not None:  # a Messages stream continued through chat
-                out.extend(self._from_chat(event, relayed))
-                continue
+            if relayed is not None:
+                if relayed.seam is not None:  # a Messages stream continued through chat
+                    out.extend(self._from_chat(event, relayed))
+                    continue
+                if relayed.answer_id is None:  # the stream's first event
+                    relayed.answer_id = _chunk_id(event)
+                elif self._continuing and self._renamed is None:  # a continuation's first: its id is the stream's
+                    own = _chunk_id(event)
+                    self._renamed = (own, relayed.answer_id) if own and own != relayed.answer_id else (b"", b"")
+                if self._renamed is not None and self._renamed[0]:
+                    event = event.replace(self._renamed[0], self._renamed[1], 1)
             if b'"usage"' in event and not event.startswith(DONE):
                 if self._held and b'"choices":[]' in event:  # the usage event after the held finish event
                     out.extend(_stamped(self._held, event))
@@ -147,6 +172,8 @@ class ClientEvents:
                 cut = split_usage(event) if relayed is not None and ex.parsed.kind != "json" else None
                 if cut is not None and relayed is not None:  # the engine's running count, asked for by the gateway
                     relayed.usage = cut[1]
+                    if ex.ctx.prompt_tokens is None:  # the prompt it computed, known before the answer's end
+                        ex.ctx.prompt_tokens = _prompt_tokens(cut[1])
                     if not ex.parsed.continuous_usage:  # ... and not by the client
                         event = cut[0]
                     elif before:
@@ -185,7 +212,7 @@ class ClientEvents:
             event, relayed.usage = cut
         translated, usage = relayed.seam.translate(event, relayed.tokens_before)
         if usage is not None:
-            self._ex.ctx.set_usage(whole_usage(usage, relayed.tokens_before))
+            self._ex.ctx.set_usage(whole_usage(usage, relayed.tokens_before, self._ex.ctx.prompt_tokens))
         return translated
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:

@@ -101,7 +101,7 @@ class Tracer:
             "kvgate.attempts": ctx.attempts, "kvgate.stream": ctx.stream,
         }  # fmt: skip
         for key, value in (("prompt_tokens", ctx.prompt_tokens), ("cached_tokens", ctx.cached_tokens),
-                           ("completion_tokens", ctx.completion_tokens)):  # fmt: skip
+                           ("completion_tokens", ctx.completion_shown())):  # fmt: skip
             if value is not None:
                 request_attrs[f"kvgate.{key}"] = value
         spans = [

@@ -82,6 +82,72 @@ async def test_the_system_fingerprint_reaches_the_client_where_the_engine_puts_i
         assert whole.system_fingerprint == "vllm-0.32-fp1"
 
 
+async def metric_samples(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    """(sample name, its `kind` or `status` label) -> value, summed over the other labels."""
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, s.labels.get("kind") or s.labels.get("status") or "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+async def test_counting_and_tokenizing_feed_no_latency_histogram(http: aiohttp.ClientSession) -> None:
+    """A token count or a tokenization generates nothing: it is no sample of time to first token or of end-to-end
+    latency (Claude Code counts often: its ~1 ms would pull the percentiles down); a completion is one of each."""
+    ttft, e2e = ("kvgate_time_to_first_token_seconds_count", ""), ("kvgate_e2e_request_latency_seconds_count", "")
+    async with gateway_over_sims([SIM]) as (gw, _):
+        count = {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        async with http.post(gw.url + "/v1/messages/count_tokens", json=count) as resp:
+            assert resp.status == 200 and (await resp.json())["input_tokens"] > 0
+        async with http.post(gw.url + "/tokenize", json={"model": "sim", "prompt": "hello"}) as resp:
+            assert resp.status == 200
+        before = await metric_samples(http, gw.url)
+        assert before[("kvgate_requests_total", "200")] == 2
+        assert before.get(ttft, 0.0) == before.get(e2e, 0.0) == 0.0
+        async with http.post(gw.url + "/v1/completions", json={"model": "sim", "prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 200
+        after = await metric_samples(http, gw.url)
+        assert after[ttft] == after[e2e] == 1.0
+
+
+@pytest.mark.parametrize("route", ["chat", "messages"])
+async def test_a_stream_the_client_leaves_counts_its_prompt_and_the_tokens_it_delivered(
+    route: str, http: aiohttp.ClientSession
+) -> None:
+    """The client reads ten tokens and leaves: the engine computed the prompt and the ten tokens reached the client,
+    so both are counted (the prompt as the engine reported it when the stream began)."""
+    slow = SIM.model_copy(update={"decode_ms": 20.0})
+    async with gateway_over_sims([slow]) as (gw, _):
+        body: dict[str, Any] = {"model": "sim", "max_tokens": 200, "stream": True, "messages": MESSAGES[1:]}
+        whole = {**body, "stream": False, "max_tokens": 2}
+        path = "/v1/chat/completions" if route == "chat" else "/v1/messages"
+        async with http.post(gw.url + path, json=whole) as resp:
+            usage = (await resp.json())["usage"]
+        prompt = usage["prompt_tokens"] if route == "chat" else usage["input_tokens"]
+        prompt += usage.get("cache_read_input_tokens") or 0
+        token = b'"delta":{"content":' if route == "chat" else b"content_block_delta"
+        async with http.post(gw.url + path, json=body) as resp:
+            seen = 0
+            while seen < 10:
+                seen += token in await resp.content.readuntil(b"\n\n")
+        # (the block's end closed the connection: the client left)
+        counted: dict[tuple[str, str], float] = {}
+
+        async def left() -> bool:
+            counted.update(await metric_samples(http, gw.url))
+            return counted.get(("kvgate_requests_total", "499"), 0.0) == 1.0
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while not await left():
+            assert asyncio.get_running_loop().time() < deadline, "the gateway did not see the client leave"
+            await asyncio.sleep(0.02)
+        assert counted[("kvgate_tokens_total", "prompt")] == 2 * prompt
+        assert 10 <= counted[("kvgate_tokens_total", "completion")] - 2 <= 12
+
+
 async def test_request_id_and_route_headers(http: aiohttp.ClientSession) -> None:
     async with gateway_over_sims([SIM, SIM], routing={"policy": "round-robin"}) as (gw, _):
         body = {"model": "sim", "prompt": "x", "max_tokens": 2}

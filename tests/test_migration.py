@@ -26,10 +26,10 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 async def stream_text(
-    client: openai.AsyncOpenAI, kind: str, *, after: int | None = None, on_chunk: Any = None
+    client: openai.AsyncOpenAI, kind: str, *, after: int | None = None, on_chunk: Any = None, ids: Any = None
 ) -> tuple[str, Any, str]:
     """(text, final usage, replica that started it) of one streamed answer; `on_chunk(replica)` is awaited after
-    `after` content chunks."""
+    `after` content chunks; each chunk's `id` added to the set `ids` when given."""
     common: dict[str, Any] = {"model": "sim", "max_tokens": TOKENS, "stream": True, "temperature": 0}
     common["stream_options"] = {"include_usage": True}
     if kind == "chat":
@@ -39,6 +39,8 @@ async def stream_text(
     replica = stream.response.headers["x-kvgate-replica"]
     parts, usage, seen = [], None, 0
     async for chunk in stream:
+        if ids is not None:
+            ids.add(chunk.id)
         if chunk.usage is not None:
             usage = chunk.usage
         for choice in chunk.choices:
@@ -62,6 +64,17 @@ async def migrations(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     }
 
 
+async def tokens(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        s.labels["kind"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvgate_tokens_total"
+    }
+
+
 @pytest.mark.parametrize("kind", ["chat", "completions"])
 @pytest.mark.parametrize("fault", ["cut", "stall"])
 async def test_a_stream_whose_engine_fails_continues_on_another_replica(
@@ -82,12 +95,13 @@ async def test_a_stream_whose_engine_fails_continues_on_another_replica(
                 async with http.post(f"{sim.url}/sim/faults", json=faults) as resp:
                     assert resp.status == 200
 
-            text, usage, _ = await stream_text(client, kind, after=5, on_chunk=break_engine)
+            ids: set[str] = set()
+            text, usage, _ = await stream_text(client, kind, after=5, on_chunk=break_engine, ids=ids)
         assert text == reference  # token for token the undisturbed answer
-        assert usage.completion_tokens == TOKENS and usage.total_tokens == usage.prompt_tokens + TOKENS
-        # the prompt's count is the continuation's less the words delivered: the simulator's 4-byte tokens cut the
-        # delivered text at other places than its words, so it is only near the undisturbed count
-        assert abs(usage.prompt_tokens - ref_usage.prompt_tokens) <= 2
+        assert len(ids) == 1  # one answer's chunks, the continuation's too, as from one engine
+        # its usage the undisturbed answer's: the prompt the first engine computed, every token delivered
+        assert usage.completion_tokens == TOKENS and usage.prompt_tokens == ref_usage.prompt_tokens
+        assert usage.total_tokens == usage.prompt_tokens + TOKENS
         assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
 
 
@@ -158,6 +172,9 @@ async def test_a_messages_stream_whose_engine_fails_continues_through_chat(http:
             assert len(reference.split()) == TOKENS
             text, final = await answer(after=5)
         assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+        # the prompt counted as its message_start told the client: the first engine's, twice in all
+        prompt = undisturbed.usage.input_tokens + (undisturbed.usage.cache_read_input_tokens or 0)
+        assert (await tokens(http, gw.url))["prompt"] == 2 * prompt
     assert text == reference  # token for token the undisturbed answer
     assert final.usage.output_tokens == TOKENS and final.stop_reason == undisturbed.stop_reason == "max_tokens"
 
