@@ -228,6 +228,18 @@ class GuardedRequestHandler(RequestHandler):
         if size is not None and size > limit:
             body.set_exception(PayloadTooLarge(f"the request body announces {size} bytes, over the limit ({limit})"))
 
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """A body refused as too large (413) is not parsed further and the connection closes after the answer: what
+        more of it arrives during aiohttp's lingering close (`lingering_time`, so that the client reads the answer
+        before the close) is dropped as it comes; parsed, a compressed body's rest would be inflated only to be
+        discarded (a 1 MB gzip body is a GiB: seconds of the event loop for each)."""
+        if resp.status == 413 and not request.content.is_eof():
+            self._stopped_parsing = True
+            resp.force_close()
+        return await super().finish_response(request, resp, start_time)
+
     def _refuse(self, err: GatewayError) -> None:
         """Answer `err` after the requests already parsed, in order, then close; nothing more is read."""
         self._stopped_parsing = True

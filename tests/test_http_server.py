@@ -8,6 +8,7 @@ import gc
 import json
 import re
 import socket
+import zlib
 from typing import Any
 
 import httptools
@@ -200,6 +201,21 @@ async def test_body_over_the_limit_is_413(chunked: bool) -> None:
             await conn.send(post("/v1/completions", big))
         error = assert_openai_error(await conn.response(), 413)
         assert error["code"] == "request_too_large"
+        await conn.close()
+
+
+async def test_a_compressed_body_over_the_limit_is_not_inflated_to_be_discarded() -> None:
+    """A 256 KB gzip body that inflates to 256 MiB: 413 once the limit is inflated, and the connection closes with the
+    answer. aiohttp read a refused body's rest to discard it, inflating it as it went (a few such bodies held the
+    event loop for seconds and the process at hundreds of MB), and kept the connection open after."""
+    squeeze = zlib.compressobj(1, zlib.DEFLATED, 31)  # gzip
+    bomb = b"".join([squeeze.compress(b" " * (1 << 20)) for _ in range(256)]) + squeeze.flush()
+    async with gateway_over_sims([SIM], server={"max_body_bytes": 1 << 20}) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        await conn.send(post("/v1/completions", bomb, "Content-Encoding: gzip"))
+        resp = await conn.response()
+        assert resp.status == 413 and resp.headers["connection"] == "close"
+        assert await asyncio.wait_for(conn.closed_by_server(), 10)
         await conn.close()
 
 
