@@ -22,7 +22,9 @@ Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each acce
 - protocol errors answer in OpenAI's error shape: malformed HTTP (smuggling shapes included: Content-Length with
   Transfer-Encoding, a duplicate Content-Length) 400 `invalid_http_request`, a header line over
   `max_header_bytes` or more than `max_headers` headers 431; the connection then closes;
-- at most `server.max_connections` connections: one more is answered 503 (Retry-After) and closed at once.
+- at most `server.max_connections` connections: at the bound the connection idle the longest (kept alive between
+  requests, nothing of a next one received) is closed to let a new one in, as nginx reclaims its keep-alive
+  connections; with none idle one more is answered 503 (Retry-After) and closed at once.
 Pipelining is bounded by aiohttp itself: at most 32 parsed requests wait per connection, then it stops reading
 the socket until they are answered (in order). `Expect: 100-continue` is answered by aiohttp before the handler
 reads the body (a body declared over `max_body_bytes` gets 413 instead: `gateway.body.expect_handler`).
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections import OrderedDict
 from typing import Any, cast
 
 from aiohttp import web
@@ -124,12 +127,14 @@ class GuardedRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._listener.open_connections -= 1
+        self._listener.idle.pop(self, None)
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self._listener.idle.pop(self, None)
         if self._stopped_parsing:
             return
         if self._upgraded and self._payload_parser is not None:  # a WebSocket accepted (/v1/realtime): frames, not
@@ -238,7 +243,17 @@ class GuardedRequestHandler(RequestHandler):
         if resp.status == 413 and not request.content.is_eof():
             self._stopped_parsing = True
             resp.force_close()
-        return await super().finish_response(request, resp, start_time)
+        finished = await super().finish_response(request, resp, start_time)
+        if resp.keep_alive and not self._messages and not self._stopped_parsing:  # waits for a next request
+            self._listener.idle[self] = None
+        return finished
+
+    def reclaim(self) -> bool:
+        """Close the connection if it is still idle between requests (True), for a new one at the bound."""
+        if self._messages or self._force_close or self._close or self.transport is None or self._head_bytes:
+            return False
+        self.force_close()
+        return True
 
     def _refuse(self, err: GatewayError) -> None:
         """Answer `err` after the requests already parsed, in order, then close; nothing more is read."""
@@ -342,6 +357,8 @@ class GatewayListener:
         self._server: asyncio.AbstractServer | None = None
         self.open_connections = 0
         self.max_connections = 0
+        # the connections kept alive between requests, the longest idle first (bounded by the connections)
+        self.idle: OrderedDict[GuardedRequestHandler, None] = OrderedDict()
         self.port = 0
         self._stopped = False
         self._refusal = _raw_answer(Overloaded("too many connections to this gateway", code="too_many_connections"))
@@ -349,11 +366,20 @@ class GatewayListener:
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self.runner.server
         assert server is not None
-        if self.open_connections >= self.max_connections:
+        if self.open_connections >= self.max_connections and not self._reclaim():
             self.app[METRICS].connections_refused.value += 1
             return _Refused(self._refusal)
         self.open_connections += 1
         return GuardedRequestHandler(self, server, loop=asyncio.get_running_loop(), **self.handler_kwargs)
+
+    def _reclaim(self) -> bool:
+        """Close the connection idle the longest, if any (its slot is the new connection's)."""
+        while self.idle:
+            handler, _ = self.idle.popitem(last=False)
+            if handler.reclaim():  # (counted open until its connection_lost, in a moment)
+                self.app[METRICS].connections_reclaimed.value += 1
+                return True
+        return False
 
     async def start(self) -> int:
         """Run the app's start-up steps and listen; returns the bound port."""

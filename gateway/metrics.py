@@ -127,6 +127,12 @@ class GatewayMetrics:
         self.connections_refused = FastCounter(
             "kvgate_client_connections_refused", "Connections refused over server.max_connections.", [], r
         ).labels()
+        self.connections_reclaimed = FastCounter(
+            "kvgate_client_connections_reclaimed",
+            "Idle keep-alive connections closed at server.max_connections to let a new connection in.",
+            [],
+            r,
+        ).labels()
         self.disagg = FastCounter(
             "kvgate_disagg_requests",
             "Requests of disaggregated models by how they ran: split (prefill step, then decode) or aggregated, "

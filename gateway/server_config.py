@@ -50,7 +50,8 @@ class ServerConfig(StrictModel):
     max_connections: int | None = Field(
         None,
         ge=1,
-        description="open client connections; one more is answered 503 and closed (default: half the process's "
+        description="open client connections; at the bound the connection idle the longest between requests is "
+        "closed for a new one, and with none idle one more is answered 503 and closed (default: half the process's "
         "file-descriptor limit, which is raised to its hard limit at start)",
     )
     realtime_max_sessions: int = Field(

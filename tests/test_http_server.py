@@ -293,18 +293,42 @@ async def test_a_body_that_never_completes_is_timed_out() -> None:
         await conn.close()
 
 
+async def test_an_idle_keep_alive_connection_gives_its_place_to_a_new_one_at_the_cap() -> None:
+    """Three connections at a cap of three, each idle after a request (an hour's keep-alive): a new connection is
+    served, and the one idle the longest is closed for it; a client whose connections are all busy is refused."""
+    async with gateway_over_sims([SIM], server={"max_connections": 3}) as (gw, _):
+        held = [await RawClient.connect(gw.port) for _ in range(3)]
+        for conn in held:
+            await conn.send(get("/health"))
+            assert (await conn.response()).status == 200
+        await held[2].send(get("/health"))  # the last one used most recently: the first is idle the longest
+        assert (await held[2].response()).status == 200
+        extra = await RawClient.connect(gw.port)
+        await extra.send(post("/v1/completions", COMPLETION))
+        assert (await extra.response()).status == 200
+        assert await asyncio.wait_for(held[0].closed_by_server(), 10)
+        await held[1].send(get("/health"))  # the others still served
+        assert (await held[1].response()).status == 200
+        await extra.send(get("/metrics"))
+        assert b"kvgate_client_connections_reclaimed_total 1.0" in (await extra.response()).body
+        for conn in [*held, extra]:
+            await conn.close()
+
+
 async def test_connections_over_the_cap_are_refused_with_503() -> None:
     async with gateway_over_sims([SIM], server={"max_connections": 3}) as (gw, _):
         held = [await RawClient.connect(gw.port) for _ in range(3)]
         for conn in held:
             await conn.send(get("/health"))
             assert (await conn.response()).status == 200
+            await conn.send(b"GET /health HTTP/1.1\r\n")  # a next request begun: busy, not idle
         extra = await RawClient.connect(gw.port)
         error = assert_openai_error(await extra.response(), 503, request_id=False)
         assert error["code"] == "too_many_connections" and extra.done == []
         assert await extra.closed_by_server()
         await extra.close()
-        await held[0].send(get("/metrics"))
+        await held[0].send(b"Host: x\r\n\r\n" + get("/metrics"))
+        assert (await held[0].response()).status == 200
         scraped = (await held[0].response()).body
         assert b"kvgate_client_connections_refused_total 1.0" in scraped and b"kvgate_client_connections 3.0" in scraped
         await held.pop().close()
