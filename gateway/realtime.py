@@ -2,7 +2,9 @@
 proxied to one replica.
 
 A session: the client asks to upgrade `GET /v1/realtime` (`?model=` as OpenAI's realtime clients name it, else the
-pool's only model); the tenant is identified as for any request (401 before the upgrade); a replica of the model
+pool's only model); the tenant is identified as for any request (401 before the upgrade), the upgrade checked (400
+`invalid_websocket_handshake` before any engine is asked), and the session counted in the tenant's quotas as one
+request, at once for its whole life (`max_concurrency`, `requests_per_minute`: 429); a replica of the model
 is chosen by load (its routable replicas, the fewest requests and sessions in flight: a session holds its replica
 for its whole life, counted in its in-flight load so routing, drains and gates see it); the engine's socket (a
 data-parallel rank's with its `X-data-parallel-rank`) is opened before the client's is accepted, so no replica, a
@@ -24,12 +26,12 @@ import time
 from collections.abc import AsyncIterator
 
 import aiohttp
-from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp import HttpVersion11, WSCloseCode, WSMsgType, web
 
 from engine_pool.http_client import VIA
 from engine_pool.replica import Replica, rank_headers
 from gateway.context import RequestContext
-from gateway.errors import GatewayError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
 from gateway.keys import COMPLETIONS, CONFIG, IDS, REPLICAS, REQUEST_ID
 
 _Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
@@ -84,29 +86,39 @@ async def realtime(request: web.Request) -> web.StreamResponse:
 async def _session(request: web.Request, ctx: RequestContext) -> web.StreamResponse:
     cfg, service = request.app[CONFIG].server, request.app[REALTIME]
     completions = request.app[COMPLETIONS]
-    ctx.tenant = completions.admission.identify(request.headers, x_api_key=False).tenant  # 401 first (auth on)
+    admission = completions.admission
+    identity = admission.identify(request.headers, x_api_key=False)  # 401 first (auth on)
+    ctx.tenant = identity.tenant
+    client = web.WebSocketResponse(max_msg_size=cfg.realtime_max_message_bytes, autoping=True)
+    if request.version < HttpVersion11 or not client.can_prepare(request).ok:  # before an engine socket is opened
+        raise BadRequest(
+            "a realtime session is a WebSocket upgrade: HTTP/1.1 with Upgrade: websocket, Connection: Upgrade, "
+            "Sec-WebSocket-Version: 13 and a Sec-WebSocket-Key",
+            code="invalid_websocket_handshake",
+        )
     if service.opening >= cfg.realtime_max_sessions:
         raise Overloaded("too many realtime sessions open", retry_after_s=1.0, code="realtime_sessions_full")
     model = request.query.get("model") or completions.only_model()
     replica = _replica(request, completions.aliases.get(model, model))
     ctx.model, ctx.replica, ctx.route_reason = replica.model or model, replica.id, "least-load"
-    started = replica.begin()
-    service.opening += 1
-    try:
-        via = ", ".join([*request.headers.getall(VIA, ()), request.app[IDS].instance])  # as the one client's requests
-        async with _engine_socket(service, replica, cfg.realtime_max_message_bytes, via) as upstream:
-            client = web.WebSocketResponse(max_msg_size=cfg.realtime_max_message_bytes, autoping=True)
-            await client.prepare(request)
-            ctx.answered = True  # the session is open: however it ends, it was served
-            service.sessions.add(client)
-            try:
-                await _relay(client, upstream, cfg.keepalive_timeout_s)
-            finally:
-                service.sessions.discard(client)
-            return client
-    finally:
-        service.opening -= 1
-        replica.end(started)
+    # the tenant's quotas: a session is one of its requests (per minute) and at once (concurrency) for its life
+    async with admission.slot(identity, ctx.model, 0, ctx, kv=False):
+        started = replica.begin()
+        service.opening += 1
+        try:
+            via = ", ".join([*request.headers.getall(VIA, ()), request.app[IDS].instance])  # as the client's requests
+            async with _engine_socket(service, replica, cfg.realtime_max_message_bytes, via) as upstream:
+                await client.prepare(request)
+                ctx.answered = True  # the session is open: however it ends, it was served
+                service.sessions.add(client)
+                try:
+                    await _relay(client, upstream, cfg.keepalive_timeout_s)
+                finally:
+                    service.sessions.discard(client)
+                return client
+        finally:
+            service.opening -= 1
+            replica.end(started)
 
 
 @contextlib.asynccontextmanager

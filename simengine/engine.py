@@ -58,6 +58,7 @@ class SimStats:
     prompt_tokens_total: int = 0
     lora_loads: int = 0  # adapters loaded and unloaded at run time (vLLM's /v1/load_lora_adapter)
     lora_unloads: int = 0
+    realtime_sessions: int = 0  # /v1/realtime sessions opened
 
 
 @dataclass(frozen=True, slots=True)

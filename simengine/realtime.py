@@ -23,6 +23,7 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
     engine = request.app[ENGINE_KEY]
     ws = web.WebSocketResponse(max_msg_size=32 * 1024 * 1024)
     await ws.prepare(request)
+    engine.stats.realtime_sessions += 1
     await ws.send_json({"type": "session.created", "id": f"sess-{uuid.uuid4().hex}", "created": int(time.time())})
     model: str | None = None
     audio = bytearray()

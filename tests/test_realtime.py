@@ -97,6 +97,44 @@ async def test_bounds_and_refusals_are_answered_before_the_upgrade() -> None:
             assert (await ws.receive_json(timeout=10))["type"] == "session.created"
 
 
+async def test_a_session_counts_in_its_tenants_quotas_and_a_bad_upgrade_reaches_no_engine() -> None:
+    """A tenant limited to one request at once holds it with an open session: a second session and a chat request
+    are refused 429 (sessions used to pass every quota); a plain GET, or an upgrade in HTTP/1.0, is 400 in OpenAI's
+    shape before an engine is asked for a session (one was opened, and the refusal logged as the client leaving)."""
+    tenants = {"t": {"keys": [hash_key("sk-rt")], "limits": {"max_concurrency": 1}}}
+    auth = {"Authorization": "Bearer sk-rt"}
+    async with (
+        gateway_over_sims(sims(1), admission={"auth": True, "tenants": tenants}) as (gw, engines),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(f"{gw.url}/v1/realtime", headers=auth) as plain:
+            assert plain.status == 400 and (await plain.json())["error"]["code"] == "invalid_websocket_handshake"
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(
+            b"GET /v1/realtime HTTP/1.0\r\nHost: x\r\nAuthorization: Bearer sk-rt\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        assert (await reader.readline()).startswith(b"HTTP/1.0 400")
+        writer.close()
+        assert engines[0].engine.stats.realtime_sessions == 0
+        async with http.ws_connect(f"{gw.url}/v1/realtime", headers=auth) as ws:
+            assert (await ws.receive_json(timeout=10))["type"] == "session.created"
+            with pytest.raises(aiohttp.WSServerHandshakeError) as limited:
+                await http.ws_connect(f"{gw.url}/v1/realtime", headers=auth)
+            assert limited.value.status == 429
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+            async with http.post(f"{gw.url}/v1/completions", json=body, headers=auth) as resp:
+                assert resp.status == 429
+        assert engines[0].engine.stats.realtime_sessions == 1
+        registry = gw.app[REGISTRY]
+        assert (
+            registry.get_sample_value(
+                "kvgate_requests_total", {"model": "-", "replica": "-", "endpoint": "realtime", "status": "400"}
+            )
+            == 2
+        )
+
+
 async def test_the_engine_going_away_and_the_gateway_shutting_down_close_the_session() -> None:
     async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as http:
         engine = contextlib.AsyncExitStack()
