@@ -321,10 +321,11 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         """Send the request, on an idle kept-alive connection when there is one (then without suspending), else on a
         new one; the returned response's headers may not have arrived yet (`await resp.headers_ready`). The head is
-        encoded before a connection is taken, so a header that cannot be sent (ValueError) leaks nothing."""
+        encoded as aiohttp decoded the client's (UTF-8, its other bytes kept as surrogates), so a path or header
+        value passed on is the bytes the client sent."""
         fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         head = f"{method} {path} HTTP/1.1\r\n{self._fixed}Content-Length: {len(body)}\r\n{fields}\r\n"
-        data = head.encode("latin-1") + body
+        data = head.encode("utf-8", "surrogateescape") + body
         conn = self._idle_conn() if self._idle else None
         if conn is None:
             conn = await self._connect(connect_timeout_s)

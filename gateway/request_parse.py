@@ -141,7 +141,7 @@ def parse_multipart(raw: bytes, content_type: str) -> ParsedRequest:
     if ctype.strip().lower() != "multipart/form-data" or not boundary:
         raise BadRequest("this endpoint takes a multipart/form-data body", code="invalid_content_type")
     fields: dict[str, str] = {}
-    for part in raw.split(b"--" + boundary.encode("latin-1")):
+    for part in raw.split(b"--" + boundary.encode("utf-8", "surrogateescape")):  # the header's bytes
         head, sep, value = part.partition(b"\r\n\r\n")
         if not sep or b"filename=" in head:
             continue
@@ -157,7 +157,9 @@ def parse_multipart(raw: bytes, content_type: str) -> ParsedRequest:
 
 def multipart_with_model(raw: bytes, content_type: str, model: str) -> bytes:
     """The form with its `model` field's value replaced (an alias resolved); the other parts byte for byte. O(body)."""
-    boundary = b"--" + content_type.partition("boundary=")[2].split(";")[0].strip().strip('"').encode("latin-1")
+    boundary = b"--" + content_type.partition("boundary=")[2].split(";")[0].strip().strip('"').encode(
+        "utf-8", "surrogateescape"
+    )
     parts = raw.split(boundary)
     for i, part in enumerate(parts):
         head, sep, value = part.partition(b"\r\n\r\n")

@@ -219,6 +219,48 @@ async def test_a_compressed_body_over_the_limit_is_not_inflated_to_be_discarded(
         await conn.close()
 
 
+@pytest.mark.parametrize(
+    ("path", "header"),
+    [
+        ("/v1/completions", b"x-kvgate-via: \xff"),  # a byte outside UTF-8 in a header the engine gets
+        ("/v1/messages", b"anthropic-version: \xff\xfe"),
+        ("/v1/messages", "anthropic-beta: caf\u00e9".encode()),  # UTF-8: passed on as sent, not as Latin-1
+    ],
+)
+async def test_header_bytes_beyond_ascii_are_passed_on_as_sent(path: str, header: bytes) -> None:
+    """RFC 9110 lets a field value carry bytes beyond ASCII (obs-text): passed on to the engine as the client sent
+    them (they were a 500 with a traceback, or re-encoded as Latin-1)."""
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        body = (
+            COMPLETION
+            if path == "/v1/completions"
+            else json.dumps({"model": "sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+        )
+        request = post(path, body)
+        head_end = request.index(b"\r\n\r\n")
+        await conn.send(request[:head_end] + b"\r\n" + header + request[head_end:])
+        assert (await conn.response()).status == 200
+        await conn.close()
+
+
+async def test_a_form_boundary_beyond_ascii_splits_the_form_as_the_client_did() -> None:
+    boundary = "caf\u00e9-b"
+    form = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nsim\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        f"Content-Type: audio/wav\r\n\r\nRIFF....\r\n--{boundary}--\r\n"
+    ).encode()
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        head = f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(form)}\r\n"
+        head += f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n"
+        await conn.send(head.encode() + form)
+        resp = await conn.response()
+        assert resp.status == 200, resp.body
+        await conn.close()
+
+
 async def test_expect_100_continue() -> None:
     async with gateway_over_sims([SIM], server={"max_body_bytes": 1000}) as (gw, _):
         conn = await RawClient.connect(gw.port)
