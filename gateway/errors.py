@@ -76,6 +76,14 @@ class PayloadTooLarge(GatewayError):
     code = "request_too_large"
 
 
+class UnsupportedEncoding(GatewayError):
+    """A request body in a Content-Encoding the gateway does not decode (RFC 9110 15.5.16)."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+
+
 class RequestTimeout(GatewayError, TimeoutError):
     """The client did not send its request head or body in time."""
 

@@ -19,6 +19,8 @@ Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each acce
 - a chunked body whose first chunk-size line announces more than `server.max_body_bytes` fails at once with 413
   where the segment's bytes are known to be that body's (`gateway.framing`); a declared Content-Length over it is
   refused where the body is read (`gateway.body`), before any of it is waited for;
+- a request whose body is in a Content-Encoding the gateway does not decode (only gzip and deflate are) is 415, and
+  Transfer-Encoding in an HTTP/1.0 request is faulty framing (RFC 9112 6.1): 400 (`faulty`);
 - protocol errors answer in OpenAI's error shape: malformed HTTP (smuggling shapes included: Content-Length with
   Transfer-Encoding, a duplicate Content-Length) 400 `invalid_http_request`, a header line over
   `max_header_bytes` or more than `max_headers` headers 431; the connection then closes;
@@ -44,9 +46,9 @@ import resource
 from collections import OrderedDict
 from typing import Any, cast
 
-from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
-from aiohttp.http_parser import HttpRequestParser
+from aiohttp import HttpVersion11, web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
+from aiohttp.http_parser import HttpRequestParser, RawRequestMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
@@ -59,6 +61,7 @@ from gateway.errors import (
     Overloaded,
     PayloadTooLarge,
     RequestTimeout,
+    UnsupportedEncoding,
     render_error,
 )
 from gateway.framing import CARRY, ChunkLine, after_request, body_start
@@ -82,11 +85,31 @@ def _raw_answer(err: GatewayError) -> bytes:
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
+_DECODED = "gzip, deflate"  # the request Content-Encodings the gateway decodes (aiohttp's, without extras)
+_CODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
+
+
+def faulty(message: RawRequestMessage) -> GatewayError | None:
+    """What makes a parsed request one the gateway will not serve, though aiohttp's parser took it: a body in a
+    coding it would pass on undecoded as if plain (415), and Transfer-Encoding in an HTTP/1.0 request, whose framing
+    RFC 9112 6.1 says to distrust (a request-smuggling shape; 400, and the connection closes)."""
+    coding = message.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in _CODINGS:
+        return UnsupportedEncoding(f"the request body's Content-Encoding {coding[:40]!r} is not supported ({_DECODED})")
+    if message.version < HttpVersion11 and "Transfer-Encoding" in message.headers:
+        return BadRequest(
+            "malformed HTTP request: Transfer-Encoding in an HTTP/1.0 request", code="invalid_http_request"
+        )
+    return None
+
+
 def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
     """The OpenAI-shaped error for a request aiohttp's parser refused (or a handler crash it caught, or one the
     listener refused itself: a GatewayError, answered as it is)."""
     if isinstance(exc, GatewayError):
         return exc
+    if isinstance(exc, ContentEncodingError):  # br, zstd: no decoder installed
+        return UnsupportedEncoding(f"the request body's Content-Encoding is not supported ({_DECODED})")
     if status == 400:
         text = exc.message if isinstance(exc, HttpProcessingError) else str(exc or "")
         text = text if len(text) <= 200 else text[:200] + "..."  # never echo a huge header back
@@ -188,6 +211,11 @@ class GuardedRequestHandler(RequestHandler):
         while count != self._request_count and self._messages and self._payload_parser is None:
             count = self._request_count
             message, body = self._messages[-1]
+            if not isinstance(message, _ErrInfo) and (err := faulty(message)) is not None:
+                self._messages.pop()  # not served: no handler has taken it yet
+                self._request_count -= 1
+                self._refuse(err)
+                return
             if isinstance(message, _ErrInfo) or (message.should_close and body.is_eof()):
                 self._stopped_parsing = True
                 if isinstance(message, _ErrInfo):

@@ -311,6 +311,35 @@ async def test_malformed_and_ambiguous_framing_is_400_and_closes(head: str) -> N
         await conn.close()
 
 
+async def test_a_chunked_http10_request_is_refused_and_nothing_after_it_is_read() -> None:
+    """RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 request is faulty framing (a smuggling shape: aiohttp decoded
+    the chunks, kept the connection alive and served the request written after the body)."""
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        conn = await RawClient.connect(gw.port)
+        head = "POST /v1/completions HTTP/1.0\r\nHost: x\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked"
+        await conn.send(
+            f"{head}\r\n\r\n{len(COMPLETION):x}\r\n".encode() + COMPLETION + b"\r\n0\r\n\r\n" + get("/v1/models")
+        )
+        error = assert_openai_error(await conn.response(), 400, request_id=False)
+        assert error["code"] == "invalid_http_request" and "HTTP/1.0" in error["message"]
+        assert await conn.closed_by_server() and conn.done == []  # the smuggled GET was not served
+        assert sims[0].engine.stats.started == 0
+        await conn.close()
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd", "foo", "gzip, br"])
+async def test_a_body_in_a_coding_the_gateway_does_not_decode_is_415(coding: str) -> None:
+    """A Content-Encoding kvgate does not decode is 415 in OpenAI's shape (not a 400 naming a package to install,
+    nor a body passed on as if plain)."""
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        conn = await RawClient.connect(gw.port)
+        await conn.send(post("/v1/completions", COMPLETION, f"Content-Encoding: {coding}"))
+        error = assert_openai_error(await conn.response(), 415, request_id=False)
+        assert error["code"] == "unsupported_content_encoding" and "install" not in error["message"]
+        assert sims[0].engine.stats.started == 0
+        await conn.close()
+
+
 @pytest.mark.parametrize("sent", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b""], ids=["part", "nothing"])
 async def test_a_head_that_never_completes_is_timed_out(sent: bytes) -> None:
     """Part of a head and nothing more, or a connection that sends nothing at all (it would hold one of the
