@@ -252,7 +252,9 @@ class CompletionService:
         # the running usage a migration counts from: chat's and completions' (a Messages stream counts its deltas)
         data = engine_body(parsed, raw, salted=salted, usage_stats=relayed is not None and parsed.kind != "json")
         deadline = time.monotonic() + self.config.timeouts.total_s
-        ex = Exchange(out, request.method, request.raw_path, parsed, info, ctx, data, deadline, holder, relayed)
+        # the target as sent, in origin form (RFC 9112 3.2.2: an absolute-form one's authority is not the engine's)
+        path = request.raw_path if request.raw_path.startswith("/") else request.url.raw_path_qs
+        ex = Exchange(out, request.method, path, parsed, info, ctx, data, deadline, holder, relayed)
         ex.gated = endpoint.computes_kv
         if endpoint.records_id and parsed.stream:  # GET, cancel, resume reach its replica while it runs or after
             ex.on_answer_id = lambda response_id: self.holders.record(response_id, ctx.replica)

@@ -96,3 +96,60 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+class TcpRelay:
+    """A TCP relay to a local port, both ways, that holds every chunk `delay_s` before passing it on (a Redis at a
+    network's distance) and keeps what the clients sent in `sent` (what reached the server). A connection it cannot
+    open upstream is closed."""
+
+    def __init__(self, port: int, delay_s: float = 0.0) -> None:
+        self.target, self.delay_s, self.port = port, delay_s, 0
+        self.sent = bytearray()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> TcpRelay:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            self._writers.discard(writer)
+            return
+        self._writers.add(up_writer)
+        for src, dst, kept in ((reader, up_writer, self.sent), (up_reader, writer, None)):
+            task = asyncio.create_task(self._pipe(src, dst, kept))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, kept: bytearray | None) -> None:
+        try:
+            while data := await reader.read(65536):
+                if kept is not None:
+                    kept += data
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+            self._writers.discard(writer)

@@ -21,7 +21,7 @@ from gateway.admission.redis_store import RedisQuotaStore
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import ADMISSION, REGISTRY
 from simengine import SimConfig, SimServer, run_sim_engine
-from tests.conftest import wait_for
+from tests.conftest import TcpRelay, wait_for
 from tests.test_admission_gateway import MODEL, chat, gateway_config, post, wait_ready
 
 START_S = 15.0  # redis-server answers PING within milliseconds here
@@ -272,58 +272,6 @@ async def test_requests_that_finished_while_redis_was_frozen_leave_no_lease(redi
         assert [r[0] for r in both] == [200, 200]
 
 
-class SlowLink:
-    """A TCP relay to a local port that holds every chunk `delay_s` before passing it on, both ways: a Redis at a
-    network's distance. A connection it cannot open upstream is closed."""
-
-    def __init__(self, port: int, delay_s: float) -> None:
-        self.target, self.delay_s, self.port = port, delay_s, 0
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def __aenter__(self) -> SlowLink:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._server.wait_closed()
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            writer.close()
-            self._writers.discard(writer)
-            return
-        self._writers.add(up_writer)
-        for src, dst in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pipe(src, dst))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                await asyncio.sleep(self.delay_s)
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            writer.close()
-            self._writers.discard(writer)
-
-
 async def redis_counted(url: str) -> int:
     """Requests the tenant was counted for in Redis (every minute's counter)."""
     redis = aioredis.Redis.from_url(url)
@@ -340,7 +288,7 @@ async def test_the_store_gauge_follows_redis_back_under_traffic(redis_server: Re
     kept adopting into Redis the leases it granted meanwhile, each pass finding new ones, and never marked it up.)"""
     await redis_server.start()
     async with AsyncExitStack() as es:
-        link = await es.enter_async_context(SlowLink(redis_server.port, delay_s=0.005))
+        link = await es.enter_async_context(TcpRelay(redis_server.port, delay_s=0.005))
         cfg = admission(f"redis://127.0.0.1:{link.port}/0", policy)
         cfg["tenants"]["acme"]["limits"] = {"max_concurrency": 10_000}
         engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, instant=True)))

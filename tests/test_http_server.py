@@ -15,9 +15,10 @@ import httptools
 import openai
 import pytest
 
+from gateway.embedded import running_gateway
 from gateway.keys import REPLICAS, UPSTREAM
-from simengine import SimConfig
-from tests.conftest import gateway_over_sims, wait_for
+from simengine import SimConfig, run_sim_engine
+from tests.conftest import TcpRelay, gateway_config, gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", instant=True)
 COMPLETION = json.dumps({"model": "sim", "prompt": "hello", "max_tokens": 3}).encode()
@@ -259,6 +260,19 @@ async def test_a_form_boundary_beyond_ascii_splits_the_form_as_the_client_did() 
         resp = await conn.response()
         assert resp.status == 200, resp.body
         await conn.close()
+
+
+async def test_an_absolute_form_target_reaches_the_engine_in_origin_form() -> None:
+    """`POST http://evil.com/v1/completions`: the engine gets `POST /v1/completions?...` (RFC 9112 3.2.1: to an
+    origin server, origin form), not the client's authority (a proxy between them would route on it)."""
+    async with run_sim_engine(SIM) as sim, TcpRelay(sim.port) as relay:
+        async with running_gateway(gateway_config([f"http://127.0.0.1:{relay.port}"])) as gw:
+            await wait_for(lambda: all(r.routable(0.0) for r in gw.app[REPLICAS]), what="the engine ready")
+            conn = await RawClient.connect(gw.port)
+            await conn.send(post("http://evil.com/v1/completions?stream=false", COMPLETION))
+            assert (await conn.response()).status == 200
+            await conn.close()
+        assert b"POST /v1/completions?stream=false HTTP/1.1\r\n" in relay.sent and b"evil.com" not in relay.sent
 
 
 async def test_expect_100_continue() -> None:
