@@ -5,7 +5,8 @@ admission and quotas (tokens from the answer's `usage` where it has one), routin
 cancellation, metrics (labelled with `name`) and the access log. `body` says how the request is read:
 - "chat" / "completions": validated as OpenAI's chat and completions requests, prefix-hashed for cache-aware
   routing, streams relayed event by event and required to end with `[DONE]`;
-- "json": any JSON object with a `model` (optional where `model_optional`: the pool's only model is meant then),
+- "json": any JSON object with a `model` (optional where `model_optional`, as in vLLM's request models: the pool's
+  only model is meant then, and a pool of several answers 400),
   routed by load, a `"stream": true` answer relayed as it comes; with a `view` routed cache-aware as the chat
   request (responses, messages) or the completions prompt (generate's token ids) it stands for;
 - "multipart": a multipart/form-data body (audio), read whole up to `server.max_body_bytes` and forwarded as the
@@ -53,9 +54,9 @@ class Endpoint:
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("chat", "/v1/chat/completions", "chat"),
-    Endpoint("completions", "/v1/completions", "completions"),
-    Endpoint("responses", "/v1/responses", "json", records_id=True, view=responses_as_chat),
+    Endpoint("chat", "/v1/chat/completions", "chat", model_optional=True),
+    Endpoint("completions", "/v1/completions", "completions", model_optional=True),
+    Endpoint("responses", "/v1/responses", "json", model_optional=True, records_id=True, view=responses_as_chat),
     Endpoint("responses", "/v1/responses/{response_id}", "held", method="GET", computes_kv=False),
     Endpoint("responses", "/v1/responses/{response_id}/cancel", "held", computes_kv=False),
     # the Messages API: routed cache-aware as the chat request vLLM turns it into; counting tokens computes no KV
@@ -99,20 +100,20 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("render", "/cohere/v2/chat/render", "json", computes_kv=False),
     Endpoint("derender", "/v1/chat/completions/derender", "json", model_optional=True, computes_kv=False),
     Endpoint("derender", "/v1/completions/derender", "json", model_optional=True, computes_kv=False),
-    Endpoint("embeddings", "/v1/embeddings", "json"),
+    Endpoint("embeddings", "/v1/embeddings", "json", model_optional=True),
     Endpoint("embeddings", "/v2/embed", "json"),
     Endpoint("invocations", "/invocations", "json", model_optional=True),
     Endpoint("tokenize", "/tokenize", "json", model_optional=True, computes_kv=False),
     Endpoint("detokenize", "/detokenize", "json", model_optional=True, computes_kv=False),
-    Endpoint("pooling", "/pooling", "json"),
-    Endpoint("classify", "/classify", "json"),
-    Endpoint("score", "/score", "json"),
-    Endpoint("score", "/v1/score", "json"),
-    Endpoint("rerank", "/rerank", "json"),
-    Endpoint("rerank", "/v1/rerank", "json"),
-    Endpoint("rerank", "/v2/rerank", "json"),
-    Endpoint("transcriptions", "/v1/audio/transcriptions", "multipart"),
-    Endpoint("translations", "/v1/audio/translations", "multipart"),
+    Endpoint("pooling", "/pooling", "json", model_optional=True),
+    Endpoint("classify", "/classify", "json", model_optional=True),
+    Endpoint("score", "/score", "json", model_optional=True),
+    Endpoint("score", "/v1/score", "json", model_optional=True),
+    Endpoint("rerank", "/rerank", "json", model_optional=True),
+    Endpoint("rerank", "/v1/rerank", "json", model_optional=True),
+    Endpoint("rerank", "/v2/rerank", "json", model_optional=True),
+    Endpoint("transcriptions", "/v1/audio/transcriptions", "multipart", model_optional=True),
+    Endpoint("translations", "/v1/audio/translations", "multipart", model_optional=True),
 )
 CHAT, COMPLETIONS = ENDPOINTS[0], ENDPOINTS[1]
 API_BY_PATH: dict[str, ApiShape] = {e.path: e.api for e in ENDPOINTS}  # the middleware's errors, by route

@@ -148,11 +148,10 @@ def parse_multipart(raw: bytes, content_type: str) -> ParsedRequest:
         for name in (b"model", b"stream"):
             if b'name="' + name + b'"' in head:
                 fields[name.decode()] = value.rstrip(b"\r\n").decode("utf-8", "replace")
-    model = fields.get("model")
-    if not model:
-        raise BadRequest("'model' is required (a form field)", param="model")
+    model = fields.get("model") or ""  # absent: the pool's only model (the caller resolves it)
     stream = fields.get("stream", "false").lower() == "true"
-    return ParsedRequest("multipart", {"model": model}, model, stream, True, None, content_type=content_type)
+    body = {"model": model} if model else {}
+    return ParsedRequest("multipart", body, model, stream, True, None, content_type=content_type)
 
 
 def multipart_with_model(raw: bytes, content_type: str, model: str) -> bytes:
