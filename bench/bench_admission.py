@@ -168,6 +168,7 @@ def format_row(r: dict[str, Any]) -> str:
 
 async def rejection_cost(n: int = 20_000) -> tuple[float, float]:
     """Server-side work of one refusal (quota check + queue-full test + Overloaded), timed in process: p50, p99 s."""
+    from multidict import CIMultiDict
     from prometheus_client import CollectorRegistry
 
     from engine_pool.replica import Replica
@@ -191,7 +192,7 @@ async def rejection_cost(n: int = 20_000) -> tuple[float, float]:
         replicas._replicas["r0"] = replica  # no probe task: the replica is only a capacity gate here
         router = Router(build_policy("least-load", {}), replicas, GatewayMetrics(registry))
         ctl = AdmissionController(cfg, replicas, router, LocalQuotaStore(), AdmissionMetrics(registry))
-        ident = ctl.identify({})
+        ident = ctl.identify(CIMultiDict())
         replica.in_flight = 1  # full: every request must be refused at once
         ctl.capacity_gate._active[MODEL] = 1
         times = []

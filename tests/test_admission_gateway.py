@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
 from gateway.admission.config import hash_key
 from gateway.config import GatewayConfig
@@ -138,8 +139,8 @@ async def test_a_stream_its_client_leaves_is_charged_the_tokens_it_delivered() -
 async def test_cache_salt_isolation() -> None:
     async with stack(ADMISSION_CFG) as (gw, _, session):
         adm = gw.app[ADMISSION]
-        bob = adm.identify({"authorization": "Bearer sk-bob"})
-        alice = adm.identify({"authorization": "Bearer sk-alice"})
+        bob = adm.identify(CIMultiDict({"authorization": "Bearer sk-bob"}))
+        alice = adm.identify(CIMultiDict({"authorization": "Bearer sk-alice"}))
         body: dict[str, Any] = {"cache_salt": "mine"}
         assert adm.apply_cache_salt(bob, body) and body["cache_salt"].startswith("kvgate:")
         assert body["cache_salt"].endswith(":mine")

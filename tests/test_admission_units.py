@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 
 import pytest
+from multidict import CIMultiDict
 from pydantic import ValidationError
 
 from gateway.admission.auth import Authenticator, check_admin
@@ -50,16 +51,28 @@ def test_hash_key_format_and_config_rejects_clear_or_shared_keys() -> None:
 
 def test_auth_maps_keys_to_tenants_and_clamps_priority() -> None:
     auth = Authenticator(_config())
-    assert auth.identify({"authorization": "Bearer sk-alice"}).tenant == "alice"
-    bob = auth.identify({"authorization": "Bearer sk-bob", "x-kvgate-priority": "interactive"})
+    assert auth.identify(CIMultiDict({"authorization": "Bearer sk-alice"})).tenant == "alice"
+    bob = auth.identify(CIMultiDict({"authorization": "Bearer sk-bob", "x-kvgate-priority": "interactive"}))
     assert (bob.tenant, bob.priority_name) == ("bob", "batch")  # cannot rise above the tenant's ceiling
-    alice_batch = auth.identify({"authorization": "Bearer sk-alice", "x-kvgate-priority": "batch"})
+    alice_batch = auth.identify(CIMultiDict({"authorization": "Bearer sk-alice", "x-kvgate-priority": "batch"}))
     assert alice_batch.priority_name == "batch"  # may lower itself
     for headers in ({}, {"authorization": "Bearer sk-nobody"}, {"authorization": "Basic sk-alice"}):
         with pytest.raises(Unauthorized):
-            auth.identify(headers)
+            auth.identify(CIMultiDict(headers))
+    # a key sent twice: a proxy before the gateway may have read the other one
+    for pairs in (
+        [("authorization", "Bearer sk-alice"), ("authorization", "Bearer sk-nobody")],
+        [("authorization", "Bearer sk-alice"), ("authorization", "Bearer sk-alice")],
+    ):
+        with pytest.raises(Unauthorized, match="more than one"):
+            auth.identify(CIMultiDict(pairs))
+    both = [("x-api-key", "sk-nobody"), ("authorization", "Bearer sk-alice")]
+    with pytest.raises(Unauthorized, match="more than one"):
+        auth.identify(CIMultiDict(both), x_api_key=True)
+    same = [("x-api-key", "sk-alice"), ("authorization", "Bearer sk-alice")]
+    assert auth.identify(CIMultiDict(same), x_api_key=True).tenant == "alice"
     off = Authenticator(AdmissionConfig())
-    assert off.identify({"authorization": "Bearer whatever"}).tenant == "anonymous"
+    assert off.identify(CIMultiDict({"authorization": "Bearer whatever"})).tenant == "anonymous"
 
 
 def test_admin_check() -> None:

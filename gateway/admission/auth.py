@@ -14,6 +14,8 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from multidict import MultiMapping
+
 from gateway.admission.config import AdmissionConfig, hash_key
 from gateway.errors import NotFound, Unauthorized
 
@@ -33,6 +35,17 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+def _one_key(headers: MultiMapping[str], x_api_key: bool) -> None:
+    keys = headers.getall("authorization", [])
+    if x_api_key:
+        sent = headers.getall("x-api-key", [])
+        keys = keys + sent
+        if len(sent) == 1 and len(keys) == 2 and bearer(headers) == sent[0]:  # the same key in both: one key
+            return
+    if len(keys) > 1:
+        raise Unauthorized("more than one API key sent: send one (Authorization or x-api-key), once")
+
+
 class Authenticator:
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
@@ -40,12 +53,15 @@ class Authenticator:
         self._ranks = {name: i for i, name in enumerate(config.priority_classes)}
         self._plain: dict[str, Identity] = {}  # tenant -> identity without a requested class (bounded by tenants)
 
-    def identify(self, headers: Mapping[str, str], *, x_api_key: bool = False) -> Identity:
+    def identify(self, headers: MultiMapping[str], *, x_api_key: bool = False) -> Identity:
         """The caller's tenant and priority class; raises Unauthorized (401) when auth is on and the key is bad.
-        `x_api_key`: the key may come in `x-api-key` (Anthropic's header; it wins over a bearer token)."""
+        `x_api_key`: the key may come in `x-api-key` (Anthropic's header; it wins over a bearer token). A key sent
+        twice (two headers, or two different keys in both) is refused: a proxy before the gateway may have read the
+        other one."""
         if not self.config.auth:
             tenant = self.config.anonymous_tenant
         else:
+            _one_key(headers, x_api_key)
             token = (headers.get("x-api-key") or None) if x_api_key else None
             token = token or bearer(headers)
             if token is None:

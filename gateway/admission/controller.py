@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from multidict import MultiMapping
+
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.auth import Authenticator, Identity
 from gateway.admission.capacity import CapacityGate
@@ -134,7 +136,7 @@ class AdmissionController:
         await self.store.close()
 
     # --- per request -------------------------------------------------------------------------------------------
-    def identify(self, headers: Mapping[str, str], *, x_api_key: bool = False) -> Identity:
+    def identify(self, headers: MultiMapping[str], *, x_api_key: bool = False) -> Identity:
         return self.auth.identify(headers, x_api_key=x_api_key)
 
     def apply_cache_salt(self, identity: Identity, body: dict[str, Any]) -> bool:
