@@ -153,6 +153,9 @@ async def _announce_ready(app: web.Application, base_url: str) -> None:
             names = ", ".join(
                 f"{m} ({sum(r.routable(now) for r in rs)}/{len(rs)} replicas ready)" for m, rs in sorted(models.items())
             )
+            if pending := [r.url for r in replicas if r.model is None]:  # their models are not known: not counted
+                names += f"; {len(pending)} more engine{'s' if len(pending) > 1 else ''} not reached yet"
+                names += f" ({', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''})"
             first = min(models, key=lambda m: (any(r.pooling for r in models[m]), m))  # a chat model if any
             log.info(
                 "ready: %s. OpenAI base URL %s/v1, e.g. curl %s/v1/chat/completions -H 'Content-Type: "

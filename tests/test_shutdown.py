@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import sys
 from pathlib import Path
 
 import aiohttp
 import anthropic
+import pytest
 import yaml
 
 from engine_pool.launcher import free_port
+from gateway.embedded import running_gateway
+from gateway.serve import _announce_ready
 from simengine import SimConfig, run_sim_engine
-from tests.conftest import gateway_over_sims, wait_for
+from tests.conftest import gateway_config, gateway_over_sims, wait_for
 
 SLOW = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=20)  # 50 tokens a second
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5000}
@@ -101,3 +105,14 @@ async def test_serve_ignores_sighup_while_draining_and_a_second_sigterm_ends_str
                 await proc.wait()
         text = log.read_text()
         assert "status=503" in text and "shutting_down" in text, text[-2000:]
+
+
+async def test_the_ready_line_names_the_engines_not_reached_yet(caplog: pytest.LogCaptureFixture) -> None:
+    """Two engines configured, one not running: the gateway says it is ready with the one it reached, and names the
+    other (it counted 1/1 replicas as if there were no other)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with run_sim_engine(SLOW) as sim, running_gateway(gateway_config([sim.url, dead])) as gw:
+        with caplog.at_level(logging.INFO, logger="kvgate"):
+            await asyncio.wait_for(_announce_ready(gw.app, gw.url), 30)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
+    assert line.startswith(f"ready: sim (1/1 replicas ready); 1 more engine not reached yet ({dead}). "), line
