@@ -46,7 +46,7 @@ import resource
 from collections import OrderedDict
 from typing import Any, cast
 
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion10, HttpVersion11, web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.http_parser import HttpRequestParser, RawRequestMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
@@ -90,9 +90,14 @@ _CODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
 
 
 def faulty(message: RawRequestMessage) -> GatewayError | None:
-    """What makes a parsed request one the gateway will not serve, though aiohttp's parser took it: a body in a
+    """What makes a parsed request one the gateway will not serve, though aiohttp's parser took it: an HTTP version
+    other than 1.0 and 1.1 (505, as nginx answers), a body in a
     coding it would pass on undecoded as if plain (415), and Transfer-Encoding in an HTTP/1.0 request, whose framing
     RFC 9112 6.1 says to distrust (a request-smuggling shape; 400, and the connection closes)."""
+    if message.version not in (HttpVersion10, HttpVersion11):  # HTTP/2 or 0.9 in HTTP/1.1's syntax: neither
+        err = GatewayError(f"HTTP/{message.version.major}.{message.version.minor} is not supported: use HTTP/1.1")
+        err.status, err.type, err.code = 505, "invalid_request_error", "http_version_not_supported"
+        return err
     coding = message.headers.get("Content-Encoding", "").strip().lower()
     if coding not in _CODINGS:
         return UnsupportedEncoding(f"the request body's Content-Encoding {coding[:40]!r} is not supported ({_DECODED})")
@@ -331,7 +336,7 @@ class GuardedRequestHandler(RequestHandler):
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
     ) -> web.StreamResponse:
-        if status >= 500 and not isinstance(exc, UnicodeError):
+        if status >= 500 and not isinstance(exc, UnicodeError | GatewayError):  # (a GatewayError: refused here)
             log.error("error handling a request from %s", request.remote, exc_info=exc)
         if request.writer.output_size > 0:
             raise ConnectionError("the response is under way: no error answer can follow")

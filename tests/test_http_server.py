@@ -341,6 +341,20 @@ async def test_a_chunked_http10_request_is_refused_and_nothing_after_it_is_read(
         await conn.close()
 
 
+@pytest.mark.parametrize("line", ["GET /health HTTP/2.0", "GET /health HTTP/0.9"])
+async def test_an_http_version_other_than_1_0_and_1_1_is_505(line: str) -> None:
+    """A request line of HTTP/2 (or 0.9) in HTTP/1.1's syntax is answered 505 and the connection closed (it was
+    served, with a status line of that version in HTTP/1.1's syntax)."""
+    async with gateway_over_sims([SIM]) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        await conn.send(f"{line}\r\nHost: x\r\n\r\n".encode())
+        data = await asyncio.wait_for(conn.reader.read(65536), 10)
+        assert data.split(b" ", 2)[1] == b"505", data[:80]
+        assert b'"code":"http_version_not_supported"' in data
+        assert await asyncio.wait_for(conn.closed_by_server(), 10)
+        await conn.close()
+
+
 @pytest.mark.parametrize("coding", ["br", "zstd", "foo", "gzip, br"])
 async def test_a_body_in_a_coding_the_gateway_does_not_decode_is_415(coding: str) -> None:
     """A Content-Encoding kvgate does not decode is 415 in OpenAI's shape (not a 400 naming a package to install,
