@@ -11,7 +11,9 @@ from the engine ends it too, as failed); other streams end with their body. A st
 was missing (the engine died as it finished) gets it from the gateway (`ClientEvents.closing`).
 
 Cost per event: one `bytes.find` for its end; one substring check for usage (and, on a stream that may migrate,
-one `rfind` that moves the engine's continuous usage out of the event); events that carry a final usage object are
+one `rfind` that moves the engine's continuous usage out of the event, and a continuation's one `replace` that gives
+its events the stream's chunk id); where the client did not ask for usage, one substring check for a finish
+reason (that event waits for the usage event's `system_fingerprint`); events that carry a final usage object are
 parsed. No event is copied beyond the one join per write.
 """
 
@@ -162,7 +164,8 @@ class ClientEvents:
                     relayed.answer_id = _chunk_id(event)
                 elif self._continuing and self._renamed is None:  # a continuation's first: its id is the stream's
                     own = _chunk_id(event)
-                    self._renamed = (own, relayed.answer_id) if own and own != relayed.answer_id else (b"", b"")
+                    renamed = own and relayed.answer_id and own != relayed.answer_id
+                    self._renamed = (own, relayed.answer_id) if renamed else (b"", b"")
                 if self._renamed is not None and self._renamed[0]:
                     event = event.replace(self._renamed[0], self._renamed[1], 1)
             if b'"usage"' in event and not event.startswith(DONE):
