@@ -9,9 +9,16 @@ segment's bytes are known to be that request's (the only request whose head ende
 unread); elsewhere the limit applies as the body is read. A guess that is wrong reads a line that is not hex (a
 request line, a header) and is ignored. Cost: one `bytes.find` on a segment in which a chunked head ended, then a
 few bytes kept per segment until the line ends; at most `MAX_LINE` bytes are kept.
+And what of a parsed head makes its request one the gateway will not serve (`faulty`): its HTTP version, its body's
+coding, Transfer-Encoding in HTTP/1.0. Cost: a few header lookups per request.
 """
 
 from __future__ import annotations
+
+from aiohttp import HttpVersion10, HttpVersion11
+from aiohttp.http_parser import RawRequestMessage
+
+from gateway.errors import BadRequest, GatewayError, UnsupportedEncoding
 
 _BLANK_LINE = b"\r\n\r\n"
 CARRY = len(_BLANK_LINE) - 1  # bytes of a segment kept for the next one's `body_start`
@@ -58,3 +65,26 @@ class ChunkLine:
         if end >= 0:
             return True, announced_size(self._kept[:end])
         return len(self._kept) > MAX_LINE, None
+
+
+DECODED = "gzip, deflate"  # the request Content-Encodings the gateway decodes (aiohttp's, without extras)
+_CODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
+
+
+def faulty(message: RawRequestMessage) -> GatewayError | None:
+    """What makes a parsed request one the gateway will not serve, though aiohttp's parser took it: an HTTP version
+    other than 1.0 and 1.1 (505, as nginx answers), a body in a coding it would pass on undecoded as if plain (415),
+    and Transfer-Encoding in an HTTP/1.0 request, whose framing RFC 9112 6.1 says to distrust (a request-smuggling
+    shape; 400, and the connection closes)."""
+    if message.version not in (HttpVersion10, HttpVersion11):  # HTTP/2 or 0.9 in HTTP/1.1's syntax: neither
+        err = GatewayError(f"HTTP/{message.version.major}.{message.version.minor} is not supported: use HTTP/1.1")
+        err.status, err.type, err.code = 505, "invalid_request_error", "http_version_not_supported"
+        return err
+    coding = message.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in _CODINGS:
+        return UnsupportedEncoding(f"the request body's Content-Encoding {coding[:40]!r} is not supported ({DECODED})")
+    if message.version < HttpVersion11 and "Transfer-Encoding" in message.headers:
+        return BadRequest(
+            "malformed HTTP request: Transfer-Encoding in an HTTP/1.0 request", code="invalid_http_request"
+        )
+    return None

@@ -46,9 +46,9 @@ import resource
 from collections import OrderedDict
 from typing import Any, cast
 
-from aiohttp import HttpVersion10, HttpVersion11, web
+from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
-from aiohttp.http_parser import HttpRequestParser, RawRequestMessage
+from aiohttp.http_parser import HttpRequestParser
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
@@ -64,7 +64,7 @@ from gateway.errors import (
     UnsupportedEncoding,
     render_error,
 )
-from gateway.framing import CARRY, ChunkLine, after_request, body_start
+from gateway.framing import CARRY, DECODED, ChunkLine, after_request, body_start, faulty
 from gateway.keys import COMPLETIONS, METRICS, POOL
 from gateway.server_config import ServerConfig
 
@@ -85,36 +85,13 @@ def _raw_answer(err: GatewayError) -> bytes:
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
-_DECODED = "gzip, deflate"  # the request Content-Encodings the gateway decodes (aiohttp's, without extras)
-_CODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
-
-
-def faulty(message: RawRequestMessage) -> GatewayError | None:
-    """What makes a parsed request one the gateway will not serve, though aiohttp's parser took it: an HTTP version
-    other than 1.0 and 1.1 (505, as nginx answers), a body in a
-    coding it would pass on undecoded as if plain (415), and Transfer-Encoding in an HTTP/1.0 request, whose framing
-    RFC 9112 6.1 says to distrust (a request-smuggling shape; 400, and the connection closes)."""
-    if message.version not in (HttpVersion10, HttpVersion11):  # HTTP/2 or 0.9 in HTTP/1.1's syntax: neither
-        err = GatewayError(f"HTTP/{message.version.major}.{message.version.minor} is not supported: use HTTP/1.1")
-        err.status, err.type, err.code = 505, "invalid_request_error", "http_version_not_supported"
-        return err
-    coding = message.headers.get("Content-Encoding", "").strip().lower()
-    if coding not in _CODINGS:
-        return UnsupportedEncoding(f"the request body's Content-Encoding {coding[:40]!r} is not supported ({_DECODED})")
-    if message.version < HttpVersion11 and "Transfer-Encoding" in message.headers:
-        return BadRequest(
-            "malformed HTTP request: Transfer-Encoding in an HTTP/1.0 request", code="invalid_http_request"
-        )
-    return None
-
-
 def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
     """The OpenAI-shaped error for a request aiohttp's parser refused (or a handler crash it caught, or one the
     listener refused itself: a GatewayError, answered as it is)."""
     if isinstance(exc, GatewayError):
         return exc
     if isinstance(exc, ContentEncodingError):  # br, zstd: no decoder installed
-        return UnsupportedEncoding(f"the request body's Content-Encoding is not supported ({_DECODED})")
+        return UnsupportedEncoding(f"the request body's Content-Encoding is not supported ({DECODED})")
     if status == 400:
         text = exc.message if isinstance(exc, HttpProcessingError) else str(exc or "")
         text = text if len(text) <= 200 else text[:200] + "..."  # never echo a huge header back
