@@ -36,7 +36,13 @@ def assert_error_shape(body: Any) -> None:
 BAD_INPUTS: list[tuple[str, str, bytes, int, str | None]] = [
     ("malformed json", CHAT, b"{not json", 400, None),
     ("not an object", CHAT, b"[1, 2]", 400, None),
-    ("missing model", CHAT, json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+    (
+        "model not a string",
+        CHAT,
+        json.dumps({"model": 42, "messages": [{"role": "user", "content": "x"}]}).encode(),
+        400,
+        "model",
+    ),
     ("model not a string", COMP, json.dumps({"model": 3, "prompt": "x"}).encode(), 400, "model"),
     ("missing messages", CHAT, json.dumps({"model": "sim"}).encode(), 400, "messages"),
     ("empty messages", CHAT, json.dumps({"model": "sim", "messages": []}).encode(), 400, "messages"),
