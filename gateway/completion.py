@@ -128,7 +128,9 @@ class CompletionService:
 
     async def handle(self, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
         """Answer one request; returns the response for aiohttp to finish (a stream is already written)."""
-        ctx = RequestContext(request_id, endpoint.name, time.monotonic(), api=endpoint.api)
+        ctx = RequestContext(
+            request_id, endpoint.name, time.monotonic(), api=endpoint.api, computed=endpoint.computes_kv
+        )
         traceparent = request.headers.get("traceparent")
         if self.tracer is not None:
             ctx.trace = self.tracer.begin(traceparent)
@@ -192,12 +194,12 @@ class CompletionService:
                     # follows one
                     session_key=self.session_key(headers) if kind in ("chat", "completions") else None,
                 )
-                kv, demand, tokens = endpoint.computes_kv, None, 0  # counting a prompt: no tokens, no targets
-                if kv:
+                demand, tokens = None, 0  # counting a prompt, reading a stored response: no tokens, no targets
+                if ctx.computed:
                     demand = Demand(info, parsed.max_tokens, admission.latency.targets(identity, model, headers))
                     tokens = info.prompt_tokens or len(raw) // 4
                 try:
-                    async with admission.slot(identity, model, tokens, ctx, demand, kv=kv):
+                    async with admission.slot(identity, model, tokens, ctx, demand):
                         ctx.admitted_at = time.monotonic()
                         ctx.status = await self.proxy.forward(
                             self._exchange(out, request, endpoint, parsed, info, ctx, raw, salted, holder)
@@ -255,7 +257,7 @@ class CompletionService:
         # the target as sent, in origin form (RFC 9112 3.2.2: an absolute-form one's authority is not the engine's)
         path = request.raw_path if request.raw_path.startswith("/") else request.url.raw_path_qs
         ex = Exchange(out, request.method, path, parsed, info, ctx, data, deadline, holder, relayed)
-        ex.gated = endpoint.computes_kv
+        ex.gated = ctx.computed
         if endpoint.records_id and parsed.stream:  # GET, cancel, resume reach its replica while it runs or after
             ex.on_answer_id = lambda response_id: self.holders.record(response_id, ctx.replica)
         for name in endpoint.forward_headers:
@@ -296,6 +298,8 @@ class CompletionService:
     def only_model(self) -> str:
         """The model a request without one means: the pool's only model; 400 when it serves several."""
         bases = {self.replicas.base_model(name) for name in self.replicas.models()}  # adapters belong to a base
+        if not bases and self.replicas.undiscovered():  # as for a model named before its engine answered
+            raise Overloaded("no engine has been reached yet", code="engines_not_discovered")
         if len(bases) != 1:
             raise BadRequest("'model' is required: this gateway serves several models", param="model")
         return next(iter(bases))
@@ -374,7 +378,7 @@ class CompletionService:
         status = str(ctx.status)
         self.metrics.requests.labels(ctx.model, ctx.replica, ctx.endpoint, status).inc()
         self.admission.metrics.tenant(ctx.tenant).requests(status).inc()
-        if ctx.model == "-":  # refused before its model was known: no model's figures
+        if ctx.model == "-" or not ctx.computed:  # refused before its model was known, or no engine work: no figures
             return
         m = self.metrics.model(ctx.model)
         # the latencies of what an engine computed: a time to first token where tokens came (not a count, a render

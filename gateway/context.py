@@ -66,6 +66,9 @@ class RequestContext:
     routed_at: float | None = None
     sent_at: float | None = None
     api: ApiShape = "openai"  # the route's API shape: its errors and rate-limit headers (gateway.endpoints)
+    # the engine computes KV for it (`Endpoint.computes_kv`): it takes a capacity slot, its tokens are counted and
+    # charged, its latencies sampled; False: counting, rendering, a stored response read, a realtime session
+    computed: bool = True
 
     def delivered_tokens(self) -> int:
         """The completion tokens as the engine reported them; for a stream cut before its final usage (the client

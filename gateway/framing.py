@@ -80,7 +80,7 @@ def faulty(message: RawRequestMessage) -> GatewayError | None:
         err = GatewayError(f"HTTP/{message.version.major}.{message.version.minor} is not supported: use HTTP/1.1")
         err.status, err.type, err.code = 505, "invalid_request_error", "http_version_not_supported"
         return err
-    coding = message.headers.get("Content-Encoding", "").strip().lower()
+    coding = ", ".join(message.headers.getall("Content-Encoding", ())).strip().lower()  # every line of it
     if coding not in _CODINGS:
         return UnsupportedEncoding(f"the request body's Content-Encoding {coding[:40]!r} is not supported ({DECODED})")
     if message.version < HttpVersion11 and "Transfer-Encoding" in message.headers:

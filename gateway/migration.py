@@ -92,6 +92,7 @@ class Relayed:
     migrations: int = 0
     usage: bytes | None = None  # the current engine's last usage object sent with a token (JSON, not parsed)
     answer_id: bytes | None = None  # the first engine's chunk `id` (`"id":"..."`): a continuation's events carry it
+    prompt_read: bool = False  # the prompt count was read from a running usage (once a stream)
     text_before: str = ""  # the text delivered by earlier engines of this stream
     seam: MessagesSeam | None = None  # a Messages stream continued through chat
 

@@ -56,8 +56,6 @@ class Realtime:
 def _replica(request: web.Request, model: str) -> Replica:
     now = time.monotonic()
     replicas = [r for r in request.app[REPLICAS].for_model(model) if r.routable(now) and not r.pooling]
-    if not request.app[REPLICAS].for_model(model):
-        raise NotFound(f"the model {model!r} does not exist", param="model")
     if not replicas:
         raise Overloaded(f"no ready replica of model {model!r}", retry_after_s=1.0, code="no_ready_replica")
     return min(replicas, key=lambda r: (r.in_flight, r.id))
@@ -67,7 +65,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
     """One session, recorded as any request is (access log, `kvgate_requests_total{endpoint="realtime"}`): 101 for
     a session that was opened, the refusal's status for one that was not."""
     completions = request.app[COMPLETIONS]
-    ctx = RequestContext(request[REQUEST_ID], "realtime")
+    ctx = RequestContext(request[REQUEST_ID], "realtime", computed=False)  # its replica's load is its in-flight count
     try:
         response = await _session(request, ctx)
         ctx.status = 101
@@ -96,13 +94,17 @@ async def _session(request: web.Request, ctx: RequestContext) -> web.StreamRespo
             "Sec-WebSocket-Version: 13 and a Sec-WebSocket-Key",
             code="invalid_websocket_handshake",
         )
-    if service.opening >= cfg.realtime_max_sessions:
-        raise Overloaded("too many realtime sessions open", retry_after_s=1.0, code="realtime_sessions_full")
     model = request.query.get("model") or completions.only_model()
-    replica = _replica(request, completions.aliases.get(model, model))
-    ctx.model, ctx.replica, ctx.route_reason = replica.model or model, replica.id, "least-load"
+    model = completions.aliases.get(model, model)
+    if not request.app[REPLICAS].for_model(model):
+        raise NotFound(f"the model {model!r} does not exist", param="model")
     # the tenant's quotas: a session is one of its requests (per minute) and at once (concurrency) for its life
-    async with admission.slot(identity, ctx.model, 0, ctx, kv=False):
+    async with admission.slot(identity, model, 0, ctx):
+        # no await from the bound's check to the session's count, nor from the replica's choice to its load
+        if service.opening >= cfg.realtime_max_sessions:
+            raise Overloaded("too many realtime sessions open", retry_after_s=1.0, code="realtime_sessions_full")
+        replica = _replica(request, model)
+        ctx.model, ctx.replica, ctx.route_reason = replica.model or model, replica.id, "least-load"
         started = replica.begin()
         service.opening += 1
         try:

@@ -75,7 +75,12 @@ def _prompt_tokens(usage: bytes) -> int | None:
 
 
 def _one_choice(parsed: ParsedRequest) -> bool:
-    return as_int(parsed.body.get("n", 1)) in (1, None)
+    """A stream of one choice: `n` 1 and, for completions, one prompt (a batch of prompts streams a choice each)."""
+    body = parsed.body
+    if as_int(body.get("n", 1)) not in (1, None):
+        return False
+    prompt = body.get("prompt")
+    return parsed.kind != "completions" or not isinstance(prompt, list) or len(prompt) <= 1 or type(prompt[0]) is int
 
 
 def _stamped(held: list[bytes], usage: bytes) -> list[bytes]:
@@ -175,8 +180,10 @@ class ClientEvents:
                 cut = split_usage(event) if relayed is not None and ex.parsed.kind != "json" else None
                 if cut is not None and relayed is not None:  # the engine's running count, asked for by the gateway
                     relayed.usage = cut[1]
-                    if ex.ctx.prompt_tokens is None:  # the prompt it computed, known before the answer's end
-                        ex.ctx.prompt_tokens = _prompt_tokens(cut[1])
+                    if not relayed.prompt_read:  # the prompt it computed, known before the answer's end
+                        relayed.prompt_read = True
+                        if ex.ctx.prompt_tokens is None:
+                            ex.ctx.prompt_tokens = _prompt_tokens(cut[1])
                     if not ex.parsed.continuous_usage:  # ... and not by the client
                         event = cut[0]
                     elif before:
@@ -249,7 +256,8 @@ class ClientEvents:
         """The stream's last event when everything of the answer but that event reached the client (the engine's
         stream was cut between them: the answer is whole), else None. Whole: a Messages stream's last event was
         `message_delta` (its stop reason and usage); a chat or completions stream's (of one choice) carried a
-        `finish_reason`, or was the usage event after it. Read when a stream is cut, not per event."""
+        `finish_reason` (and the client asked for no usage event), or was the usage event after it. Read when a
+        stream is cut, not per event."""
         end, last = self.end, self.last
         closing = _CLOSING.get(end) if isinstance(end, bytes) else None
         if closing is None or not last or self.failed:
@@ -267,4 +275,8 @@ class ClientEvents:
             return None
         if not choices:  # the usage event after the last choice's finish
             return closing if isinstance(payload.get("usage"), dict) else None
-        return closing if all(isinstance(c, dict) and c.get("finish_reason") for c in choices) else None
+        if not all(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            return None
+        if self._ex.parsed.include_usage:  # the usage event the client asked for was still to come: not whole
+            return None
+        return closing

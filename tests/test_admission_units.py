@@ -71,6 +71,8 @@ def test_auth_maps_keys_to_tenants_and_clamps_priority() -> None:
         auth.identify(CIMultiDict(both), x_api_key=True)
     same = [("x-api-key", "sk-alice"), ("authorization", "Bearer sk-alice")]
     assert auth.identify(CIMultiDict(same), x_api_key=True).tenant == "alice"
+    empty = [("x-api-key", ""), ("authorization", "Bearer sk-alice")]  # an empty header is no key
+    assert auth.identify(CIMultiDict(empty), x_api_key=True).tenant == "alice"
     off = Authenticator(AdmissionConfig())
     assert off.identify(CIMultiDict({"authorization": "Bearer whatever"})).tenant == "anonymous"
 

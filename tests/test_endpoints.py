@@ -11,9 +11,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_pool.launcher import free_port
 from gateway.admission.auth import hash_key
+from gateway.embedded import running_gateway
 from simengine import Faults, SimConfig
-from tests.conftest import gateway_over_sims
+from tests.conftest import gateway_config, gateway_over_sims
 
 SIM = SimConfig(model="sim", instant=True)
 
@@ -74,6 +76,10 @@ async def test_a_request_without_a_model_means_the_pools_only_one(
     async with gateway_over_sims([SIM, other]) as (gw, _):
         async with http.post(gw.url + path, json=body) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
+    # no engine reached yet: which model is meant is not known yet either (503, as for a model named then)
+    async with running_gateway(gateway_config([f"http://127.0.0.1:{free_port()}"])) as gw:
+        async with http.post(gw.url + path, json=body) as resp:
+            assert resp.status == 503 and (await resp.json())["error"]["code"] == "engines_not_discovered"
 
 
 async def test_an_endpoint_the_engine_lacks_answers_the_engines_error(http: aiohttp.ClientSession) -> None:
@@ -150,6 +156,41 @@ async def test_a_stored_response_is_retrieved_and_cancelled_on_the_replica_that_
         async with http.get(gw.url + "/v1/responses/resp-unknown") as resp:
             assert resp.status == 404 and (await resp.json())["error"]["code"] == "response_not_found"
         assert (await requests_total(http, gw.url))[("responses", "200")] == 8
+
+
+async def test_reading_a_stored_response_charges_and_counts_nothing(http: aiohttp.ClientSession) -> None:
+    """A client polls its (background) response: each read returns the usage it was charged when it ran; charged and
+    counted again per poll, the tenant reached its token quota by polling, and the latency percentiles had a sample
+    of every poll."""
+    tenants = {"t": {"keys": [hash_key("sk-t")], "limits": {"tokens_per_minute": 100_000}}}
+    overrides = {"admission": {"auth": True, "tenants": tenants}, "admin": {"key": "adm"}}
+    async with gateway_over_sims([SIM], **overrides) as (gw, _):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-t", max_retries=0) as client:
+            created = await client.responses.create(model="sim", input="hello", max_output_tokens=4)
+            assert created.usage is not None and created.usage.total_tokens > 0
+            before = await metric_values(http, gw.url)
+            windows: set[str] = set()
+            while len(windows) != 1:  # two reads in one window of the quota (a minute's boundary between: again)
+                remaining, windows = [], set()
+                for _ in range(2):
+                    read = await client.responses.with_raw_response.retrieve(created.id)
+                    assert read.parse().usage == created.usage
+                    remaining.append(read.headers["x-ratelimit-remaining-tokens"])
+                    windows.add(read.headers["x-ratelimit-reset-tokens"])
+            assert remaining[0] == remaining[1]
+        after = await metric_values(http, gw.url)
+    for name in ("kvgate_tokens_total", "kvgate_time_to_first_token_seconds_count"):
+        assert after[name] == before[name], name
+
+
+async def metric_values(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics", headers={"Authorization": "Bearer adm"}) as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 async def test_a_streamed_response_is_reached_on_its_replica_while_it_runs_and_after_its_client_left(

@@ -3,6 +3,8 @@ engine, long non-streamed generations, and timeouts that must not multiply the e
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -10,6 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.relay import ClientEvents
+from gateway.request_parse import parse_request
 from simengine import Faults, SimConfig
 from tests.conftest import gateway_over_sims
 
@@ -144,3 +148,24 @@ async def test_a_non_streamed_timeout_is_not_rerun_on_other_replicas(http: aioht
         status, body = await post(http, gw.url)
         assert status == 504 and body["error"]["code"] == "upstream_timeout"
         assert sum(s.engine.stats.started for s in sims) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "whole"),
+    [
+        ({"prompt": "a"}, True),
+        ({"prompt": [1, 2, 3]}, True),  # one prompt of token ids
+        ({"prompt": ["a"]}, True),
+        ({"prompt": ["a", "b"]}, False),  # a batch: the other prompt's choice may still be open
+        ({"prompt": "a", "n": 2}, False),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, False),  # its usage event was still to come
+    ],
+)
+def test_a_finish_event_makes_a_cut_completions_stream_whole_only_with_one_choice_and_no_usage_to_come(
+    body: dict[str, Any], whole: bool
+) -> None:
+    parsed = parse_request("completions", json.dumps({"model": "m", "stream": True, **body}).encode(), max_depth=64)
+    ex = SimpleNamespace(parsed=parsed, out=SimpleNamespace(started=True), info=SimpleNamespace(session_key=None))
+    client = ClientEvents(ex, SimpleNamespace(observe=lambda _: None))  # type: ignore[arg-type]
+    client.last = b'data: {"id":"c","choices":[{"index":0,"text":"x","finish_reason":"length"}]}\n\n'
+    assert (client.closing() == b"data: [DONE]\n\n") is whole

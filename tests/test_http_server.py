@@ -355,13 +355,13 @@ async def test_an_http_version_other_than_1_0_and_1_1_is_505(line: str) -> None:
         await conn.close()
 
 
-@pytest.mark.parametrize("coding", ["br", "zstd", "foo", "gzip, br"])
+@pytest.mark.parametrize("coding", ["br", "zstd", "foo", "gzip, br", "gzip|gzip", "identity|br"])  # |: two lines
 async def test_a_body_in_a_coding_the_gateway_does_not_decode_is_415(coding: str) -> None:
     """A Content-Encoding kvgate does not decode is 415 in OpenAI's shape (not a 400 naming a package to install,
     nor a body passed on as if plain)."""
     async with gateway_over_sims([SIM]) as (gw, sims):
         conn = await RawClient.connect(gw.port)
-        await conn.send(post("/v1/completions", COMPLETION, f"Content-Encoding: {coding}"))
+        await conn.send(post("/v1/completions", COMPLETION, *[f"Content-Encoding: {c}" for c in coding.split("|")]))
         error = assert_openai_error(await conn.response(), 415, request_id=False)
         assert error["code"] == "unsupported_content_encoding" and "install" not in error["message"]
         assert sims[0].engine.stats.started == 0

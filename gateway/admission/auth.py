@@ -36,9 +36,9 @@ def bearer(headers: Mapping[str, str]) -> str | None:
 
 
 def _one_key(headers: MultiMapping[str], x_api_key: bool) -> None:
-    keys = headers.getall("authorization", [])
+    keys = [k for k in headers.getall("authorization", []) if k.strip()]
     if x_api_key:
-        sent = headers.getall("x-api-key", [])
+        sent = [k for k in headers.getall("x-api-key", []) if k]
         keys = keys + sent
         if len(sent) == 1 and len(keys) == 2 and bearer(headers) == sent[0]:  # the same key in both: one key
             return

@@ -77,7 +77,7 @@ class Ticket:
 class AdmissionSlot:
     """The async context manager `AdmissionController.slot` returns: `finish` always runs, however the block ends."""
 
-    __slots__ = ("controller", "ctx", "demand", "identity", "kv", "model", "prompt_tokens", "ticket")
+    __slots__ = ("controller", "ctx", "demand", "identity", "model", "prompt_tokens", "ticket")
 
     def __init__(
         self,
@@ -87,17 +87,14 @@ class AdmissionSlot:
         prompt_tokens: int,
         ctx: RequestContext,
         demand: Demand | None,
-        kv: bool,
     ) -> None:
         self.controller = controller
         self.identity, self.model, self.prompt_tokens, self.ctx = identity, model, prompt_tokens, ctx
-        self.demand, self.kv = demand, kv
+        self.demand = demand
         self.ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self.ticket = await self.controller.admit(
-            self.identity, self.model, self.prompt_tokens, self.ctx, self.demand, kv=self.kv
-        )
+        self.ticket = await self.controller.admit(self.identity, self.model, self.prompt_tokens, self.ctx, self.demand)
         return self.ticket
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -153,33 +150,19 @@ class AdmissionController:
         return True
 
     def slot(
-        self,
-        identity: Identity,
-        model: str,
-        prompt_tokens: int,
-        ctx: RequestContext,
-        demand: Demand | None = None,
-        *,
-        kv: bool = True,
+        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext, demand: Demand | None = None
     ) -> AdmissionSlot:
         """`async with controller.slot(...)`: admitted inside the block (or a refusal raised), released after it."""
-        return AdmissionSlot(self, identity, model, prompt_tokens, ctx, demand, kv)
+        return AdmissionSlot(self, identity, model, prompt_tokens, ctx, demand)
 
     async def admit(
-        self,
-        identity: Identity,
-        model: str,
-        prompt_tokens: int,
-        ctx: RequestContext,
-        demand: Demand | None = None,
-        *,
-        kv: bool = True,
+        self, identity: Identity, model: str, prompt_tokens: int, ctx: RequestContext, demand: Demand | None = None
     ) -> Ticket:
         """Admission: the quota check (no round trip without limits or with the in-process store), then the
         latency targets (`demand`: refused at once where no replica is predicted to meet them), then a slot, at
         once when one is free and nothing of the model is queued, else in the model's fair queue, for at most what
-        the time-to-first-token target leaves. `kv` False: a request that computes no KV (counting or rendering a
-        prompt) passes the quota check only."""
+        the time-to-first-token target leaves. A request for which the engine computes no KV (`ctx.computed`:
+        counting or rendering a prompt, a realtime session) passes the quota check only."""
         tenant = identity.tenant
         tenant_cfg = self.config.tenant(tenant)
         limits = tenant_cfg.limits
@@ -189,7 +172,7 @@ class AdmissionController:
             quota = await self.store.check(tenant, limits, prompt_tokens, self._lease_ids.next())
         ticket = self._ticket(identity, model, prompt_tokens, quota, ctx)
         try:
-            if self.config.enabled and kv:
+            if self.config.enabled and ctx.computed:
                 max_wait = self.config.queue.max_wait_s
                 if demand is not None and self.latency.enabled:
                     ticket.targets = demand.targets
@@ -246,14 +229,15 @@ class AdmissionController:
                 self._tenant_active[tenant] = left
             else:
                 del self._tenant_active[tenant]
-            stats = self.metrics.tenant(tenant)
-            prompt, cached, completion = ctx.prompt_tokens, ctx.cache_hits(), ctx.delivered_tokens()
-            if prompt:
-                stats.prompt.value += prompt
-            if cached:
-                stats.cached.value += cached
-            if completion:
-                stats.completion.value += completion
+            if ctx.computed:
+                stats = self.metrics.tenant(tenant)
+                prompt, cached, completion = ctx.prompt_tokens, ctx.cache_hits(), ctx.delivered_tokens()
+                if prompt:
+                    stats.prompt.value += prompt
+                if cached:
+                    stats.cached.value += cached
+                if completion:
+                    stats.completion.value += completion
         lease, ticket.lease = ticket.lease, None
         if lease is not None:
             await asyncio.shield(self.store.release(lease, self._cost(ticket, ctx, failed)))
@@ -261,6 +245,8 @@ class AdmissionController:
     def _cost(self, ticket: Ticket, ctx: RequestContext, failed: bool) -> int:
         """Tokens charged for the request: as the engine reported them, else the estimate of the prompt (nothing if
         it failed) and the tokens its stream delivered."""
+        if not ctx.computed:  # a stored response read carries the usage it was charged when it was made
+            return 0
         prompt = ctx.prompt_tokens if ctx.prompt_tokens is not None else (0 if failed else ticket.prompt_estimate)
         weight = self.config.tenant(ticket.identity.tenant).limits.cached_token_weight
         return token_cost(prompt, ctx.cache_hits(), ctx.delivered_tokens(), weight)
