@@ -47,6 +47,7 @@ class RequestContext:
     answer_id: str | None = None  # the answer's `id` where the endpoint records it (stored responses)
     answered: bool = False  # the engine's whole answer reached the client (who may still leave before its end)
     events_sent: int = 0  # a stream's events written to the client (`delivered_tokens` without a usage)
+    leading_events: int = 1  # of those, the events before its first token (chat's role, Messages' message_start...)
     tool_call: bool = False  # the answer ended in a tool call (watched for requests of a session only)
     split: bool = False  # a prefill replica computed the prompt and the answering replica loaded its KV
     prefill_done_at: float | None = None  # time.monotonic() when a split request's prefill step answered
@@ -72,11 +73,11 @@ class RequestContext:
 
     def delivered_tokens(self) -> int:
         """The completion tokens as the engine reported them; for a stream cut before its final usage (the client
-        left, the engine failed), one a token event after the first (the role's, the Messages API's message_start),
-        at least the count the engine reported so far: what the tenant is charged."""
+        left, the engine failed), one a token event after its leading ones (`leading_events`), at least the count
+        the engine reported so far: what the tenant is charged."""
         if self.completion_tokens is not None and (self.answered or not self.stream):
             return self.completion_tokens
-        return max(self.completion_tokens or 0, self.events_sent - 1)
+        return max(self.completion_tokens or 0, self.events_sent - self.leading_events)
 
     def completion_shown(self) -> int | None:
         """The completion tokens the access log and traces show: a stream's delivered ones (`delivered_tokens`), a

@@ -74,6 +74,17 @@ def _prompt_tokens(usage: bytes) -> int | None:
     return count if isinstance(count, int) and count >= 0 else None
 
 
+def _leading_events(parsed: ParsedRequest) -> int:
+    """The events of a stream before its first token, as vLLM streams them: chat's role, the Messages API's
+    message_start and content_block_start, the Responses API's created, in_progress, output item and content part
+    added; none for completions."""
+    if parsed.api == "anthropic":
+        return 2
+    if parsed.records_id:
+        return 4
+    return 1 if parsed.kind == "chat" else 0
+
+
 def _one_choice(parsed: ParsedRequest) -> bool:
     """A stream of one choice: `n` 1 and, for completions, one prompt (a batch of prompts streams a choice each)."""
     body = parsed.body
@@ -148,6 +159,8 @@ class ClientEvents:
         self._held: list[bytes] = []
         self._renamed: tuple[bytes, bytes] | None = None  # a continuation's chunk id -> the stream's (first engine's)
         self.end = end_marker(parsed)
+        if not self._continuing:
+            ex.ctx.leading_events = _leading_events(parsed)
         self.done = False  # the answer's end reached the client (`end`); it may leave before the terminator
         self.failed = False  # the engine ended the stream with its own error event (the Messages API's)
         self.last = b""  # the last event the client got

@@ -205,7 +205,7 @@ def parse_request(kind: BodyKind, raw: bytes, *, max_depth: int, model_optional:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
     model = body.get("model")
-    if model is None and model_optional:
+    if model in (None, "") and model_optional:  # vLLM takes an empty name as none
         model = ""  # the pool's only model (the caller resolves it); the engine uses its own
     elif not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
@@ -226,7 +226,7 @@ def parse_request(kind: BodyKind, raw: bytes, *, max_depth: int, model_optional:
     max_completion = _check_int(body, "max_completion_tokens", 0)
     _check_int(body, "n", 1)
     limit = max_tokens if max_tokens is not None else max_completion
-    continuous = bool(options and options.get("continuous_usage_stats"))
+    continuous = include_usage and bool(options and options.get("continuous_usage_stats"))  # vLLM's rule
     return ParsedRequest(kind, body, model, stream, include_usage, limit, stdlib, continuous_usage=continuous)
 
 

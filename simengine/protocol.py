@@ -238,7 +238,8 @@ def parse_generation(kind: Kind, body: Any, cfg: SimConfig, adapters: Collection
         max_tokens=max_tokens,
         stream=stream,
         include_usage=bool(options.get("include_usage")),
-        continuous_usage=bool(options.get("continuous_usage_stats")),
+        # vLLM's should_include_usage: the running usage only with the usage event asked for too
+        continuous_usage=bool(options.get("include_usage")) and bool(options.get("continuous_usage_stats")),
         remote_decode=isinstance(transfer := body.get("kv_transfer_params"), dict)
         and bool(transfer.get("do_remote_decode")),
         tool=forced_tool(body) if kind == "chat" else None,

@@ -47,9 +47,23 @@ async def test_chat_and_completions_stream_and_not() -> None:
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
 
-        # without include_usage the client sees no usage chunk (kvgate asked the engine for it and dropped it)
-        plain = [ch async for ch in await c.completions.create(model="sim", prompt="abc", max_tokens=4, stream=True)]
-        assert plain and all(ch.usage is None for ch in plain) and all(ch.choices for ch in plain)
+        # without include_usage the client sees no usage chunk (kvgate asked the engine for it and dropped it), also
+        # when it asked for continuous_usage_stats alone (vLLM's rule: the running usage only with the usage event)
+        for options in (None, {"continuous_usage_stats": True}):
+            plain = [
+                ch
+                async for ch in await c.completions.create(
+                    model="sim",
+                    prompt="abc",
+                    max_tokens=4,
+                    stream=True,
+                    stream_options=options,  # type: ignore[arg-type]
+                )
+            ]
+            assert plain and all(ch.usage is None for ch in plain) and all(ch.choices for ch in plain)
+        # an empty model name means none, as vLLM takes it
+        empty = await c.completions.create(model="", prompt="x", max_tokens=2)
+        assert empty.model == "sim"
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])

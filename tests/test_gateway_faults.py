@@ -169,3 +169,29 @@ def test_a_finish_event_makes_a_cut_completions_stream_whole_only_with_one_choic
     client = ClientEvents(ex, SimpleNamespace(observe=lambda _: None))  # type: ignore[arg-type]
     client.last = b'data: {"id":"c","choices":[{"index":0,"text":"x","finish_reason":"length"}]}\n\n'
     assert (client.closing() == b"data: [DONE]\n\n") is whole
+
+
+@pytest.mark.parametrize("route", ["chat", "completions", "messages"])
+async def test_a_cut_stream_is_charged_the_tokens_its_client_got(route: str, http: aiohttp.ClientSession) -> None:
+    """The engine dies after five tokens (not migrated): the client got five, and five are counted, whatever events
+    come before the first token (chat's role, the Messages API's message_start and content_block_start; none in
+    completions: one token was lost there, one added in Messages)."""
+    cut = SimConfig(model="sim", overhead_ms=0, prefill_us_per_token=0, decode_ms=5, faults=Faults(cut_after_tokens=5))
+    async with gateway_over_sims([cut], retry={"migrate_streams": False}) as (gw, _):
+        body: dict[str, Any] = {"model": "sim", "max_tokens": 20, "stream": True}
+        if route == "completions":
+            path, body["prompt"] = "/v1/completions", "hi"
+        else:
+            path = "/v1/chat/completions" if route == "chat" else "/v1/messages"
+            body["messages"] = [{"role": "user", "content": "hi"}]
+        async with http.post(gw.url + path, json=body) as resp:
+            await resp.read()
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+    completion = sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvgate_tokens_total" and s.labels["kind"] == "completion"
+    )
+    assert completion == 5
