@@ -59,6 +59,19 @@ def sequence_number(event: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
+_KEEP = (b"", b"")  # no renaming
+
+
+def _renaming(event: bytes, relayed: Relayed) -> tuple[bytes, bytes]:
+    """From an attempt's first event: the stream's chunk id when it is the first engine's (kept, nothing renamed),
+    else (a continuation) its id and the stream's, for its events to carry the stream's."""
+    own = _chunk_id(event)
+    if relayed.answer_id is None:
+        relayed.answer_id = own
+        return _KEEP
+    return (own, relayed.answer_id) if own and relayed.answer_id and own != relayed.answer_id else _KEEP
+
+
 def _chunk_id(event: bytes) -> bytes:
     """A chat or completions event's `"id":"..."` (empty when it has none)."""
     start = event.find(b'"id":"')
@@ -171,6 +184,7 @@ class ClientEvents:
         relayed = ex.relayed
         out: list[bytes] = []
         before = relayed.tokens_before if relayed is not None else 0
+        held, stamp = self._held, self._stamp
         for event in events:
             if self._tools and ends_in_tool_call(event):
                 self._tools, ex.ctx.tool_call = False, True
@@ -178,18 +192,15 @@ class ClientEvents:
                 if relayed.seam is not None:  # a Messages stream continued through chat
                     out.extend(self._from_chat(event, relayed))
                     continue
-                if relayed.answer_id is None:  # the stream's first event
-                    relayed.answer_id = _chunk_id(event)
-                elif self._continuing and self._renamed is None:  # a continuation's first: its id is the stream's
-                    own = _chunk_id(event)
-                    renamed = own and relayed.answer_id and own != relayed.answer_id
-                    self._renamed = (own, relayed.answer_id) if renamed else (b"", b"")
-                if self._renamed is not None and self._renamed[0]:
-                    event = event.replace(self._renamed[0], self._renamed[1], 1)
+                renamed = self._renamed
+                if renamed is None:
+                    renamed = self._renamed = _renaming(event, relayed)
+                if renamed[0]:
+                    event = event.replace(renamed[0], renamed[1], 1)
             if b'"usage"' in event and not event.startswith(DONE):
-                if self._held and b'"choices":[]' in event:  # the usage event after the held finish event
-                    out.extend(_stamped(self._held, event))
-                    self._held = []
+                if held and b'"choices":[]' in event:  # the usage event after the held finish event
+                    out.extend(_stamped(held, event))
+                    held.clear()
                 cut = split_usage(event) if relayed is not None and ex.parsed.kind != "json" else None
                 if cut is not None and relayed is not None:  # the engine's running count, asked for by the gateway
                     relayed.usage = cut[1]
@@ -210,11 +221,11 @@ class ClientEvents:
                 if ex.ctx.answer_id is not None and ex.on_answer_id is not None:
                     ex.on_answer_id(ex.ctx.answer_id)
             if event:
-                if self._held:  # another event after it: the finish event goes out as it came
-                    out.extend(self._held)
-                    self._held = []
-                if self._stamp and b'"finish_reason":"' in event:
-                    self._held.append(event)
+                if held:  # another event after it: the finish event goes out as it came
+                    out.extend(held)
+                    held.clear()
+                if stamp and b'"finish_reason":"' in event:
+                    held.append(event)
                     continue
                 out.append(event)
         if out:
@@ -223,7 +234,8 @@ class ClientEvents:
 
     def flush(self) -> list[bytes]:
         """What `take` holds back, for the client when the engine's stream ends without the usage event."""
-        held, self._held = self._held, []
+        held = self._held[:]
+        self._held.clear()
         return held
 
     def _from_chat(self, event: bytes, relayed: Relayed) -> list[bytes]:
