@@ -30,7 +30,7 @@ def access_record(ctx: RequestContext) -> dict[str, object]:
         "prompt_tokens": ctx.prompt_tokens,
         "cached_tokens": ctx.cached_tokens,
         "completion_tokens": ctx.completion_shown(),
-        "ttft_ms": _ms(ctx.ttft_s),
+        "ttft_ms": _ms(ctx.ttft_s) if ctx.computed else None,
         "predicted_ttft_ms": _ms(ctx.prediction.ttft_s) if ctx.prediction is not None else None,
         "queue_ms": _ms(ctx.queue_wait_s),
         "duration_ms": _ms(ctx.duration_s),
@@ -41,7 +41,7 @@ def access_record(ctx: RequestContext) -> dict[str, object]:
 
 def plain_line(ctx: RequestContext) -> str:
     """`access_record` as `key=value` pairs ('-' for none), built in one f-string (this runs for every request)."""
-    ttft, duration, prediction = ctx.ttft_s, ctx.duration_s, ctx.prediction
+    ttft, duration, prediction = ctx.ttft_s if ctx.computed else None, ctx.duration_s, ctx.prediction
     prompt, cached, completion, error = ctx.prompt_tokens, ctx.cached_tokens, ctx.completion_shown(), ctx.error
     return (
         f"request_id={ctx.request_id} tenant={ctx.tenant} endpoint={ctx.endpoint} model={ctx.model} "

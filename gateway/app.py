@@ -81,6 +81,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise BadRequest(
                 f"x-request-id must be visible ASCII, at most {REQUEST_ID_MAX} characters", param="x-request-id"
             )
+        if len(request.headers.getall("x-request-id", ())) > 1:  # which one the engine and the logs keep: ambiguous
+            raise BadRequest("x-request-id sent more than once", param="x-request-id")
         if VIA in request.headers and request.app[IDS].instance in via_chain(request.headers.getall(VIA)):
             raise LoopDetected(
                 "the request came back to the gateway that sent it: an engine address of this gateway leads back to "

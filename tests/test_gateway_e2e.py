@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -108,16 +109,22 @@ async def metric_samples(http: aiohttp.ClientSession, url: str) -> dict[tuple[st
     return out
 
 
-async def test_counting_and_tokenizing_feed_no_latency_histogram(http: aiohttp.ClientSession) -> None:
+async def test_counting_and_tokenizing_feed_no_latency_histogram(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
     """A token count or a tokenization generates nothing: it is no sample of time to first token or of end-to-end
-    latency (Claude Code counts often: its ~1 ms would pull the percentiles down); a completion is one of each."""
+    latency (Claude Code counts often: its ~1 ms would pull the percentiles down), nor does the access log give it
+    one; a completion is one of each."""
     ttft, e2e = ("kvgate_time_to_first_token_seconds_count", ""), ("kvgate_e2e_request_latency_seconds_count", "")
-    async with gateway_over_sims([SIM]) as (gw, _):
+    async with gateway_over_sims([SIM], server={"access_log": "plain"}) as (gw, _):
         count = {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-        async with http.post(gw.url + "/v1/messages/count_tokens", json=count) as resp:
-            assert resp.status == 200 and (await resp.json())["input_tokens"] > 0
-        async with http.post(gw.url + "/tokenize", json={"model": "sim", "prompt": "hello"}) as resp:
-            assert resp.status == 200
+        with caplog.at_level(logging.INFO, logger="kvgate.access"):
+            async with http.post(gw.url + "/v1/messages/count_tokens", json=count) as resp:
+                assert resp.status == 200 and (await resp.json())["input_tokens"] > 0
+            async with http.post(gw.url + "/tokenize", json={"model": "sim", "prompt": "hello"}) as resp:
+                assert resp.status == 200
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.access"]
+        assert len(lines) == 2 and all(" ttft_ms=- " in line for line in lines), lines
         before = await metric_samples(http, gw.url)
         assert before[("kvgate_requests_total", "200")] == 2
         assert before.get(ttft, 0.0) == before.get(e2e, 0.0) == 0.0

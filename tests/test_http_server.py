@@ -341,6 +341,29 @@ async def test_a_chunked_http10_request_is_refused_and_nothing_after_it_is_read(
         await conn.close()
 
 
+async def test_a_transfer_coding_other_than_chunked_is_501() -> None:
+    """RFC 9112 6.1: a transfer coding the server does not understand is 501 (aiohttp ignored the gzip of
+    `gzip, chunked` and read the chunks as if plain)."""
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        conn = await RawClient.connect(gw.port)
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked"
+        await conn.send(f"{head}\r\n\r\n{len(COMPLETION):x}\r\n".encode() + COMPLETION + b"\r\n0\r\n\r\n")
+        error = assert_openai_error(await conn.response(), 501, request_id=False)
+        assert error["code"] == "unsupported_transfer_encoding"
+        assert await asyncio.wait_for(conn.closed_by_server(), 10)
+        assert sims[0].engine.stats.started == 0
+        await conn.close()
+
+
+async def test_a_request_id_sent_twice_is_400() -> None:
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        conn = await RawClient.connect(gw.port)
+        await conn.send(post("/v1/completions", COMPLETION, "X-Request-Id: a-1", "X-Request-Id: b-2"))
+        error = assert_openai_error(await conn.response(), 400)
+        assert error["param"] == "x-request-id" and sims[0].engine.stats.started == 0
+        await conn.close()
+
+
 @pytest.mark.parametrize("line", ["GET /health HTTP/2.0", "GET /health HTTP/0.9"])
 async def test_an_http_version_other_than_1_0_and_1_1_is_505(line: str) -> None:
     """A request line of HTTP/2 (or 0.9) in HTTP/1.1's syntax is answered 505 and the connection closed (it was
