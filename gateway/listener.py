@@ -19,8 +19,10 @@ Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each acce
 - a chunked body whose first chunk-size line announces more than `server.max_body_bytes` fails at once with 413
   where the segment's bytes are known to be that body's (`gateway.framing`); a declared Content-Length over it is
   refused where the body is read (`gateway.body`), before any of it is waited for;
-- a request whose body is in a Content-Encoding the gateway does not decode (only gzip and deflate are) is 415, and
-  Transfer-Encoding in an HTTP/1.0 request is faulty framing (RFC 9112 6.1): 400 (`faulty`);
+- what aiohttp's parser takes but the gateway will not serve (`gateway.framing.faulty`): an HTTP version other
+  than 1.0 and 1.1 (505), a body in a Content-Encoding the gateway does not decode (only gzip and deflate are: 415),
+  a transfer coding other than chunked (501), Transfer-Encoding in an HTTP/1.0 request (faulty framing, RFC 9112
+  6.1: 400);
 - protocol errors answer in OpenAI's error shape: malformed HTTP (smuggling shapes included: Content-Length with
   Transfer-Encoding, a duplicate Content-Length) 400 `invalid_http_request`, a header line over
   `max_header_bytes` or more than `max_headers` headers 431; the connection then closes;
