@@ -84,6 +84,20 @@ class UnsupportedEncoding(GatewayError):
     code = "unsupported_content_encoding"
 
 
+class UnsupportedTransferCoding(GatewayError):
+    """A transfer coding other than chunked (RFC 9112 6.1)."""
+
+    status = 501
+    type = "invalid_request_error"
+    code = "unsupported_transfer_encoding"
+
+
+class HttpVersionNotSupported(GatewayError):
+    status = 505
+    type = "invalid_request_error"
+    code = "http_version_not_supported"
+
+
 class RequestTimeout(GatewayError, TimeoutError):
     """The client did not send its request head or body in time."""
 

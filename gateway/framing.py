@@ -18,7 +18,13 @@ from __future__ import annotations
 from aiohttp import HttpVersion10, HttpVersion11
 from aiohttp.http_parser import RawRequestMessage
 
-from gateway.errors import BadRequest, GatewayError, UnsupportedEncoding
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    HttpVersionNotSupported,
+    UnsupportedEncoding,
+    UnsupportedTransferCoding,
+)
 
 _BLANK_LINE = b"\r\n\r\n"
 CARRY = len(_BLANK_LINE) - 1  # bytes of a segment kept for the next one's `body_start`
@@ -77,17 +83,16 @@ def faulty(message: RawRequestMessage) -> GatewayError | None:
     a transfer coding other than chunked (501, RFC 9112 6.1), and Transfer-Encoding in an HTTP/1.0 request, whose
     framing RFC 9112 6.1 says to distrust (a request-smuggling shape; 400, and the connection closes)."""
     if message.version not in (HttpVersion10, HttpVersion11):  # HTTP/2 or 0.9 in HTTP/1.1's syntax: neither
-        err = GatewayError(f"HTTP/{message.version.major}.{message.version.minor} is not supported: use HTTP/1.1")
-        err.status, err.type, err.code = 505, "invalid_request_error", "http_version_not_supported"
-        return err
+        return HttpVersionNotSupported(
+            f"HTTP/{message.version.major}.{message.version.minor} is not supported: use HTTP/1.1"
+        )
     coding = ", ".join(message.headers.getall("Content-Encoding", ())).strip().lower()  # every line of it
     if coding not in _CODINGS:
         return UnsupportedEncoding(f"the request body's Content-Encoding {coding[:40]!r} is not supported ({DECODED})")
     coded = message.headers.get("Transfer-Encoding")
     if coded is not None and coded.strip().lower() != "chunked" and message.version >= HttpVersion11:
-        err = GatewayError(f"Transfer-Encoding {coded[:40]!r} is not supported: only chunked")
-        err.status, err.type, err.code = 501, "invalid_request_error", "unsupported_transfer_encoding"
-        return err  # RFC 9112 6.1: a coding the server does not understand (aiohttp ignored it, decoding chunks)
+        # RFC 9112 6.1: a coding the server does not understand (aiohttp ignored it, decoding chunks)
+        return UnsupportedTransferCoding(f"Transfer-Encoding {coded[:40]!r} is not supported: only chunked")
     if message.version < HttpVersion11 and "Transfer-Encoding" in message.headers:
         return BadRequest(
             "malformed HTTP request: Transfer-Encoding in an HTTP/1.0 request", code="invalid_http_request"
