@@ -385,7 +385,6 @@ class RedisQuotaStore:
             try:
                 while self.up and self._behind():  # once up, no more local grants: this ends
                     await self._reconcile_pass()
-                await self._renew_leases()  # those Redis lost while down are back now, not at the next renewal
             except REDIS_ERRORS as exc:
                 if self.up:
                     self._set_down(exc)
