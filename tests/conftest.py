@@ -14,6 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gateway.config import GatewayConfig, load_config
 from gateway.embedded import RunningGateway, running_gateway
@@ -153,3 +155,10 @@ class TcpRelay:
         finally:
             writer.close()
             self._writers.discard(writer)
+
+
+async def scrape(http: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> list[Sample]:
+    """Every sample of the gateway's /metrics."""
+    async with http.get(url + "/metrics", headers=headers) as resp:
+        text = await resp.text()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]

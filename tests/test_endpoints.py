@@ -15,20 +15,17 @@ from engine_pool.launcher import free_port
 from gateway.admission.auth import hash_key
 from gateway.embedded import running_gateway
 from simengine import Faults, SimConfig
-from tests.conftest import gateway_config, gateway_over_sims
+from tests.conftest import gateway_config, gateway_over_sims, scrape
 
 SIM = SimConfig(model="sim", instant=True)
 
 
 async def requests_total(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
-    async with http.get(url + "/metrics") as resp:
-        text = await resp.text()
     counted: dict[tuple[str, str], float] = {}
-    for f in text_string_to_metric_families(text):
-        for s in f.samples:
-            if s.name == "kvgate_requests_total":  # summed over models and replicas
-                key = (s.labels["endpoint"], s.labels["status"])
-                counted[key] = counted.get(key, 0.0) + s.value
+    for s in await scrape(http, url):
+        if s.name == "kvgate_requests_total":  # summed over models and replicas
+            key = (s.labels["endpoint"], s.labels["status"])
+            counted[key] = counted.get(key, 0.0) + s.value
     return counted
 
 
@@ -184,12 +181,9 @@ async def test_reading_a_stored_response_charges_and_counts_nothing(http: aiohtt
 
 
 async def metric_values(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with http.get(url + "/metrics", headers={"Authorization": "Bearer adm"}) as resp:
-        text = await resp.text()
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    for sample in await scrape(http, url, {"Authorization": "Bearer adm"}):
+        out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.keys import REPLICAS
 from simengine import Faults, SimConfig
-from tests.conftest import gateway_over_sims, wait_for
+from tests.conftest import gateway_over_sims, scrape, wait_for
 
 SIM = SimConfig(model="sim", overhead_ms=1, prefill_us_per_token=1, decode_ms=1, block_size=16)
 MESSAGES = [{"role": "system", "content": "You are terse. " * 20}, {"role": "user", "content": "hello there"}]
@@ -99,13 +99,10 @@ async def test_the_system_fingerprint_reaches_the_client_where_the_engine_puts_i
 
 async def metric_samples(http: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
     """(sample name, its `kind` or `status` label) -> value, summed over the other labels."""
-    async with http.get(url + "/metrics") as resp:
-        text = await resp.text()
     out: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            key = (s.name, s.labels.get("kind") or s.labels.get("status") or "")
-            out[key] = out.get(key, 0.0) + s.value
+    for s in await scrape(http, url):
+        key = (s.name, s.labels.get("kind") or s.labels.get("status") or "")
+        out[key] = out.get(key, 0.0) + s.value
     return out
 
 

@@ -53,26 +53,21 @@ async def stream_text(
     return "".join(parts), usage, replica
 
 
-async def migrations(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def by_label(http: aiohttp.ClientSession, url: str, sample: str, label: str) -> dict[str, float]:
+    """A metric's samples by one label's value."""
     async with http.get(url + "/metrics") as resp:
         text = await resp.text()
     return {
-        s.labels["outcome"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "kvgate_stream_migrations_total"
+        s.labels[label]: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == sample
     }
+
+
+async def migrations(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    return await by_label(http, url, "kvgate_stream_migrations_total", "outcome")
 
 
 async def tokens(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    return {
-        s.labels["kind"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "kvgate_tokens_total"
-    }
+    return await by_label(http, url, "kvgate_tokens_total", "kind")
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
