@@ -5,6 +5,7 @@ Run: python scripts/config_reference.py  (tests check the committed file is curr
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import types
@@ -70,17 +71,32 @@ def _bounds(field: FieldInfo) -> str:
     return ", ".join(found)
 
 
-def rows(model: type[BaseModel], prefix: str, *, bounds: bool = False) -> list[str]:
+def _section(field: FieldInfo) -> BaseModel | None:
+    """The section a field holds by default (its keys' defaults are that instance's values), or None."""
+    value = field.default
+    if value is PydanticUndefined and field.default_factory is not None:
+        try:
+            value = field.default_factory()  # type: ignore[call-arg]
+        except TypeError:
+            return None
+    return value if isinstance(value, BaseModel) else None
+
+
+def rows(model: type[BaseModel], prefix: str, *, bounds: bool = False, instance: BaseModel | None = None) -> list[str]:
+    """The table rows of `model`'s keys under `prefix`; `instance`: the section's shipped value, whose fields are
+    the defaults shown (a section's default may differ from its model's, e.g. the shipped latency targets)."""
     out: list[str] = []
-    nested: list[tuple[str, type[BaseModel]]] = []
+    nested: list[tuple[str, type[BaseModel], BaseModel | None]] = []
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
         desc = (field.description or "").replace("|", "\\|")
         kind = _type_name(field.annotation).replace("|", "\\|")
         if bounds and _bounds(field):
             kind += f" ({_bounds(field)})"
-        default = _default(field).replace("|", "\\|")
-        out.append(f"| `{path}` | {kind} | {default} | {desc} |")
+        value = getattr(instance, name) if instance is not None else None
+        shown = f"`{value!r}`" if instance is not None and not isinstance(value, BaseModel) else _default(field)
+        shown = shown.replace("|", "\\|")
+        out.append(f"| `{path}` | {kind} | {shown} | {desc} |")
         origin = typing.get_origin(field.annotation)
         for sub in _models_in(field.annotation):
             is_list = origin in (list, typing.List) or (  # noqa: UP006
@@ -88,9 +104,10 @@ def rows(model: type[BaseModel], prefix: str, *, bounds: bool = False) -> list[s
             )
             is_dict = "dict[" in str(field.annotation)
             suffix = "[]." if is_list else ".<name>." if is_dict else "."
-            nested.append((path + suffix, sub))
-    for path, sub in nested:
-        out += rows(sub, path)
+            section = value if isinstance(value, BaseModel) else _section(field) if suffix == "." else None
+            nested.append((path + suffix, sub, section if isinstance(section, sub) else None))
+    for path, sub, section in nested:
+        out += rows(sub, path, instance=section)
     return out
 
 
@@ -124,6 +141,7 @@ def render() -> str:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help prints, writes nothing
     OUT.write_text(render())
     print(f"wrote {OUT}", file=sys.stderr)
     return 0

@@ -23,6 +23,7 @@ from gateway.admission.auth import Identity
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.targets import LatencyGate
+from gateway.config import ConfigError, load_config
 from gateway.context import RequestContext
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
@@ -354,3 +355,36 @@ async def test_a_stream_whose_client_left_before_its_terminator_counts_as_served
     await replicas.close()
     client.close()
     assert counted == 1
+
+
+@pytest.mark.parametrize(
+    ("targets", "interactive", "batch"),
+    [
+        ({}, Targets(2.0, 0.1), Targets(600.0, float("inf"))),
+        ({"default": {"ttft_s": 0.5}}, Targets(0.5, 0.1), Targets(600.0, float("inf"))),
+        ({"classes": {"batch": {"ttft_s": 100}}}, Targets(2.0, 0.1), Targets(100.0, float("inf"))),
+        ({"classes": {"interactive": {"tpot_s": 0.05}}}, Targets(2.0, 0.05), Targets(600.0, float("inf"))),
+    ],
+    ids=["shipped", "one-default-field", "one-batch-field", "another-class"],
+)
+async def test_a_target_field_a_file_does_not_give_keeps_its_shipped_value(
+    targets: dict[str, object], interactive: Targets, batch: Targets
+) -> None:
+    """`default: {ttft_s: 0.5}` used to drop the shipped 100 ms TPOT target, and `classes: {batch: {ttft_s: 100}}`
+    the batch class's "no TPOT target" (it inherited the default's 100 ms)."""
+    config = load_config(overrides={"admission": {"targets": targets}}, environ={}).admission
+    client = UpstreamClient()
+    replicas = ReplicaSet(client)
+    registry = CollectorRegistry()
+    gate = LatencyGate(
+        config, replicas, Router(LeastLoad(), replicas, GatewayMetrics(registry), None), AdmissionMetrics(registry)
+    )
+    got = [gate.targets(Identity("t", i, name), "m", {}) for i, name in enumerate(config.priority_classes)]
+    await replicas.close()
+    client.close()
+    assert got == [interactive, batch]
+
+
+def test_targets_of_a_class_that_does_not_exist_are_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"targets\.classes\.gold: unknown class"):
+        load_config(overrides={"admission": {"targets": {"classes": {"gold": {"ttft_s": 1}}}}}, environ={})

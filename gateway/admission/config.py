@@ -74,6 +74,20 @@ class LatencyTargets(_Strict):
     )
 
 
+# The shipped targets: a file's `default` or `classes.batch` that sets one field keeps the other's shipped value.
+_SHIPPED_DEFAULT = {"ttft_s": 2.0, "tpot_s": 0.1}
+_SHIPPED_CLASSES = {"batch": {"ttft_s": 600.0, "tpot_s": float("inf")}}
+
+
+def _over(shipped: dict[str, float], given: object) -> object:
+    """`given`'s fields over `shipped`'s (None or absent: shipped)."""
+    if isinstance(given, LatencyTargets):
+        given = given.model_dump()
+    if not isinstance(given, dict):
+        return given  # pydantic says what is wrong with it
+    return {**shipped, **{k: v for k, v in given.items() if v is not None}}
+
+
 class TargetsConfig(_Strict):
     enabled: bool = Field(
         True,
@@ -83,21 +97,35 @@ class TargetsConfig(_Strict):
     default: LatencyTargets = Field(
         default_factory=lambda: LatencyTargets(ttft_s=2.0, tpot_s=0.1),
         description="targets of every request: 2 s to the first token and 100 ms per token protect a pool nobody "
-        "has measured (past its knee time to first token jumps to tens of seconds: docs/admission.md)",
+        "has measured (past its knee time to first token jumps to tens of seconds: docs/admission.md); a field not "
+        "given keeps its shipped value",
     )
     models: dict[str, LatencyTargets] = Field(
         default_factory=dict, description="per model (or alias target), over the default"
     )
     classes: dict[str, LatencyTargets] = Field(
-        default_factory=lambda: {"batch": LatencyTargets(ttft_s=600.0, tpot_s=float("inf"))},
-        description="per priority class, over the model's; a batch request may wait minutes",
+        default_factory=lambda: {name: LatencyTargets(**t) for name, t in _SHIPPED_CLASSES.items()},
+        description="per priority class, over the model's; a batch request may wait minutes (shipped: batch, TTFT "
+        "600 s and no TPOT target, kept for the fields and classes a file does not give)",
     )
+
+    @field_validator("default", mode="before")
+    @classmethod
+    def _default_over_shipped(cls, value: object) -> object:
+        return _over(_SHIPPED_DEFAULT, value)
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _classes_over_shipped(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        return {**_SHIPPED_CLASSES, **{name: _over(_SHIPPED_CLASSES.get(name, {}), t) for name, t in value.items()}}
 
 
 class TenantConfig(_Strict):
     keys: list[str] = Field(
         default_factory=list,
-        description='the tenant\'s API keys as "sha256:<hex>" (see hash_key); a key belongs to one tenant only',
+        description='the tenant\'s API keys as "sha256:<hex>" (`kvgate hash-key KEY`); a key belongs to one tenant',
     )
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="the tenant's quotas; unset ones are unlimited"
@@ -130,7 +158,7 @@ class TenantConfig(_Strict):
         for k in keys:
             digest = k.removeprefix("sha256:")
             if not k.startswith("sha256:") or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise ValueError("keys must be 'sha256:<64 lowercase hex>' (use gateway.admission.config.hash_key)")
+                raise ValueError("keys must be 'sha256:<64 lowercase hex>': `kvgate hash-key KEY` prints a key's")
         return keys
 
 
@@ -268,6 +296,9 @@ class AdmissionConfig(_Strict):
                 if k in seen:
                     raise ValueError(f"tenants.{name}.keys: key also belongs to tenant {seen[k]!r}")
                 seen[k] = name
+        for name in self.targets.classes:
+            if name not in self.priority_classes and name not in _SHIPPED_CLASSES:
+                raise ValueError(f"targets.classes.{name}: unknown class (priority_classes: {self.priority_classes})")
         if len(self.tenants) > self.max_tenants:
             raise ValueError("more tenants than max_tenants")
         derived = [n for n, t in self.tenants.items() if t.cache_isolation and not t.cache_salt]
