@@ -78,13 +78,16 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def readiness(request: web.Request) -> dict[str, Any]:
+def readiness(app: web.Application) -> dict[str, Any]:
+    """/ready's answer: ready once every known model has a routable replica that answers whole requests (a prefill
+    replica of a split model serves nothing alone) and no tokenizer the cache-aware router waits for is loading;
+    with each model's count of those and each replica's state."""
     now = time.monotonic()
     models: dict[str, dict[str, Any]] = {}
-    for replica in request.app[REPLICAS]:
+    for replica in app[REPLICAS]:
         entry = models.setdefault(replica.model or "?", {"ready": 0, "replicas": {}})
         ok = replica.routable(now)
-        entry["ready"] += int(ok)
+        entry["ready"] += int(ok and replica.role != "prefill")
         entry["replicas"][replica.id] = {
             "ready": ok,
             "healthy": replica.healthy,
@@ -97,7 +100,7 @@ def readiness(request: web.Request) -> dict[str, Any]:
     # ready only while no model is known at all
     served = [m for name, m in models.items() if name != "?"]
     ready = bool(served) and all(m["ready"] > 0 for m in served)
-    cache = request.app.get(CACHE)
+    cache = app.get(CACHE)
     loading = cache.tokenizers_loading() if cache is not None else []
     state: dict[str, Any] = {"ready": ready and not loading, "models": models}
     if loading:  # the first cache-aware request would wait for them
@@ -115,7 +118,7 @@ def check_observability(request: web.Request) -> None:
 
 
 async def ready(request: web.Request) -> web.Response:
-    state = readiness(request)
+    state = readiness(request.app)
     status = 200 if state["ready"] else 503
     try:
         check_observability(request)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import io
 import json
@@ -23,7 +24,8 @@ from aiohttp import web
 
 from gateway.app import build_app
 from gateway.config import ConfigError, ConfigSource, GatewayConfig, load_config
-from gateway.keys import COMPLETIONS, CONFIG_SOURCE, REPLICAS
+from gateway.handlers import readiness
+from gateway.keys import COMPLETIONS, CONFIG, CONFIG_SOURCE, REPLICAS
 from gateway.listener import GatewayListener
 from gateway.reload import RELOADER
 from policies.registry import policy_names
@@ -143,31 +145,36 @@ async def serve(
 
 
 async def _announce_ready(app: web.Application, base_url: str) -> None:
-    """Log once when every model has a ready replica (engines may take minutes to load): where to send requests."""
+    """Log once when /ready first says ready (engines may take minutes to load): where to send requests. Checked as
+    the replicas change, and twice a second for what else /ready waits for (a tokenizer loading)."""
     replicas = app[REPLICAS]
     while True:
         changed = replicas.changed
-        now = time.monotonic()
-        models = replicas.models()
-        if models and all(any(r.routable(now) for r in rs) for rs in models.values()):
-            names = ", ".join(
-                f"{m} ({sum(r.routable(now) for r in rs)}/{len(rs)} replicas ready)" for m, rs in sorted(models.items())
-            )
-            if pending := [r.url for r in replicas if r.model is None]:  # their models are not known: not counted
-                names += f"; {len(pending)} more engine{'s' if len(pending) > 1 else ''} not reached yet"
-                names += f" ({', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''})"
-            first = min(models, key=lambda m: (any(r.pooling for r in models[m]), m))  # a chat model if any
-            log.info(
-                "ready: %s. OpenAI base URL %s/v1, e.g. curl %s/v1/chat/completions -H 'Content-Type: "
-                'application/json\' -d \'{"model": "%s", "messages": [{"role": "user", '
-                '"content": "Hello"}]}\'',
-                names,
-                base_url,
-                base_url,
-                first,
-            )
-            return
-        await changed.wait()
+        if readiness(app)["ready"]:
+            break
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await changed.wait()
+    now = time.monotonic()
+    models = replicas.models()
+    names = ", ".join(
+        f"{m} ({sum(r.routable(now) for r in rs)}/{len(rs)} replicas ready)" for m, rs in sorted(models.items())
+    )
+    if pending := [r.url for r in replicas if r.model is None]:  # their models are not known: not counted
+        names += f"; {len(pending)} more engine{'s' if len(pending) > 1 else ''} not reached yet"
+        names += f" ({', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''})"
+    first = min(models, key=lambda m: (any(r.pooling for r in models[m]), m))  # a chat model if any
+    key = " -H 'Authorization: Bearer YOUR_KEY'" if app[CONFIG].admission.auth else ""
+    log.info(
+        "ready: %s. OpenAI base URL %s/v1, e.g. curl %s/v1/chat/completions -H 'Content-Type: "
+        'application/json\'%s -d \'{"model": "%s", "messages": [{"role": "user", '
+        '"content": "Hello"}]}\'',
+        names,
+        base_url,
+        base_url,
+        key,
+        first,
+    )
 
 
 class _Formatter(logging.Formatter):

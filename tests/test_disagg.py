@@ -162,6 +162,26 @@ async def test_without_a_working_prefill_replica_the_request_runs_whole(
         assert decode.engine.stats.completed == 1
 
 
+async def test_a_model_with_only_prefill_replicas_up_is_not_ready(http: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """A prefill replica serves nothing alone: with its decode replica down, /ready said 200 (and a load balancer
+    sent traffic) while every request was 503 no_ready_replica."""
+    down = SIM.model_copy(update={"faults": SIM.faults.model_copy(update={"fail_health": True})})
+    async with pd_gateway(tmp_path, [SIM], [SIM]) as (gw, _, _):
+        async with http.get(gw.url + "/ready") as resp:
+            assert resp.status == 200
+    async with AsyncExitStack() as stack:
+        p = await stack.enter_async_context(run_sim_engine(SIM))
+        d = await stack.enter_async_context(run_sim_engine(down))
+        engines = [{"url": p.url, "model": "sim", "role": "prefill"}, {"url": d.url, "model": "sim", "role": "decode"}]
+        gw = await stack.enter_async_context(running_gateway(gateway_config([], engines=engines)))
+        await wait_for(lambda: any(r.routable(time.monotonic()) for r in gw.app[REPLICAS]), what="prefill ready")
+        async with http.get(gw.url + "/ready") as resp:
+            state = await resp.json()
+            assert resp.status == 503 and state["models"]["sim"]["ready"] == 0, state
+        async with http.post(gw.url + "/v1/completions", json={"model": "sim", "prompt": SHORT}) as resp:
+            assert resp.status == 503
+
+
 # --- configuration -------------------------------------------------------------------------------------------------
 def test_the_kv_connector_reaches_vllm_and_roles_are_checked() -> None:
     connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from engine_pool.launcher import free_port
+from gateway.admission.config import hash_key
 from gateway.embedded import running_gateway
 from gateway.serve import _announce_ready
 from simengine import SimConfig, run_sim_engine
@@ -116,3 +117,24 @@ async def test_the_ready_line_names_the_engines_not_reached_yet(caplog: pytest.L
             await asyncio.wait_for(_announce_ready(gw.app, gw.url), 30)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
     assert line.startswith(f"ready: sim (1/1 replicas ready); 1 more engine not reached yet ({dead}). "), line
+
+
+async def test_the_ready_line_comes_when_ready_says_ready_with_the_key_its_curl_needs(
+    caplog: pytest.LogCaptureFixture, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """A tokenizer that does not load keeps /ready 503 until it falls back: the line came before (its curl then
+    failed), and with auth on its curl had no key (401)."""
+    cfg = gateway_config(
+        [],
+        cache={"tokenizers": {"sim": str(tmp_path / "missing")}},
+        admission={"auth": True, "tenants": {"t": {"keys": [hash_key("sk-t")]}}},
+    )
+    async with run_sim_engine(SLOW) as sim:
+        cfg = cfg.model_copy(update={"engines": gateway_config([sim.url]).engines})
+        async with running_gateway(cfg) as gw:
+            with caplog.at_level(logging.INFO, logger="kvgate"):
+                await asyncio.wait_for(_announce_ready(gw.app, gw.url), 60)
+                async with http.get(gw.url + "/ready") as resp:
+                    assert resp.status == 200, await resp.text()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
+    assert "-H 'Authorization: Bearer YOUR_KEY'" in line, line
