@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--max-inflight", type=_positive_int, default=1024, help="open loop: cap on requests in flight")
     rp.add_argument("--no-quality", action="store_true", help="skip the quality checks")
 
-    c = sub.add_parser("compare", help="side by side of result.json files")
+    c = sub.add_parser("compare", help="side by side of result.json files (of a report: its sweep)")
     c.add_argument("files", nargs="+", metavar="RESULT.json")
     c.add_argument("--labels", type=lambda s: s.split(","), help="comma-separated names, one per file")
     c.add_argument("--out", metavar="DIR", help="write DIR/compare.html and charts")

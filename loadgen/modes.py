@@ -406,7 +406,10 @@ def compare(args: argparse.Namespace) -> int:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             print(f"{name} is not a kvgate loadgen result", file=sys.stderr)
             return 2
-        docs.append((labels[i] if i < len(labels) else str(doc.get("label") or Path(name).parent.name), doc))
+        label = labels[i] if i < len(labels) else str(doc.get("label") or Path(name).parent.name)
+        if doc.get("mode") == "report":  # a capacity report: its sweep is what compares with other sweeps
+            doc = doc["sweep"]
+        docs.append((label, doc))
     print(format_compare(docs))
     if args.out:
         out = Path(args.out)

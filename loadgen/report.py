@@ -306,5 +306,6 @@ def write_html(
         data = base64.b64encode(chart.read_bytes()).decode("ascii")
         parts.append(f"<p><img alt='{html.escape(chart.stem)}' src='data:image/png;base64,{data}'></p>")
     parts.append("</body></html>")
+    path.parent.mkdir(parents=True, exist_ok=True)  # with --no-charts nothing else made it
     path.write_text("\n".join(parts))
     return path

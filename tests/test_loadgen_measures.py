@@ -273,3 +273,7 @@ async def test_a_sharegpt_run_and_the_one_command_capacity_report(tmp_path: Path
     html = (out / "report.html").read_text()
     for part in ("kvgate capacity report", "sustained at", "window s", "quality checks", "goodput knee", "ITL p99"):
         assert part in html, part
+    # a report compares with a run by its sweep (it was a KeyError traceback)
+    cmp = ["compare", str(out / "result.json"), str(tmp_path / "run" / "result.json"), "--out", str(tmp_path / "c")]
+    assert cli.main([*cmp, "--no-charts"]) == 0
+    assert "report" in (tmp_path / "c" / "compare.html").read_text()
