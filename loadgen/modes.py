@@ -315,7 +315,9 @@ async def sweep_doc(http: aiohttp.ClientSession, args: argparse.Namespace, targe
     if args.plan:
         best = max(p["summary"]["output_tok_per_s"] for p in doc["points"])
         prediction = await _prediction(http, args, doc)
-        doc["plan"] = predicted.compare(prediction, [p["load"] for p in doc["points"]], doc["knee"]["load"], best)
+        knee = doc["knee"]  # not found: none up to the last load, or (saturated at the lowest) at the lowest
+        measured = knee["load"] if knee["found"] or knee["saturated_at"] is not None else None
+        doc["plan"] = predicted.compare(prediction, [p["load"] for p in doc["points"]], measured, best)
     return doc, gate
 
 

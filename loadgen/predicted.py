@@ -12,7 +12,9 @@ Where the prediction comes from (`--plan`):
   arithmetic on unique prompts (`--workload random`).
 Comparison (`compare`): the measured knee is a tested load; the prediction's step is the largest tested load <=
 the predicted knee (the lowest when the prediction is below all); "within one step" when the two steps' positions
-in the sorted loads differ by at most one. Pure arithmetic over the sweep's points: O(points).
+in the sorted loads differ by at most one. A sweep that found no knee is compared with nothing when the predicted
+knee is past its highest load (within: unknown), else within one step only when the prediction is its last step.
+Pure arithmetic over the sweep's points: O(points).
 """
 
 from __future__ import annotations
@@ -95,18 +97,26 @@ def from_plan_file(path: str, replicas: int) -> Prediction:
     return Prediction(knee * replicas, ceiling * replicas, f"{path} (context {context}) x {replicas} replica(s)")
 
 
-def compare(prediction: Prediction, loads: Sequence[float], knee_load: float, ceiling_tok_s: float) -> dict[str, Any]:
-    """The prediction beside the measured knee and best throughput (module header)."""
+def compare(
+    prediction: Prediction, loads: Sequence[float], knee_load: float | None, ceiling_tok_s: float
+) -> dict[str, Any]:
+    """The prediction beside the measured knee (None: the sweep found none) and best throughput (module header)."""
     ordered = sorted(loads)
     below = [i for i, x in enumerate(ordered) if x <= prediction.knee]
     predicted_step = below[-1] if below else 0
-    steps = abs(predicted_step - ordered.index(knee_load))
-    within = steps <= 1
-    text = (f"plan: knee {prediction.knee} (tested step {ordered[predicted_step]:g}), measured {knee_load:g}: "
-            f"{steps} step(s) apart, {'within' if within else 'NOT within'} one step")  # fmt: skip
-    if prediction.ceiling_tok_s is not None:
-        text += (f"; decode ceiling {prediction.ceiling_tok_s:,.0f} tok/s predicted, "
-                 f"{ceiling_tok_s:,.1f} measured")  # fmt: skip
+    step = f"plan: knee {prediction.knee} (tested step {ordered[predicted_step]:g})"
+    steps: int | None = None
+    within: bool | None = None  # unknown: no knee measured, and the plan's is past the sweep
+    if knee_load is not None:
+        steps = abs(predicted_step - ordered.index(knee_load))
+        within = steps <= 1
+        text = f"{step}, measured {knee_load:g}: {steps} step(s) apart, {'within' if within else 'NOT within'} one step"
+    elif prediction.knee > ordered[-1]:
+        text = f"{step}: past the sweep, which found no knee up to {ordered[-1]:g}; not compared (sweep higher)"
+    else:
+        within = predicted_step >= len(ordered) - 1  # the knee may be just past the last step
+        text = (f"{step}, but no knee was measured up to {ordered[-1]:g}: "
+                f"{'within' if within else 'NOT within'} one step at best")  # fmt: skip
     return {
         **prediction.to_json(),
         "predicted_step": ordered[predicted_step],

@@ -174,6 +174,11 @@ def test_the_predicted_knee_from_engine_capacities_and_from_a_plan_file(tmp_path
     far = predicted.compare(p, [1, 2, 4, 8, 16], knee_load=2, ceiling_tok_s=150.0)
     assert far["steps_apart"] == 2 and not far["within_one_step"] and "NOT within" in far["text"]
     assert predicted.compare(predicted.Prediction(0, None, "x"), [1, 2], 1, 1.0)["predicted_step"] == 1
+    # a sweep that found no knee confirms nothing (it read as "0 step(s) apart, within one step")
+    past = predicted.compare(p, [1, 2], knee_load=None, ceiling_tok_s=150.0)
+    assert past["within_one_step"] is None and past["measured_knee"] is None and "not compared" in past["text"]
+    early = predicted.compare(p, [1, 2, 4, 8, 16, 32], knee_load=None, ceiling_tok_s=150.0)
+    assert early["within_one_step"] is False and "NOT within" in early["text"]
     plan.write_text("{}")
     with pytest.raises(ValueError, match="kvgate plan --json"):
         predicted.from_plan_file(str(plan), 1)
