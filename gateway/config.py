@@ -329,13 +329,19 @@ def env_overrides(environ: Mapping[str, str], prefix: str = "KVGATE__") -> dict[
     for key, raw in environ.items():
         if key.startswith(prefix) and len(key) > len(prefix):
             path = [p.lower() for p in key[len(prefix) :].split("__")]
-            text = raw and _is_text(GatewayConfig, path)
-            _set_path(tree, path, raw if not raw or text else yaml.safe_load(raw))
+            if not raw or _is_text(GatewayConfig, path, raw):
+                _set_path(tree, path, raw)
+                continue
+            try:
+                _set_path(tree, path, yaml.safe_load(raw))
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{key}: not a YAML value: {str(exc).splitlines()[0]}") from None
     return tree
 
 
-def _is_text(model: type[BaseModel], path: list[str]) -> bool:
-    """Whether the config key at `path` takes a string (and nothing else but null)."""
+def _is_text(model: type[BaseModel], path: list[str], raw: str) -> bool:
+    """Whether the config key at `path` takes `raw` as written: a string key (and nothing else but null), or a
+    choice of strings that `raw` is one of (`access_log: false` is YAML's false, as in the file)."""
     annotation: Any = model
     for i, part in enumerate(path):
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -353,7 +359,7 @@ def _is_text(model: type[BaseModel], path: list[str]) -> bool:
         if get_origin(annotation) is typing.Annotated:
             annotation = get_args(annotation)[0]
     if get_origin(annotation) is typing.Literal:
-        return all(isinstance(v, str) for v in get_args(annotation))
+        return raw in get_args(annotation)
     return annotation is str
 
 
@@ -390,7 +396,7 @@ def load_config(
     if path is not None:
         try:
             loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config {path} must be a mapping at the top level")

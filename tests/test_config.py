@@ -157,3 +157,22 @@ def test_an_environment_override_reaches_a_key_the_file_spells_with_capitals(tmp
     path.write_text("admission:\n  tenants:\n    TeamA: {limits: {requests_per_minute: 5}}\n")
     cfg = load_config(path, environ={"KVGATE__ADMISSION__TENANTS__TEAMA__LIMITS__REQUESTS_PER_MINUTE": "50"})
     assert list(cfg.admission.tenants) == ["TeamA"] and cfg.admission.tenants["TeamA"].limits.requests_per_minute == 50
+
+
+def test_an_environment_value_that_is_not_yaml_is_a_config_error_naming_it() -> None:
+    """It was a yaml ParserError traceback that named no variable."""
+    with pytest.raises(ConfigError, match="KVGATE__SERVER__PORT: not a YAML value"):
+        load_config(environ={"KVGATE__SERVER__PORT": "[1"})
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_bytes("# café\nserver: {port: 9100}\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize(("raw", "mode"), [("false", "off"), ("off", "off"), ("json", "json")])
+def test_an_environment_value_means_what_it_means_in_the_file(raw: str, mode: str) -> None:
+    """`access_log: false` is accepted in the file (YAML's false); the same in the environment was refused."""
+    assert load_config(environ={"KVGATE__SERVER__ACCESS_LOG": raw}).server.access_log == mode
