@@ -23,7 +23,8 @@ Shared by `kvgate serve` and `gateway.embedded`, so they cannot drift. Each acce
   than 1.0 and 1.1 (505), a body in a Content-Encoding the gateway does not decode (only gzip and deflate are: 415),
   a transfer coding other than chunked (501), Transfer-Encoding in an HTTP/1.0 request (faulty framing, RFC 9112
   6.1: 400);
-- protocol errors answer in OpenAI's error shape: malformed HTTP (smuggling shapes included: Content-Length with
+- protocol errors answer in their route's error shape (Anthropic's for the Messages routes, read from the request
+  line; OpenAI's otherwise): malformed HTTP (smuggling shapes included: Content-Length with
   Transfer-Encoding, a duplicate Content-Length) 400 `invalid_http_request`, a header line over
   `max_header_bytes` or more than `max_headers` headers 431; the connection then closes;
 - at most `server.max_connections` connections: at the bound the connection idle the longest (kept alive between
@@ -56,7 +57,9 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from gateway.config import GatewayConfig
+from gateway.endpoints import API_BY_PATH
 from gateway.errors import (
+    ApiShape,
     BadRequest,
     GatewayError,
     HeadersTooLarge,
@@ -76,9 +79,9 @@ BACKLOG = 1024
 _ENDING_S = 2.0  # after shutdown's grace, how long a handler has to write the end of the request it was serving
 
 
-def _raw_answer(err: GatewayError) -> bytes:
+def _raw_answer(err: GatewayError, api: ApiShape = "openai") -> bytes:
     """A whole HTTP/1.1 response for an error sent outside any request (no request object exists yet)."""
-    status, headers, body = render_error(err)
+    status, headers, body = render_error(err, api=api)
     head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}", "Connection: close", f"Content-Length: {len(body)}"]
     head += [f"{name}: {value}" for name, value in headers.items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
@@ -87,8 +90,15 @@ def _raw_answer(err: GatewayError) -> bytes:
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
+def api_of_target(target: list[bytes]) -> ApiShape:
+    """The API shape of the route a request line's target names (`[]`: none read): Anthropic's for the Messages
+    routes, OpenAI's for the rest."""
+    path = target[0].partition(b"?")[0].decode("latin-1") if target else ""
+    return API_BY_PATH.get(path, "openai")
+
+
 def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
-    """The OpenAI-shaped error for a request aiohttp's parser refused (or a handler crash it caught, or one the
+    """The error for a request aiohttp's parser refused (or a handler crash it caught, or one the
     listener refused itself: a GatewayError, answered as it is)."""
     if isinstance(exc, GatewayError):
         return exc
@@ -109,7 +119,7 @@ def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
 
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's protocol with a head deadline and bound, requests answered up to a malformed one, declared bodies
-    over the limit refused at once, OpenAI-shaped protocol errors and a connection count."""
+    over the limit refused at once, protocol errors in their route's shape and a connection count."""
 
     def __init__(self, listener: GatewayListener, server: web.Server, **kwargs: Any) -> None:
         super().__init__(server, **kwargs)
@@ -125,6 +135,7 @@ class GuardedRequestHandler(RequestHandler):
         self._newest: StreamReader | None = None  # the body of the newest request parsed
         self._chunk_line: tuple[StreamReader, ChunkLine] | None = None  # a chunked body whose first line is awaited
         self._carry = b""  # the last bytes of the previous segment (`framing.body_start`)
+        self._api: ApiShape = "openai"  # the shape of a refusal of the head being received: its route's
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -148,6 +159,8 @@ class GuardedRequestHandler(RequestHandler):
             super().data_received(data)  # heads; aiohttp's reader bounds each message (realtime_max_message_bytes)
             return
         between = self._newest is None or self._newest.is_eof()  # no body of a parsed request still arriving
+        if between and self._head_bytes == 0:  # a head begins with this segment: its route, from the request line
+            self._api = api_of_target(data[: data.find(b"\r\n")].split(b" ", 2)[1:2])
         parsed = self._request_count
         self._parse(data)
         new_requests = self._request_count - parsed
@@ -196,6 +209,7 @@ class GuardedRequestHandler(RequestHandler):
             count = self._request_count
             message, body = self._messages[-1]
             if not isinstance(message, _ErrInfo) and (err := faulty(message)) is not None:
+                self._api = API_BY_PATH.get(message.path.partition("?")[0], "openai")
                 self._messages.pop()  # not served: no handler has taken it yet
                 self._request_count -= 1
                 self._refuse(err)
@@ -303,7 +317,7 @@ class GuardedRequestHandler(RequestHandler):
             if self._head_bytes > 0:
                 self._refuse(err)
             return
-        transport.write(_raw_answer(err))
+        transport.write(_raw_answer(err, self._api))
         self.force_close()
         transport.close()
 
@@ -319,7 +333,7 @@ class GuardedRequestHandler(RequestHandler):
             log.error("error handling a request from %s", request.remote, exc_info=exc)
         if request.writer.output_size > 0:
             raise ConnectionError("the response is under way: no error answer can follow")
-        status, headers, body = render_error(protocol_error(status, exc))
+        status, headers, body = render_error(protocol_error(status, exc), api=self._api)
         resp = web.Response(status=status, body=body, headers=headers)
         resp.force_close()
         return resp

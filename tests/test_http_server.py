@@ -560,3 +560,29 @@ async def test_every_garbage_collection_is_timed_as_the_pause_it_is() -> None:
     full = re.search(r'^kvgate_gc_pause_seconds_count\{generation="2"\} (\S+)$', scraped, re.M)
     total = re.search(r'^kvgate_gc_pause_seconds_sum\{generation="2"\} (\S+)$', scraped, re.M)
     assert full and float(full.group(1)) >= 1 and total and float(total.group(1)) > 0
+
+
+MESSAGE = json.dumps({"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (post("/v1/messages?beta=true", MESSAGE, "X-Long: " + "a" * 9000), 431),
+        (post("/v1/messages", MESSAGE, *[f"X-{i}: y" for i in range(200)]), 431),
+        (post("/v1/messages", MESSAGE, "Content-Encoding: br"), 415),
+        (post("/v1/messages", MESSAGE, "Content-Length: 3"), 400),
+        (post("/v1/messages", MESSAGE, version="2.0"), 505),
+    ],
+    ids=["header-too-long", "too-many-headers", "encoding", "framing", "version"],
+)
+async def test_a_protocol_error_on_the_messages_route_is_in_anthropics_shape(request_bytes: bytes, status: int) -> None:
+    """Claude Code and the anthropic SDK read `error.type` of Anthropic's shape: these came in OpenAI's."""
+    async with gateway_over_sims([SIM]) as (gw, sims):
+        conn = await RawClient.connect(gw.port)
+        await conn.send(request_bytes)
+        resp = await conn.response()
+        payload = json.loads(resp.body)
+        assert resp.status == status and payload["type"] == "error", resp.body
+        assert set(payload["error"]) >= {"type", "message"} and sims[0].engine.stats.started == 0
+        await conn.close()
