@@ -151,12 +151,12 @@ async def test_a_removed_request_leaves_its_tenants_share_unchanged() -> None:
 
 def test_attained_service_is_per_program_and_bounded() -> None:
     service = AttainedService(max_programs=2)
-    service.add("p1", 1.5)
-    service.add("p1", 0.5)
-    service.add("p2", 3.0)
-    assert (service.of("p1"), service.of("p2"), service.of(None), service.of("new")) == (2.0, 3.0, 0.0, 0.0)
-    service.add("p3", 1.0)  # the least recently served program is forgotten
-    assert service.of("p1") == 0.0 and service.of("p3") == 1.0
+    service.add(b"p1", 1.5)
+    service.add(b"p1", 0.5)
+    service.add(b"p2", 3.0)
+    assert (service.of(b"p1"), service.of(b"p2"), service.of(None), service.of(b"new")) == (2.0, 3.0, 0.0, 0.0)
+    service.add(b"p3", 1.0)  # the least recently served program is forgotten
+    assert service.of(b"p1") == 0.0 and service.of(b"p3") == 1.0
 
 
 def test_drain_rate_and_retry_after() -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from multidict import MultiMapping
 
+from cacheindex.sessions import session_digest
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.auth import Authenticator, Identity
 from gateway.admission.capacity import CapacityGate
@@ -71,7 +72,7 @@ class Ticket:
     counted: bool = True  # in the tenant's in-flight count (until finished)
     holds_slot: bool = False
     targets: Targets | None = None  # its latency targets, with admission by predicted latency
-    session: str | None = None  # its program (session), whose attained service it adds to once admitted
+    session: bytes | None = None  # its program (its tenant's session, digested), whose attained service it adds to
 
 
 class AdmissionSlot:
@@ -177,7 +178,8 @@ class AdmissionController:
                 if demand is not None and self.latency.enabled:
                     ticket.targets = demand.targets
                     max_wait = self._judge(identity, model, prompt_tokens, ctx, demand, max_wait)
-                ticket.session = demand.info.session_key if demand is not None else None
+                session = demand.info.session_key if demand is not None else None
+                ticket.session = session_digest(f"{tenant}\x00{session}") if session is not None else None
                 await self.capacity_gate.acquire_slot(
                     identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx, max_wait,
                     self.attained.of(ticket.session) if self.config.queue.order == "least-attained" else 0.0,

@@ -160,16 +160,17 @@ class FairQueue:
 
 class AttainedService:
     """Seconds of service each program (session) has had: its finished requests' time from admission to end. A
-    bounded LRU (`max_programs`); a program not seen has had none. O(1) per request."""
+    bounded LRU (`max_programs`) keyed by the session's 16-byte digest (a `user` field can be megabytes); a program
+    not seen has had none. O(1) per request."""
 
     def __init__(self, max_programs: int = 65_536) -> None:
-        self._seconds: OrderedDict[str, float] = OrderedDict()
+        self._seconds: OrderedDict[bytes, float] = OrderedDict()
         self.max_programs = max_programs
 
-    def of(self, session: str | None) -> float:
+    def of(self, session: bytes | None) -> float:
         return self._seconds.get(session, 0.0) if session is not None else 0.0
 
-    def add(self, session: str, seconds: float) -> None:
+    def add(self, session: bytes, seconds: float) -> None:
         self._seconds[session] = self._seconds.pop(session, 0.0) + max(0.0, seconds)
         if len(self._seconds) > self.max_programs:
             self._seconds.popitem(last=False)
