@@ -106,12 +106,13 @@ class ReplicaSet:
 
     def for_model(self, model: str) -> list[Replica]:
         """The replicas that serve `model`: a base model, or a LoRA adapter (only the replicas that have it loaded).
-        A shared list (do not modify), cached per name, several lookups per request; the cache is dropped whenever
-        a replica is added or removed or learns its model or adapters."""
+        A shared list (do not modify), cached per name served, several lookups per request; the cache is dropped
+        whenever a replica is added or removed or learns its model or adapters. A name no replica serves (a client's
+        typo, or megabytes of one) is looked up each time and kept nowhere: it is answered 404."""
         found = self._by_model.get(model)
         if found is None:
             found = [r for r in self._replicas.values() if r.model == model or model in r.adapters]
-            if len(self._by_model) < 1024:  # bounded: unknown model names are asked about too
+            if found and len(self._by_model) < 1024:
                 self._by_model[model] = found
         return found
 
@@ -125,8 +126,9 @@ class ReplicaSet:
         `for_model` (a replica's role is fixed when it is created), so a request asks it at no cost."""
         found = self._split.get(model)
         if found is None:
-            found = any(r.role == "prefill" for r in self.for_model(model))
-            if len(self._split) < 1024:
+            replicas = self.for_model(model)
+            found = any(r.role == "prefill" for r in replicas)
+            if replicas and len(self._split) < 1024:
                 self._split[model] = found
         return found
 
@@ -150,7 +152,7 @@ class ReplicaSet:
         found = self._base.get(name)
         if found is None:
             found = next((r.model for r in self._replicas.values() if name in r.adapters and r.model), name)
-            if len(self._base) < 1024:
+            if self.for_model(name) and len(self._base) < 1024:
                 self._base[name] = found
         return found
 

@@ -22,6 +22,10 @@ from aiohttp import web
 ApiShape = Literal["openai", "anthropic"]  # how a route's answers and errors are shaped (gateway.endpoints)
 
 
+# The longest error message: longer ones (a client's megabyte model name quoted back) are cut, with "...".
+MAX_MESSAGE = 1024
+
+
 class GatewayError(Exception):
     status: int = 500
     type: str = "internal_error"
@@ -35,9 +39,11 @@ class GatewayError(Exception):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = param if param is None or len(param) <= MAX_MESSAGE else param[: MAX_MESSAGE - 3] + "..."
         if code is not None:
             self.code = code
         self.headers: dict[str, str] = dict(headers or {})

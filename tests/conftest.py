@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -162,3 +164,18 @@ async def scrape(http: aiohttp.ClientSession, url: str, headers: dict[str, str] 
     async with http.get(url + "/metrics", headers=headers) as resp:
         text = await resp.text()
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+async def kept_after(warm_up: Awaitable[None], work: Awaitable[None]) -> int:
+    """Bytes still allocated (tracemalloc) after `work` that were not before it, `warm_up` run first (what the first
+    requests allocate once: buffers, free lists)."""
+    await warm_up
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        await work
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()

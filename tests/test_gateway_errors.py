@@ -20,7 +20,7 @@ from gateway.errors import Overloaded
 from gateway.keys import REPLICAS
 from gateway.request_parse import parse_request
 from simengine import Faults, SimConfig, run_sim_engine
-from tests.conftest import gateway_config, gateway_over_sims, wait_for
+from tests.conftest import gateway_config, gateway_over_sims, kept_after, wait_for
 
 SIM = SimConfig(model="sim", instant=True)
 CHAT = "/v1/chat/completions"
@@ -280,3 +280,18 @@ def test_retry_after_is_rounded_up() -> None:
     """A client that waits exactly Retry-After must find room: 16.3 s left is 17, not 16."""
     assert Overloaded("full", retry_after_s=16.3).headers["Retry-After"] == "17"
     assert Overloaded("full", retry_after_s=0.2).headers["Retry-After"] == "1"
+
+
+async def test_unknown_model_names_are_not_kept(http: aiohttp.ClientSession) -> None:
+    """The model-name caches kept every name asked about (up to 1,024, of any length): 200 requests naming a
+    distinct 1 MiB model kept 200 MiB for good, and filled the caches so real names were no longer cached. The 404
+    quoted the whole name back (orjson reserved 16x its size to write it)."""
+
+    async def unknown(names: range) -> None:
+        for i in names:
+            body = {"model": f"{i}" + "m" * 2**19, "messages": [{"role": "user", "content": "hi"}]}
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:  # not quoted back whole
+                assert resp.status == 404 and len(await resp.read()) < 4096
+
+    async with gateway_over_sims([SimConfig(model="sim", instant=True)]) as (gw, _):
+        assert await kept_after(unknown(range(8)), unknown(range(8, 32))) < 2**22  # 24 names of 512 KiB: 12 MiB
