@@ -119,7 +119,7 @@ async def per_request_us(
             verdict = gate.judge(info, info.prompt_tokens, None, TARGETS)
             if verdict.best is not None and (held := replicas.get(verdict.best.replica)) is not None:
                 gate.hold(ctx, held, verdict.best, info.prompt_tokens, None)
-            prefer = verdict.prefer
+            prefer, ctx.predictions = verdict.prefer, verdict.predictions
         replica, _ = await router.choose(info, hold=ctx.hold, only=prefer)
         place(ctx, replica, replicas)
         st.on_finished(info, replica.id, None)

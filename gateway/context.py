@@ -55,6 +55,8 @@ class RequestContext:
     hold: Held | None = None
     held_on: str | None = None
     prediction: Prediction | None = None
+    predictions: tuple[Prediction, ...] = ()  # on each replica weighed: a hold moved by the route takes its own
+    hold_output: int = 0  # the output tokens the hold counts
     # the answering replica's `batch_mark` as the decode began (its first token; its send for a whole answer)
     batch_mark: tuple[float, float] | None = None
     prefer: tuple[str, ...] = ()  # where admission wants it routed first (policies.latency.judge; () = anywhere)

@@ -90,6 +90,7 @@ class Verdict:
     retry_after_s: float  # when refused: the predicted time until a replica has room
     best: Prediction | None  # the lowest predicted time to first token among the replicas that meet the targets
     prefer: tuple[str, ...]  # where to route it first: () = anywhere (see `judge`)
+    predictions: tuple[Prediction, ...] = ()  # on every replica weighed: the one it is routed to holds its own
 
 
 def expected_end(h: Held, now: float) -> float:
@@ -146,10 +147,10 @@ def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
     no_wait = [p for p in fast_enough if p.wait_s == 0.0]
     if meeting:
         best = min(meeting, key=lambda p: p.ttft_s)
-        return Verdict(True, "within-target", 0.0, best, _prefer(no_wait, best, predictions))
+        return Verdict(True, "within-target", 0.0, best, _prefer(no_wait, best, predictions), tuple(predictions))
     if no_wait:  # its own prefill is longer than the target: nowhere better than where it starts at once
         best = min(no_wait, key=lambda p: p.ttft_s)
-        return Verdict(True, "no-wait", 0.0, best, _prefer(no_wait, best, predictions))
+        return Verdict(True, "no-wait", 0.0, best, _prefer(no_wait, best, predictions), tuple(predictions))
     if not fast_enough:
         return Verdict(False, "tpot-target", 1.0, None, ())
     drain = min(p.wait_s for p in fast_enough)

@@ -22,7 +22,7 @@ from engine_pool.replica_set import ReplicaSet
 from gateway.admission.auth import Identity
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.metrics import AdmissionMetrics
-from gateway.admission.targets import LatencyGate
+from gateway.admission.targets import LatencyGate, place
 from gateway.config import ConfigError, load_config
 from gateway.context import RequestContext
 from gateway.metrics import GatewayMetrics
@@ -388,3 +388,28 @@ async def test_a_target_field_a_file_does_not_give_keeps_its_shipped_value(
 def test_targets_of_a_class_that_does_not_exist_are_refused_at_load() -> None:
     with pytest.raises(ConfigError, match=r"targets\.classes\.gold: unknown class"):
         load_config(overrides={"admission": {"targets": {"classes": {"gold": {"ttft_s": 1}}}}}, environ={})
+
+
+async def test_a_hold_routed_elsewhere_counts_the_kv_it_needs_where_it_runs() -> None:
+    """Admission holds a request's KV on the replica it predicts first; the router may place it where its prompt is
+    cached. The hold moved as it was: a burst of prompts cached on the replicas they went to counted each prompt
+    whole, the KV looked full after a fifth of the burst, and the rest went to the one replica left with room."""
+    client = UpstreamClient()
+    replicas = ReplicaSet(client)
+    for rid in ("a", "b"):
+        replicas.add(Replica(rid, "http://127.0.0.1:9", "m"))
+    registry = CollectorRegistry()
+    gate = LatencyGate(
+        AdmissionConfig(), replicas, Router(LeastLoad(), replicas, GatewayMetrics(registry), None),
+        AdmissionMetrics(registry),
+    )  # fmt: skip
+    uncached_a = Prediction("a", 0.0, 0.0, 0.0, 1, tokens=1641)  # the prompt is not cached on a: predicted first
+    cached_b = Prediction("b", 0.0, 0.0, 0.0, 1, tokens=105)
+    ctx = RequestContext("r", "chat", model="m")
+    gate.hold(ctx, replicas.get("a"), uncached_a, 1609, 32)
+    ctx.predictions = (uncached_a, cached_b)
+    place(ctx, replicas.get("b"), replicas)  # the router found it cached on b
+    held = {r.id: sum(h.tokens for h in r.held.values()) for r in replicas}
+    await replicas.close()
+    client.close()
+    assert held == {"a": 0, "b": 105} and ctx.prediction == cached_b

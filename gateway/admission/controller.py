@@ -281,7 +281,7 @@ class AdmissionController:
                 code="latency_target",
             )
         assert verdict.best is not None
-        ctx.prefer = verdict.prefer
+        ctx.prefer, ctx.predictions = verdict.prefer, verdict.predictions
         replica = self.replicas.get(verdict.best.replica)
         if replica is not None:
             latency.hold(ctx, replica, verdict.best, prompt_tokens, demand.max_tokens)

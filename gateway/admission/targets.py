@@ -125,8 +125,8 @@ class LatencyGate:
     ) -> None:
         """The request's KV and predicted end, on the replica it is predicted best on (moved by `place`)."""
         output = replica.latency.held_tokens(0, replica.output_bound(prompt_tokens, max_tokens))
-        end = time.monotonic() + prediction.ttft_s + output * prediction.tpot_s  # tpot: in the batch it joins
-        ctx.hold, ctx.held_on, ctx.prediction = Held(prediction.tokens, end), replica.id, prediction
+        ctx.hold_output, ctx.held_on, ctx.prediction = output, replica.id, prediction
+        ctx.hold = _held(prediction, output)
         replica.hold(ctx.hold)
 
     def finish(self, ctx: RequestContext, identity: Identity, targets: Targets | None) -> None:
@@ -173,13 +173,25 @@ class LatencyGate:
             learner.observe_decode(batch, max(0.0, decode) / output, output)
 
 
+def _held(prediction: Prediction, output: int) -> Held:
+    """The KV a request predicted so holds, until its predicted end (tpot: in the batch it joins)."""
+    return Held(prediction.tokens, time.monotonic() + prediction.ttft_s + output * prediction.tpot_s)
+
+
 def place(ctx: RequestContext, replica: Replica, replicas: ReplicaSet) -> None:
-    """The router placed the request on `replica`: its hold (if it has one) moves there."""
+    """The router placed the request on `replica`: its hold (if it has one) moves there, as that replica's own
+    prediction (the KV it needs there: its prompt less what that replica holds of it, and the end predicted there).
+    The hold of the replica predicted first used to move as it was: where the router found the prompt cached, a
+    burst's holds counted every prompt whole, the replicas' KV looked full after a fraction of it, and admission
+    sent the rest of the burst to the one replica left with room."""
     if ctx.hold is None or ctx.held_on == replica.id:
         return
     before = replicas.get(ctx.held_on) if ctx.held_on is not None else None
     if before is not None:
         before.release(ctx.hold)
+    own = next((p for p in ctx.predictions if p.replica == replica.id), None)
+    if own is not None:
+        ctx.hold, ctx.prediction = _held(own, ctx.hold_output), own
     ctx.held_on = replica.id
     replica.hold(ctx.hold)
 
