@@ -3,9 +3,13 @@
 Algorithm (a cost model in the spirit of NVIDIA Dynamo's KV router, with SGLang's imbalance guard for sessions and,
 made continuous, for every request):
 1. Filter: ready, not draining, below `max_concurrency` (`policies.filters.routable`).
-2. Session: when the request's session is bound to a candidate (`view.session_replica`) and that replica is not
-   overloaded relative to the least-loaded candidate (load - min_load > `session_max_gap` AND
-   load > `session_max_ratio` x min_load, SGLang's rule), it gets the request: reason `session`.
+2. Session: when the request's session is bound to a candidate (`view.session_replica`) that holds as much of
+   its prompt as any candidate and is not overloaded relative to the least-loaded candidate (load - min_load >
+   `session_max_gap` AND load > `session_max_ratio` x min_load, SGLang's rule), it gets the request: reason
+   `session`. A conversation's replica holds its history, so the rule keeps it there; where another replica holds
+   more of this prompt the binding is not this prompt's (an end user's `user` field bound to a replica, a
+   document cached elsewhere), and the cost decides: as an override the rule dragged each user's documents to
+   every replica, and a pool whose cache fits them only partitioned thrashed.
 3. Cost, in prompt-token equivalents, per candidate r (lower is better):
        cost(r) = prefill_token_cost  * uncached_tokens(r)
                + prefill_token_cost  * offload_token_cost * loaded_tokens(r)
@@ -103,7 +107,7 @@ from pydantic import Field
 
 from policies.base import Decision, NoCandidate, PolicyParams, ReplicaState, RoutingView
 from policies.filters import routable
-from policies.latency import room_wait
+from policies.latency import pinned_prefix, room_wait
 
 
 class CacheAwareParams(PolicyParams):
@@ -229,9 +233,10 @@ class CacheAware:
         prefill = uncached + p.offload_token_cost * loaded + self._footprint_tokens(view, r, held)
         if rates is not None:
             lat = view.latency[r.id]
+            pinned = (pinned_prefix(req.block_hashes, req.block_size, cached), cached)
             tpot = rates.step_s + rates.per_seq_s * (load + 1)
             cost = (
-                room_wait(lat.kv_tokens, lat.held, uncached + loaded + round(rates.output), view.now)
+                room_wait(lat.kv_tokens, lat.held, uncached + loaded + round(rates.output), view.now, *pinned)
                 + expected_waiting(r) * rates.output * tpot / max(1, r.max_num_seqs or r.running)
                 + rates.prefill_s * (prefill + imbalance)
                 + rates.per_seq_s * rates.output * load
@@ -285,13 +290,16 @@ class CacheAware:
         min_cost = min(costs.values()) * unit
         scores = {rid: (1.0 + min_cost) / (1.0 + c * unit) for rid, c in costs.items()}
 
-        if view.session_replica is not None:
-            bound = next((r for r in candidates if r.id == view.session_replica), None)
-            if bound is not None and not self._session_overloaded(bound, min_load):
-                return Decision(bound.id, "session", scores, rates is not None)
-
         offloaded = view.offloaded
         overlap = {r.id: view.overlap.get(r.id, 0) + offloaded.get(r.id, 0) for r in candidates}
+        if view.session_replica is not None:
+            bound = next((r for r in candidates if r.id == view.session_replica), None)
+            if (
+                bound is not None
+                and overlap[bound.id] >= max(overlap.values())
+                and not self._session_overloaded(bound, min_load)
+            ):
+                return Decision(bound.id, "session", scores, rates is not None)
         keys = [(costs[r.id], -overlap[r.id], _load_key(r)) for r in candidates]
         best_key = min(keys)
         tied = [r for r, key in zip(candidates, keys, strict=True) if key == best_key]

@@ -4,13 +4,18 @@ literal snapshots (the learning is `engine_pool.latency`; the async shell is `ga
 Model (per replica):
 - time to first token = wait for KV room + overhead + prefill seconds per token x the request's uncached tokens;
 - wait for KV room: every request the gateway has on the replica holds `tokens` of KV (its uncached prompt there +
-  output: prompt blocks the replica already holds are shared, not allocated again, as vLLM's prefix cache and the
-  simulator do) until its predicted end; the new request's tokens fit when held + its own <= the replica's KV
-  capacity (vLLM's scheduler runs a request only when its blocks fit beside the running ones); otherwise it waits
-  until enough of the held requests have ended, taken in the order of their predicted ends (one that has run `d`
-  past its predicted end is expected to need `d` more: a model that knows nothing yet, whose requests all look
-  overdue at once, still sees the KV fill during a first burst). This is the knee: it moves with context length by
-  itself;
+  output) until its predicted end, and pins the prompt blocks it found cached there (`cached` tokens, up to its
+  deepest cached block, `prefix`): a running request's cached blocks cannot be evicted, but requests that found the
+  same run cached (a shared system prompt) pin one copy, as vLLM's prefix cache and the simulator share it. The KV
+  in use is the held tokens plus each distinct pinned run once; the new request's tokens (and its own run, where no
+  held request pins it yet) fit when that plus its own <= the replica's KV capacity (vLLM's scheduler runs a
+  request only when its blocks fit beside the running ones); otherwise it waits until enough of the held requests
+  have ended, taken in the order of their predicted ends (a pinned run is freed with the last of its holders; one
+  that has run `d` past its predicted end is expected to need `d` more: a model that knows nothing yet, whose
+  requests all look overdue at once, still sees the KV fill during a first burst). This is the knee: it moves with
+  context length by itself. Counting only uncached tokens made a replica whose agents each resumed a private 13k
+  history look nearly empty (their histories were evicted by each other: a fifth fewer cache hits); counting every
+  cached prompt whole made a burst on one shared system prompt look twenty times its size;
 - time per output token = the decode step at the batch the request joins: step + per-sequence cost x batch;
 - plus a margin: how late this replica's first tokens recently came against their predictions (what the model does
   not see: the gateway's own queueing, a busy machine, other gateways' requests), so admitted requests keep their
@@ -32,10 +37,13 @@ from typing import NamedTuple
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A request the gateway has on a replica: the KV it holds at most and when it is predicted to end."""
+    """A request the gateway has on a replica: the KV it holds at most and when it is predicted to end; the cached
+    prompt run it pins there (`cached` tokens ending at the block `prefix`; 0: none), shared with its other holders."""
 
     tokens: int
     ends_at: float
+    prefix: int = 0
+    cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,8 @@ class Prediction(NamedTuple):
     margin_s: float = 0.0  # included in ttft_s: the replica's recent prediction error
     tokens: int = 0  # the KV it would hold there
     decode_learned: bool = True  # False: tpot_s comes from a prior, not from this replica's answers
+    prefix: int = 0  # the cached prompt run it would pin there (`Held`)
+    cached: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,27 +109,53 @@ def expected_end(h: Held, now: float) -> float:
     return h.ends_at if h.ends_at > now else 2 * now - h.ends_at
 
 
-def room_wait(kv_tokens: int | None, held: Sequence[Held], tokens: int, now: float) -> float:
-    """Seconds until `tokens` more fit beside `held` in `kv_tokens` of KV."""
+def pinned_prefix(block_hashes: Sequence[int], block_size: int, cached: int) -> int:
+    """The key of the cached run a request pins on a replica holding `cached` tokens of its prompt (its blocks'
+    chained hashes): its deepest cached block's hash (0: none)."""
+    n = cached // block_size if block_size else 0
+    return (block_hashes[n - 1] or 1) if 0 < n <= len(block_hashes) else 0
+
+
+def _pinned(held: Sequence[Held]) -> dict[int, int]:
+    """The cached runs the held requests pin, each once: prefix -> its tokens."""
+    pinned: dict[int, int] = {}
+    for h in held:
+        if h.prefix and h.cached > pinned.get(h.prefix, 0):
+            pinned[h.prefix] = h.cached
+    return pinned
+
+
+def room_wait(
+    kv_tokens: int | None, held: Sequence[Held], tokens: int, now: float, prefix: int = 0, cached: int = 0
+) -> float:
+    """Seconds until `tokens` more, and the cached run `prefix` of `cached` tokens where no held request pins it
+    yet, fit beside `held` in `kv_tokens` of KV."""
     if kv_tokens is None:
         return 0.0
-    excess = sum(h.tokens for h in held) + min(tokens, kv_tokens) - kv_tokens
+    pinned = _pinned(held) if held else {}
+    own = max(0, cached - pinned.get(prefix, 0)) if prefix else 0
+    excess = sum(h.tokens for h in held) + sum(pinned.values()) + min(tokens + own, kv_tokens) - kv_tokens
     if excess <= 0:
         return 0.0
-    for end, size in sorted((expected_end(h, now), h.tokens) for h in held):
+    last = {h.prefix: h for h in sorted(held, key=lambda h: expected_end(h, now)) if h.prefix}  # frees its run
+    freed = sorted(
+        (expected_end(h, now), h.tokens + (pinned[h.prefix] if h.prefix and last[h.prefix] is h else 0)) for h in held
+    )
+    for end, size in freed:
         excess -= size
         if excess <= 0:
             return max(0.0, end - now)
     return 0.0  # unreachable: the held requests' tokens cover the excess
 
 
-def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int) -> Prediction:
-    """The request (`tokens` of KV in all, `uncached` of its prompt to compute) on replica `r` now."""
-    wait = room_wait(r.kv_tokens, r.held, tokens, now)
+def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int, prefix: int = 0, cached: int = 0) -> Prediction:
+    """The request (`tokens` of KV in all, `uncached` of its prompt to compute, the cached run `prefix` of `cached`
+    tokens pinned) on replica `r` now."""
+    wait = room_wait(r.kv_tokens, r.held, tokens, now, prefix, cached)
     ttft = wait + r.overhead_s + r.prefill_s_per_token * max(0, uncached) + r.margin_s
     batch = len(r.held) + 1
     tpot = r.step_s + r.step_per_seq_s * batch
-    return Prediction(r.replica, wait, ttft, tpot, batch, r.margin_s, tokens, r.decode_learned)
+    return Prediction(r.replica, wait, ttft, tpot, batch, r.margin_s, tokens, r.decode_learned, prefix, cached)
 
 
 def _prefer(no_wait: Sequence[Prediction], best: Prediction, predictions: Sequence[Prediction]) -> tuple[str, ...]:

@@ -90,8 +90,15 @@ def test_engine_queue_counts_as_load() -> None:
 
 
 def test_session_sticks_to_bound_replica() -> None:
-    d = decide([rep("a", 2), rep("b", 0)], {"b": 64}, session="a")
+    d = decide([rep("a", 2), rep("b", 0)], {"a": 64, "b": 64}, session="a")
     assert (d.replica, d.reason) == ("a", "session")
+
+
+def test_a_session_whose_replica_holds_less_of_the_prompt_than_another_goes_by_cost() -> None:
+    """An end user's `user` field binds a session; their next question is on a document another replica holds:
+    the document's replica, not the user's (the rule used to override the cost, and the pool thrashed)."""
+    d = decide([rep("a", 0), rep("b", 1)], {"a": 8, "b": 64}, session="a")
+    assert (d.replica, d.reason) == ("b", "cache-hit")
 
 
 def test_session_leaves_an_overloaded_replica() -> None:

@@ -62,6 +62,22 @@ def test_a_request_that_does_not_fit_waits_for_the_earliest_ends_that_make_room(
     assert room_wait(1000, held, 700, NOW) == pytest.approx(9.0)  # needs 700: only at 109
 
 
+def test_a_cached_run_is_pinned_once_by_the_requests_that_share_it() -> None:
+    """A burst on one system prompt (1,536 tokens cached) pins it once: a third request fits in 2,048 tokens. Each
+    used to count either its prompt whole (1,636: full after one) or nothing of it."""
+    shared = (Held(100, 105.0, prefix=7, cached=1536), Held(100, 103.0, prefix=7, cached=1536))
+    assert room_wait(2048, shared, 100, NOW, prefix=7, cached=1536) == 0.0
+    # agents resuming private histories each pin their own: a third history does not fit beside two
+    private = (Held(200, 105.0, prefix=1, cached=8000), Held(200, 103.0, prefix=2, cached=8000))
+    assert room_wait(19200, private, 200, NOW, prefix=3, cached=8000) == pytest.approx(3.0)  # the first to end frees
+    assert room_wait(19200, private, 200, NOW) == 0.0  # the same request with nothing cached pins nothing
+
+
+def test_a_pinned_run_is_freed_with_the_last_request_that_holds_it() -> None:
+    held = (Held(100, 101.0, prefix=7, cached=1000), Held(100, 105.0, prefix=7, cached=1000))
+    assert room_wait(1300, held, 500, NOW) == pytest.approx(5.0)  # at 101 only 100 is freed: the run stays pinned
+
+
 def test_a_request_past_its_predicted_end_is_expected_to_need_as_long_again() -> None:
     """A model that knew nothing predicted every request of a first burst to end at once: they are still held, so
     the KV is still full (NOW is 100)."""

@@ -29,7 +29,7 @@ from gateway.errors import BadRequest
 from gateway.router import Router
 from kvcommon.fastmetrics import FastCounter, FastHistogram
 from policies.base import RequestInfo
-from policies.latency import Held, Prediction, Targets, Verdict, judge, predict
+from policies.latency import Held, Prediction, Targets, Verdict, judge, pinned_prefix, predict
 
 _HEADERS = {
     "ttft": ("x-kvgate-slo-ttft-ms", "x-llm-d-slo-ttft-ms"),
@@ -108,16 +108,12 @@ class LatencyGate:
         now = time.monotonic()
         replicas = [r for r in self.router.candidates(info) if r.routable(now) and r.role != "prefill"]
         cached = self.router.cached_tokens(info, [r.id for r in replicas])
-        uncached = {r.id: prompt_tokens - cached.get(r.id, 0) for r in replicas}
-        predictions = [
-            predict(
-                r.latency_view(),
-                now,
-                r.latency.held_tokens(uncached[r.id], r.output_bound(prompt_tokens, max_tokens)),
-                uncached[r.id],
-            )
-            for r in replicas
-        ]
+        predictions = []
+        for r in replicas:
+            found = min(cached.get(r.id, 0), prompt_tokens)
+            uncached, prefix = prompt_tokens - found, pinned_prefix(info.block_hashes, info.block_size, found)
+            tokens = r.latency.held_tokens(uncached, r.output_bound(prompt_tokens, max_tokens))
+            predictions.append(predict(r.latency_view(), now, tokens, uncached, prefix, found if prefix else 0))
         return judge(predictions, targets)
 
     def hold(
@@ -174,8 +170,10 @@ class LatencyGate:
 
 
 def _held(prediction: Prediction, output: int) -> Held:
-    """The KV a request predicted so holds, until its predicted end (tpot: in the batch it joins)."""
-    return Held(prediction.tokens, time.monotonic() + prediction.ttft_s + output * prediction.tpot_s)
+    """The KV a request predicted so holds, and the cached run it pins, until its predicted end (tpot: in the batch
+    it joins)."""
+    end = time.monotonic() + prediction.ttft_s + output * prediction.tpot_s
+    return Held(prediction.tokens, end, prediction.prefix, prediction.cached)
 
 
 def place(ctx: RequestContext, replica: Replica, replicas: ReplicaSet) -> None:
