@@ -26,6 +26,7 @@ from typing import Protocol
 
 import orjson
 
+from engine_pool.http_client import UpstreamConnectionError
 from gateway.answers import answer_id, ends_in_tool_call, usage_event
 from gateway.exchange import Exchange
 from gateway.migration import Relayed, split_usage, whole_usage, without_role
@@ -129,26 +130,50 @@ class Observer(Protocol):
     def observe(self, value: float) -> None: ...
 
 
+# The largest SSE event an engine may send (a stream's echo or logprobs of a long prompt are megabytes): past it the
+# stream fails as cut (every buffer has a bound; a misbehaving engine's endless event is not kept).
+MAX_EVENT_BYTES = 64 << 20
+
+
 class SseSplitter:
     """Whole SSE events (each ending with a blank line) out of the chunks an engine sends; a partial event waits for
-    the next chunk. O(chunk) per chunk."""
+    the next chunk, kept as its pieces and joined once, when its end arrives: O(chunk) per chunk (re-joining and
+    re-scanning the partial event for every chunk was quadratic: 99 s of the event loop for one 100 MiB event).
+    UpstreamConnectionError past `MAX_EVENT_BYTES`."""
 
-    __slots__ = ("_rest",)
+    __slots__ = ("_parts", "_size")
 
     def __init__(self) -> None:
-        self._rest = b""
+        self._parts: list[bytes] = []  # the partial event's pieces
+        self._size = 0
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        if not self._rest and chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2:  # one whole event
-            return [chunk]
-        buf = self._rest + chunk if self._rest else chunk
+        parts = self._parts
+        if not parts:
+            if chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2:  # one whole event
+                return [chunk]
+            buf = chunk
+        elif b"\n\n" in chunk or (parts[-1].endswith(b"\n") and chunk.startswith(b"\n")):
+            buf = b"".join(parts) + chunk
+        else:  # still within the partial event
+            self._keep(chunk)
+            return []
         events: list[bytes] = []
         start = 0
         while (end := buf.find(b"\n\n", start)) >= 0:
             events.append(buf[start : end + 2])
             start = end + 2
-        self._rest = buf[start:]
+        parts.clear()
+        self._size = 0
+        if start < len(buf):
+            self._keep(buf[start:] if start else buf)
         return events
+
+    def _keep(self, piece: bytes) -> None:
+        self._size += len(piece)
+        if self._size > MAX_EVENT_BYTES:
+            raise UpstreamConnectionError(f"the engine sent an event of more than {MAX_EVENT_BYTES} bytes")
+        self._parts.append(piece)
 
 
 class ClientEvents:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from engine_pool.http_client import UpstreamConnectionError
 from gateway.errors import UpstreamUnavailable, error_event
 from gateway.migration import split_usage
-from gateway.relay import SseSplitter, sequence_number
+from gateway.relay import MAX_EVENT_BYTES, SseSplitter, sequence_number
 
 
 def test_an_engine_chunk_of_one_event_is_that_event() -> None:
@@ -20,6 +23,20 @@ def test_events_split_and_joined_across_chunks_come_out_whole() -> None:
     assert s.feed(b"2\n") == []
     assert s.feed(b"\ndata: 3\n\n") == [b"data: 2\n\n", b"data: 3\n\n"]
     assert s.feed(b"event: x\ndata: 4\n\ndata: 5\n\n") == [b"event: x\ndata: 4\n\n", b"data: 5\n\n"]
+
+
+def test_a_large_event_in_many_chunks_is_joined_once_and_a_boundless_one_fails() -> None:
+    """A 100 MiB event in 64 KiB chunks was re-joined and re-scanned for every chunk: 99 s of the event loop. Now
+    its pieces are joined once, at its end, and an event past the bound fails the stream as cut instead of growing
+    without end."""
+    s = SseSplitter()
+    chunk = b"x" * 65536
+    for _ in range(100):
+        assert s.feed(chunk) == []
+    assert s.feed(b"\n") == [] and s.feed(b"\ndata: 2\n\n") == [b"x" * 6553600 + b"\n\n", b"data: 2\n\n"]
+    with pytest.raises(UpstreamConnectionError, match="more than"):
+        for _ in range(MAX_EVENT_BYTES // len(chunk) + 2):
+            s.feed(chunk)
 
 
 def test_a_token_events_running_usage_is_taken_out_and_every_other_field_kept() -> None:
