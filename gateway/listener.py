@@ -269,7 +269,14 @@ class GuardedRequestHandler(RequestHandler):
         if resp.status == 413 and not request.content.is_eof():
             self._stopped_parsing = True
             resp.force_close()
-        finished = await super().finish_response(request, resp, start_time)
+        try:  # a client that takes none of its answer for send_timeout_s gives its place up (aiohttp waits forever)
+            async with asyncio.timeout(self._listener.config.server.send_timeout_s):
+                finished = await super().finish_response(request, resp, start_time)
+        except TimeoutError:
+            if self.transport is not None:  # abort, not close: a close waits for the unsent answer to leave
+                self.transport.abort()
+            self.force_close()
+            return resp, True
         if resp.keep_alive and not self._messages and not self._stopped_parsing:  # waits for a next request
             self._listener.idle[self] = None
         return finished

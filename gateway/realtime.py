@@ -14,8 +14,10 @@ the same code (one that no close frame may carry, an engine gone without one, as
 
 Bounds: `server.realtime_max_sessions` open at once (one more gets 503 before the upgrade); a message over
 `server.realtime_max_message_bytes` from either side closes both (1009, message too big); a session idle longer
-than `server.keepalive_timeout_s` is closed. On shutdown every session is closed with 1001 (going away) once new
-ones are refused. Cost: two relay tasks per session, one copy per message.
+than `server.keepalive_timeout_s` is closed, and so is one whose client (or engine) takes nothing sent to it for
+`server.send_timeout_s` (1001; its session slot, replica load and quota freed); an engine that takes the connection
+and never answers the upgrade is a 504 after `timeouts.first_byte_s`. On shutdown every session is closed with
+1001 (going away) once new ones are refused. Cost: two relay tasks per session, one copy per message.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from aiohttp import HttpVersion11, WSCloseCode, WSMsgType, web
 from engine_pool.http_client import VIA
 from engine_pool.replica import Replica, rank_headers
 from gateway.context import RequestContext
-from gateway.errors import BadRequest, GatewayError, NotFound, Overloaded, UpstreamError, UpstreamUnavailable
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    NotFound,
+    Overloaded,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from gateway.keys import COMPLETIONS, CONFIG, IDS, REPLICAS, REQUEST_ID
 
 _Socket = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
@@ -109,12 +119,13 @@ async def _session(request: web.Request, ctx: RequestContext) -> web.StreamRespo
         service.opening += 1
         try:
             via = ", ".join([*request.headers.getall(VIA, ()), request.app[IDS].instance])  # as the client's requests
-            async with _engine_socket(service, replica, cfg.realtime_max_message_bytes, via) as upstream:
+            handshake_s = request.app[CONFIG].timeouts.first_byte_s
+            async with _engine_socket(service, replica, cfg.realtime_max_message_bytes, via, handshake_s) as upstream:
                 await client.prepare(request)
                 ctx.answered = True  # the session is open: however it ends, it was served
                 service.sessions.add(client)
                 try:
-                    await _relay(client, upstream, cfg.keepalive_timeout_s)
+                    await _relay(client, upstream, cfg.keepalive_timeout_s, cfg.send_timeout_s)
                 finally:
                     service.sessions.discard(client)
                 return client
@@ -125,13 +136,16 @@ async def _session(request: web.Request, ctx: RequestContext) -> web.StreamRespo
 
 @contextlib.asynccontextmanager
 async def _engine_socket(
-    service: Realtime, replica: Replica, max_bytes: int, via: str
+    service: Realtime, replica: Replica, max_bytes: int, via: str, handshake_s: float
 ) -> AsyncIterator[aiohttp.ClientWebSocketResponse]:
     url = f"{replica.url}{PATH}"
     try:
-        upstream = await service.http.ws_connect(
-            url, max_msg_size=max_bytes, autoping=True, headers=rank_headers(replica, {VIA: via})
-        )
+        async with asyncio.timeout(handshake_s):  # an engine that takes the connection and never answers the upgrade
+            upstream = await service.http.ws_connect(
+                url, max_msg_size=max_bytes, autoping=True, headers=rank_headers(replica, {VIA: via})
+            )
+    except TimeoutError:
+        raise UpstreamTimeout(f"replica {replica.id} did not answer the session's upgrade in time") from None
     except aiohttp.WSServerHandshakeError as exc:
         raise UpstreamError(f"replica {replica.id} refused the session: HTTP {exc.status}", status=502) from None
     except (aiohttp.ClientError, OSError) as exc:
@@ -142,9 +156,12 @@ async def _engine_socket(
         await upstream.close()
 
 
-async def _relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse, idle_s: float) -> None:
-    """Both directions until one side closes (or sends too big a message, or both stay idle past `idle_s`: 1001);
-    the other side is then closed with the same code. A session busy in one direction is not idle."""
+async def _relay(
+    client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse, idle_s: float, send_s: float
+) -> None:
+    """Both directions until one side closes (or sends too big a message, or both stay idle past `idle_s`: 1001,
+    or one takes nothing sent to it for `send_s`: 1001, its transport closed); the other side is then closed with
+    the same code. A session busy in one direction is not idle."""
     last = [time.monotonic()]  # the last message either way
 
     async def pump(source: _Socket, sink: _Socket) -> int:
@@ -156,12 +173,13 @@ async def _relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocke
                     return WSCloseCode.GOING_AWAY
                 continue
             last[0] = time.monotonic()
-            if msg.type == WSMsgType.TEXT:
-                await sink.send_str(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                await sink.send_bytes(msg.data)
-            else:  # closed, or an error (a message too big: 1009): the source's close code
+            if msg.type not in (WSMsgType.TEXT, WSMsgType.BINARY):  # closed, or an error (too big: 1009)
                 return source.close_code or WSCloseCode.OK
+            try:
+                async with asyncio.timeout(send_s):
+                    await (sink.send_str(msg.data) if msg.type == WSMsgType.TEXT else sink.send_bytes(msg.data))
+            except TimeoutError:  # the sink takes nothing: it is gone for this session
+                return WSCloseCode.GOING_AWAY
 
     tasks = [asyncio.create_task(pump(client, upstream)), asyncio.create_task(pump(upstream, client))]
     try:
@@ -176,7 +194,9 @@ async def _relay(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocke
         code = WSCloseCode.INTERNAL_ERROR
     for side in (client, upstream):
         if not side.closed:
-            await side.close(code=code)
+            with contextlib.suppress(TimeoutError):  # aiohttp closes the transport of a close that times out
+                async with asyncio.timeout(send_s):
+                    await side.close(code=code)
 
 
 async def realtime_ctx(app: web.Application) -> AsyncIterator[None]:

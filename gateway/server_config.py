@@ -42,6 +42,13 @@ class ServerConfig(StrictModel):
     body_timeout_s: float = Field(
         60.0, gt=0, description="a request body not received whole this long after its head gets 408"
     )
+    send_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a client that takes none of what is sent to it for this long is disconnected: the rest of a "
+        "whole answer after its handler ended, a realtime message or close (its connection's place and session "
+        "slot are freed; streams are bounded by timeouts.stream_idle_s)",
+    )
     keepalive_timeout_s: float = Field(
         3630.0,
         gt=0,

@@ -586,3 +586,15 @@ async def test_a_protocol_error_on_the_messages_route_is_in_anthropics_shape(req
         assert resp.status == status and payload["type"] == "error", resp.body
         assert set(payload["error"]) >= {"type", "message"} and sims[0].engine.stats.started == 0
         await conn.close()
+
+
+async def test_a_client_that_takes_none_of_a_whole_answer_gives_its_connection_up() -> None:
+    """A multi-megabyte answer (the token ids of a 2 MB prompt) to a client that reads 200 bytes and stops: the
+    connection waited for it forever (aiohttp's drain has no deadline), one of `max_connections` never given back."""
+    async with gateway_over_sims([SIM], server={"send_timeout_s": 1.0}) as (gw, _):
+        conn = await RawClient.connect(gw.port)
+        prompt = json.dumps({"model": "sim", "prompt": "word " * 1_500_000}).encode()
+        await conn.send(post("/tokenize", prompt))
+        assert len(await conn.reader.read(200)) > 0  # the answer began; nothing more is read
+        await wait_for(lambda: gw.listener.open_connections == 0, timeout_s=30, what="the connection given up")
+        await conn.close()

@@ -178,3 +178,21 @@ async def test_a_session_busy_one_way_is_not_idle_and_an_idle_one_is_closed_with
             assert (await ws.receive_json(timeout=10))["type"] == "transcription.done"
             msg = await ws.receive(timeout=10)
             assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.GOING_AWAY, msg
+
+
+async def test_a_client_that_takes_nothing_sent_to_it_gives_its_session_up() -> None:
+    """The client sends messages the engine answers (error events) and never reads: the gateway's sends block. They
+    used to block for good, holding the session's slot, its replica's load and its tenant's concurrency."""
+    async with (
+        gateway_over_sims(sims(1), server={"send_timeout_s": 1.0}) as (gw, _),
+        aiohttp.ClientSession() as http,
+    ):
+        replicas = list(gw.app[REPLICAS])
+        ws = await http.ws_connect(f"{gw.url}/v1/realtime", max_msg_size=0)
+        await ws.receive_json(timeout=10)
+        junk = "x" * 100_000
+        for _ in range(300):  # 30 MB of echoed errors: far more than the socket buffers take
+            await ws.send_json({"type": junk})
+        await wait_for(lambda: all(r.in_flight == 0 for r in replicas), timeout_s=30, what="the session given up")
+        ws._response.connection.transport.abort()  # type: ignore[union-attr]  # its unread answers go with it
+        await ws.close()
