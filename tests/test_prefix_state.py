@@ -83,6 +83,46 @@ async def test_pure_python_tokenizers_stay_on_the_loop_below_their_threshold(
         await s.stop()
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        ("chat", {"messages": [{"role": "x" * 1000, "content": "hi"}]}),
+        (
+            "chat",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "t", "description": "y" * 1000, "parameters": {}}}],
+            },
+        ),
+        ("completions", {"prompt": ["z" * 1000, "short"]}),
+    ],
+    ids=["long-role", "long-tools", "batch-first-prompt"],
+)
+async def test_a_long_prompt_anywhere_in_the_request_is_tokenized_off_the_loop(
+    endpoint: str, body: dict[str, Any]
+) -> None:
+    """The size estimate counted only message text and a batch's length: a 7 MB `role` or a batch's 7 MB first
+    prompt was tokenized on the event loop (a quarter second each)."""
+    s = CacheAwareState(CacheConfig(python_tokenizer_thread_min_chars=500), CollectorRegistry())
+    s.add_replica("r1", model="m", block_size=BS, num_blocks=100, kv_events_endpoint=None, tokenizer="sim")
+    await s.start()
+    try:
+        tok = await s.tokenizer("sim")
+        threads: list[str] = []
+        for name in ("tokenize_chat", "tokenize_text"):
+            original = getattr(tok, name)
+
+            def recording(*args: Any, _original: Any = original, **kwargs: Any) -> list[int]:
+                threads.append(threading.current_thread().name)
+                return list(_original(*args, **kwargs))
+
+            setattr(tok, name, recording)
+        await info(s, {"model": "m", **body}, endpoint=endpoint)
+        assert threads and threads[0].startswith("kvgate-tokenize"), threads
+    finally:
+        await s.stop()
+
+
 async def test_shared_prefix_overlaps_after_routing(state: CacheAwareState) -> None:
     first = await info(state, chat("question one"))
     assert state.overlap(first, ["r1", "r2"]) == {"r1": 0, "r2": 0}
