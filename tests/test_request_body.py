@@ -134,7 +134,7 @@ def test_an_integer_beyond_64_bits_is_read_exactly_however_many_arrays_the_body_
 
 def test_a_body_of_millions_of_small_arrays_is_checked_in_steps_per_chunk_not_per_array() -> None:
     """6 MB of `[]` (2 million arrays at depth 2) once held the event loop a second past orjson's own time: the check
-    walked the decoded value one Python step per array. Now the text is checked, a few Python lines per MiB
+    walked the decoded value one Python step per array. Now the text is checked, a few Python lines per 256 KiB
     (counted over the whole parse, not timed)."""
     raw = b'{"model":"m","prompt":"x","extra":[' + b"[]," * 2_000_000 + b"[]]}"
     lines, parsed = _lines_in_gateway(parse_request, "completions", raw, max_depth=DEPTH)
@@ -213,7 +213,7 @@ def test_cache_isolation_needs_a_secret() -> None:
 
 
 # The nesting check on any bytes: what a parser that reads strings and escapes byte by byte finds, in a few Python
-# steps per MiB of structure (counted, not timed).
+# steps per 256 KiB of structure (counted, not timed).
 
 
 def _reference_deeper(raw: bytes, limit: int) -> bool:
@@ -264,11 +264,11 @@ structural_bytes = st.binary(max_size=65_536) | st.lists(
 
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(structural_bytes, st.integers(min_value=0, max_value=70))
-def test_nesting_check_on_any_bytes_agrees_in_a_few_steps_per_mib(raw: bytes, limit: int) -> None:
+def test_nesting_check_on_any_bytes_agrees_in_a_few_steps_per_chunk(raw: bytes, limit: int) -> None:
     assert nested_deeper(raw, limit) == _reference_deeper(raw, limit)
     structure = structure_of(raw)
     assert len(structure) <= len(raw)
-    assert _lines_run(deeper_than, structure, limit) <= 12 * (len(structure) // 2**20 + 1)  # per MiB, not per byte
+    assert _lines_run(deeper_than, structure, limit) <= 12 * (len(structure) // 2**18 + 1)  # per chunk, not per byte
 
 
 @pytest.mark.parametrize("letters", [26, 40])
