@@ -129,3 +129,8 @@ class PrefixMetrics:
             r,
             lambda: [((), awaited())],
         )
+
+    def forget_replica(self, replica_id: str) -> None:
+        """A replica removed for good: its series go."""
+        for family in (self.events, self.events_skipped, self.events_resets, self.corrections):
+            family.forget("replica", replica_id)

@@ -124,6 +124,7 @@ async def _replicas_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[REPLICAS] = replicas
     app[METRICS].export_replicas(replicas)
+    replicas.add_listener(app[METRICS])  # a replica removed for good: its series go
     for engine in cfg.engines:
         if engine.url is not None:
             replicas.add(attached_replica(engine))

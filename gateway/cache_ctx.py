@@ -51,6 +51,7 @@ class CacheReplicaListener:
 
     def replica_removed(self, replica: Replica) -> None:
         self.state.remove_replica(replica.id)
+        self.state.metrics.forget_replica(replica.id)
 
 
 def uses_prefix_cache(policy: Policy) -> bool:

@@ -261,6 +261,17 @@ class GatewayMetrics:
             queue_price,
         )
 
+    # --- a replica removed for good (engine_pool.replica_set.ReplicaListener): its series go --------------------
+    def replica_up(self, replica: Replica) -> None:
+        pass
+
+    def replica_down(self, replica: Replica) -> None:
+        pass
+
+    def replica_removed(self, replica: Replica) -> None:
+        self.requests.forget("replica", replica.id)
+        self.upstream_errors.forget("replica", replica.id)
+
     def model(self, name: str) -> ModelMetrics:
         found = self._models.get(name)
         if found is None:

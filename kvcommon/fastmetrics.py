@@ -76,6 +76,14 @@ class _Family(Generic[C]):
             child = self._children[values] = self._new_child()
         return child
 
+    def forget(self, label: str, value: str) -> None:
+        """Drop the children whose `label` is `value` (a replica removed for good: its series go, else engines
+        found by DNS, coming and going, would pile series up for the life of the process)."""
+        if label in self.labelnames:
+            at = self.labelnames.index(label)
+            for values in [v for v in self._children if v[at] == value]:
+                del self._children[values]
+
     def _family(self) -> Metric:
         raise NotImplementedError
 

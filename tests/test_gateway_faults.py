@@ -12,10 +12,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.keys import REPLICAS
 from gateway.relay import ClientEvents
 from gateway.request_parse import parse_request
 from simengine import Faults, SimConfig
-from tests.conftest import gateway_over_sims
+from tests.conftest import gateway_over_sims, scrape
 
 SIM = SimConfig(model="sim", instant=True)
 
@@ -195,3 +196,20 @@ async def test_a_cut_stream_is_charged_the_tokens_its_client_got(route: str, htt
         if s.name == "kvgate_tokens_total" and s.labels["kind"] == "completion"
     )
     assert completion == 5
+
+
+async def test_a_replica_removed_for_good_takes_its_series_with_it(http: aiohttp.ClientSession) -> None:
+    """Engines found by DNS come and go: each one's request and error series stayed for the life of the process."""
+    failing = SimConfig(model="sim", instant=True, faults=Faults(error_rate=1.0))
+    async with gateway_over_sims([SimConfig(model="sim", instant=True), failing]) as (gw, _):
+        body = {"model": "sim", "prompt": "hi", "max_tokens": 2}
+        for _ in range(6):  # both replicas answer (the failing one's errors retried on the other)
+            async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        replicas = gw.app[REPLICAS]
+        failed = {s.labels["replica"] for s in await scrape(http, gw.url) if s.name == "kvgate_upstream_errors_total"}
+        (gone,) = failed
+        await replicas.remove(gone)
+        after = await scrape(http, gw.url)
+    assert not [s for s in after if s.labels.get("replica") == gone], gone
+    assert any(s.name == "kvgate_requests_total" and s.value > 0 for s in after)  # the other replica's stay
