@@ -81,13 +81,16 @@ async def health(request: web.Request) -> web.Response:
 def readiness(app: web.Application) -> dict[str, Any]:
     """/ready's answer: ready once every known model has a routable replica that answers whole requests (a prefill
     replica of a split model serves nothing alone) and no tokenizer the cache-aware router waits for is loading;
-    with each model's count of those and each replica's state."""
+    with each model's count of routable replicas and each replica's state."""
     now = time.monotonic()
     models: dict[str, dict[str, Any]] = {}
+    serving: set[str] = set()  # the models with a routable replica that answers whole requests
     for replica in app[REPLICAS]:
         entry = models.setdefault(replica.model or "?", {"ready": 0, "replicas": {}})
         ok = replica.routable(now)
-        entry["ready"] += int(ok and replica.role != "prefill")
+        entry["ready"] += int(ok)
+        if ok and replica.role != "prefill":
+            serving.add(replica.model or "?")
         entry["replicas"][replica.id] = {
             "ready": ok,
             "healthy": replica.healthy,
@@ -98,8 +101,8 @@ def readiness(app: web.Application) -> dict[str, Any]:
         }
     # an engine whose model is not known yet (not reached, not an engine) is listed, but keeps the gateway from
     # ready only while no model is known at all
-    served = [m for name, m in models.items() if name != "?"]
-    ready = bool(served) and all(m["ready"] > 0 for m in served)
+    served = [name for name in models if name != "?"]
+    ready = bool(served) and all(name in serving for name in served)
     cache = app.get(CACHE)
     loading = cache.tokenizers_loading() if cache is not None else []
     state: dict[str, Any] = {"ready": ready and not loading, "models": models}
