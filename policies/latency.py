@@ -158,14 +158,23 @@ def predict(r: ReplicaLatency, now: float, tokens: int, uncached: int, prefix: i
     return Prediction(r.replica, wait, ttft, tpot, batch, r.margin_s, tokens, r.decode_learned, prefix, cached)
 
 
-def _prefer(no_wait: Sequence[Prediction], best: Prediction, predictions: Sequence[Prediction]) -> tuple[str, ...]:
+def _prefer(
+    no_wait: Sequence[Prediction],
+    best: Prediction,
+    predictions: Sequence[Prediction],
+    fast_enough: Sequence[Prediction],
+) -> tuple[str, ...]:
     """Where routing should look first: nowhere in particular while every replica has KV room (the routing policy
-    weighs cache against load); the replicas with room when some have none (what the policy does not see); the
-    one predicted first when all must wait (its prediction counts its cached prefix; elsewhere the request waits
-    longer than it was admitted for)."""
+    weighs cache against load); when some have none, the replicas with room and those that must wait but are
+    still predicted to answer no later than the soonest with room (a cached prefix outweighs a short wait: what the
+    policy does not see is the room); the one predicted first when all must wait (its prediction counts its cached
+    prefix; elsewhere the request waits longer than it was admitted for)."""
     if len(no_wait) == len(predictions):
         return ()
-    return tuple(p.replica for p in no_wait) or (best.replica,)
+    if not no_wait:
+        return (best.replica,)
+    soonest = min(p.ttft_s for p in no_wait)  # a replica that must wait but still answers first (its cached prefix)
+    return tuple(p.replica for p in fast_enough if p.wait_s == 0.0 or p.ttft_s <= soonest)
 
 
 def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
@@ -183,10 +192,11 @@ def judge(predictions: Sequence[Prediction], targets: Targets) -> Verdict:
     no_wait = [p for p in fast_enough if p.wait_s == 0.0]
     if meeting:
         best = min(meeting, key=lambda p: p.ttft_s)
-        return Verdict(True, "within-target", 0.0, best, _prefer(no_wait, best, predictions), tuple(predictions))
+        prefer = _prefer(no_wait, best, predictions, fast_enough)
+        return Verdict(True, "within-target", 0.0, best, prefer, tuple(predictions))
     if no_wait:  # its own prefill is longer than the target: nowhere better than where it starts at once
         best = min(no_wait, key=lambda p: p.ttft_s)
-        return Verdict(True, "no-wait", 0.0, best, _prefer(no_wait, best, predictions), tuple(predictions))
+        return Verdict(True, "no-wait", 0.0, best, _prefer(no_wait, best, predictions, fast_enough), tuple(predictions))
     if not fast_enough:
         return Verdict(False, "tpot-target", 1.0, None, ())
     drain = min(p.wait_s for p in fast_enough)
