@@ -137,30 +137,13 @@ def test_a_body_of_millions_of_small_arrays_is_checked_in_steps_per_chunk_not_pe
     walked the decoded value one Python step per array. Now the text is checked, a few Python lines per 256 KiB
     (counted over the whole parse, not timed)."""
     raw = b'{"model":"m","prompt":"x","extra":[' + b"[]," * 2_000_000 + b"[]]}"
-    lines, parsed = _lines_in_gateway(parse_request, "completions", raw, max_depth=DEPTH)
+    lines, parsed = _lines_run(
+        parse_request, "completions", raw, max_depth=DEPTH, within=lambda f: "/gateway/" in f.f_code.co_filename
+    )
     assert parsed.model == "m" and lines < 1000
     deep = b'{"model":"m","extra":[' + b"[]," * 1_000_000 + b"[" * (DEPTH + 1) + b"]" * (DEPTH + 1) + b"]}"
     with pytest.raises(BadRequest, match="nested deeper"):
         parse_request("completions", deep, max_depth=DEPTH)
-
-
-def _lines_in_gateway(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[int, Any]:
-    """(Python lines the call runs in the gateway's modules, its result)."""
-    lines = [0]
-
-    def tracer(frame: FrameType, event: str, arg: object) -> Any:
-        if "/gateway/" not in frame.f_code.co_filename:
-            return None
-        if event == "line":
-            lines[0] += 1
-        return tracer
-
-    sys.settrace(tracer)
-    try:
-        result = function(*args, **kwargs)
-    finally:
-        sys.settrace(None)
-    return lines[0], result
 
 
 @pytest.mark.parametrize(
@@ -238,12 +221,16 @@ def _reference_deeper(raw: bytes, limit: int) -> bool:
     return False
 
 
-def _lines_run(function: Callable[..., object], *args: object) -> int:
-    """Python lines executed inside `function` (its own frame only): a count of operations."""
+def _lines_run(
+    function: Callable[..., Any], *args: Any, within: Callable[[FrameType], bool] | None = None, **kwargs: Any
+) -> tuple[int, Any]:
+    """(Python lines executed inside `function`'s own frame, or with `within` in the frames it accepts, its result):
+    a count of operations."""
     code, lines = function.__code__, [0]
+    counted = within or (lambda frame: frame.f_code is code)
 
     def tracer(frame: FrameType, event: str, arg: object) -> Any:
-        if frame.f_code is not code:
+        if not counted(frame):
             return None
         if event == "line":
             lines[0] += 1
@@ -251,10 +238,10 @@ def _lines_run(function: Callable[..., object], *args: object) -> int:
 
     sys.settrace(tracer)
     try:
-        function(*args)
+        result = function(*args, **kwargs)
     finally:
         sys.settrace(None)
-    return lines[0]
+    return lines[0], result
 
 
 structural_bytes = st.binary(max_size=65_536) | st.lists(
@@ -268,7 +255,7 @@ def test_nesting_check_on_any_bytes_agrees_in_a_few_steps_per_chunk(raw: bytes, 
     assert nested_deeper(raw, limit) == _reference_deeper(raw, limit)
     structure = structure_of(raw)
     assert len(structure) <= len(raw)
-    assert _lines_run(deeper_than, structure, limit) <= 12 * (len(structure) // 2**18 + 1)  # per chunk, not per byte
+    assert _lines_run(deeper_than, structure, limit)[0] <= 12 * (len(structure) // 2**18 + 1)  # per chunk, not byte
 
 
 @pytest.mark.parametrize("letters", [26, 40])
