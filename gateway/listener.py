@@ -90,6 +90,9 @@ def _raw_answer(err: GatewayError, api: ApiShape = "openai") -> bytes:
 _REASONS = {408: "Request Timeout", 503: "Service Unavailable"}
 
 
+_LINE_PEEK = 8192  # the most of a segment read for its request line's route (a longer line is refused anyway)
+
+
 def api_of_target(target: list[bytes]) -> ApiShape:
     """The API shape of the route a request line's target names (`[]`: none read): Anthropic's for the Messages
     routes, OpenAI's for the rest."""
@@ -160,7 +163,7 @@ class GuardedRequestHandler(RequestHandler):
             return
         between = self._newest is None or self._newest.is_eof()  # no body of a parsed request still arriving
         if between and self._head_bytes == 0:  # a head begins with this segment: its route, from the request line
-            self._api = api_of_target(data[: data.find(b"\r\n")].split(b" ", 2)[1:2])
+            self._api = api_of_target(data[:_LINE_PEEK].split(b"\r\n", 1)[0].split(b" ", 2)[1:2])
         parsed = self._request_count
         self._parse(data)
         new_requests = self._request_count - parsed
