@@ -33,12 +33,21 @@ class UpstreamConnectionError(ConnectionError):
     """Could not connect, or the connection broke before the response was complete."""
 
 
+class ResponseTooLarge(UpstreamConnectionError):
+    """A whole body read past its bound (`UpstreamResponse.read`'s `limit`); the connection was aborted."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the response body is larger than {limit} bytes")
+        self.limit = limit
+
+
 _NO_HEADERS: Mapping[str, str] = {}
 # the gateways a request went through, by instance (`gateway.ids`): each adds its own to what it sends, and refuses a
 # request that already carries it (an engine address that leads back to the gateway would otherwise loop)
 VIA = "x-kvgate-via"
 READ_HIGH_WATER = 256 * 1024  # bytes received and not yet taken by the reader before the socket stops being read
 MAX_HEADERS = 64  # response headers kept per response (the rest are parsed and dropped)
+FETCH_MAX_BYTES = 64 * 1024 * 1024  # `UpstreamClient.fetch`'s bound on a body (a scrape, a probe's answer)
 
 
 def via_chain(lines: Iterable[str]) -> list[str]:
@@ -193,12 +202,18 @@ class UpstreamResponse:
                 raise self.error
             await self._wait()
 
-    async def read(self) -> bytes:
-        """The whole body (`iter_chunks`' semantics without an async generator: most bodies are already complete)."""
+    async def read(self, limit: int) -> bytes:
+        """The whole body (`iter_chunks`' semantics without an async generator: most bodies are already complete);
+        one larger than `limit` bytes aborts the connection and raises `ResponseTooLarge`."""
         chunks = self.chunks
         parts: list[bytes] = []
+        size = 0
         while True:
             if chunks:
+                size += self.buffered
+                if size > limit:
+                    self.close()
+                    raise ResponseTooLarge(limit)
                 parts += chunks
                 chunks.clear()
                 self.buffered = 0
@@ -346,10 +361,18 @@ class UpstreamClient:
     instance, in every request's `VIA` header (a gateway refuses a request that carries its own: a loop)."""
 
     async def fetch(
-        self, method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None, *, timeout_s: float
+        self,
+        method: str,
+        url: str,
+        body: bytes = b"",
+        headers: Mapping[str, str] | None = None,
+        *,
+        timeout_s: float,
+        max_bytes: int = FETCH_MAX_BYTES,
     ) -> tuple[int, bytes]:
         """A whole request and response within `timeout_s` (probes, scrapes, warm-ups): (status, body). Raises
-        UpstreamConnectionError (a ConnectionError) or TimeoutError."""
+        UpstreamConnectionError (a ConnectionError; `ResponseTooLarge` for a body over `max_bytes`) or
+        TimeoutError."""
         parts = urlsplit(url)
         tls = parts.scheme == "https"
         pool = self.pool(parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
@@ -358,7 +381,7 @@ class UpstreamClient:
             resp = await pool.request(method, path, body, headers or _NO_HEADERS, connect_timeout_s=timeout_s)
             try:
                 await resp.headers_ready
-                data = await resp.read()
+                data = await resp.read(max_bytes)
             except BaseException:
                 resp.close()
                 raise

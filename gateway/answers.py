@@ -23,16 +23,20 @@ from gateway.migration import whole_usage
 _TOOL_CALL = re.compile(rb'"(?:finish|stop)_reason"\s*:\s*"(?:tool_calls|tool_use)"|"type"\s*:\s*"function_call"')
 
 
+_ERROR_BYTES = 1024 * 1024
+
+
 def ends_in_tool_call(data: bytes) -> bool:
     """The answer (or the stream event) says the model called a tool: the agent will be back with its result."""
     return _TOOL_CALL.search(data) is not None
 
 
 async def upstream_error(upstream: UpstreamResponse) -> UpstreamError:
-    """The engine's error answer as an OpenAI-shaped error (its own body when it has one), read within 5 s."""
+    """The engine's error answer as an OpenAI-shaped error (its own body when it has one), read within 5 s and
+    `_ERROR_BYTES` (a longer one is not read on: the client gets the status alone)."""
     upstream.set_timeout(5.0)
     try:
-        raw = await upstream.read()
+        raw = await upstream.read(_ERROR_BYTES)
         body: Any = orjson.loads(raw)
     except (orjson.JSONDecodeError, TimeoutError, ConnectionError):
         body = None

@@ -170,7 +170,9 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
         router,
         app[REPLICAS],
         app[METRICS],
-        ProxySettings(cfg.timeouts, cfg.retry, cfg.server.route_headers, cfg.routing.disaggregation),
+        ProxySettings(
+            cfg.timeouts, cfg.retry, cfg.server.route_headers, cfg.routing.disaggregation, cfg.server.max_answer_bytes
+        ),
     )
     yield
 

@@ -68,6 +68,7 @@ class ProxySettings:
     retry: RetryConfig
     route_headers: bool = True
     disagg: DisaggregationConfig = field(default_factory=DisaggregationConfig)
+    max_answer_bytes: int = 256 * 1024 * 1024
 
 
 class UpstreamProxy:
@@ -208,7 +209,7 @@ class UpstreamProxy:
     async def _relay(self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision) -> int:
         if ex.stream:
             return await self._relay_stream(ex, upstream, replica, decision)
-        raw = await read_answer(upstream, replica, ex.deadline)
+        raw = await read_answer(upstream, replica, ex.deadline, self.settings.max_answer_bytes)
         ctx = ex.ctx
         ctx.ttft_s = time.monotonic() - ctx.started
         try:
@@ -390,4 +391,6 @@ class UpstreamProxy:
     async def _prefill_answer(
         self, step: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
     ) -> tuple[Replica, dict[str, Any]]:
-        return replica, transfer_params(await read_answer(upstream, replica, step.deadline))
+        return replica, transfer_params(
+            await read_answer(upstream, replica, step.deadline, self.settings.max_answer_bytes)
+        )

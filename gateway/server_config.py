@@ -14,6 +14,12 @@ class ServerConfig(StrictModel):
     host: str = Field("127.0.0.1", description="listen address")
     port: int = Field(8000, ge=0, le=65535, description="listen port; 0 picks a free one")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_answer_bytes: int = Field(
+        256 * 1024 * 1024,
+        gt=0,
+        description="largest whole (not streamed) answer read from an engine; a larger one is cut off and the "
+        "client gets 502 (a stream's events are bounded at 64 MiB each)",
+    )
     access_log: Literal["plain", "json", "off"] = Field(
         "plain",
         description="one line per request on the kvgate.access logger: plain, json, or off (YAML's unquoted "

@@ -7,19 +7,19 @@ waited for: a stream's come with its first event (waited for `first_byte_s`, the
 another replica), a whole answer's only when the generation is done (waited for until the total deadline; a timeout
 then is not retried). A kept-alive connection that turns out stale is replaced once; connect failures are
 `Retryable`; a cancelled wait (the client left) aborts the engine request. `read_answer`: a whole answer's body,
-within the deadline. `response_headers`: the engine's headers the client gets, less the hop-by-hop ones and those
-the gateway writes itself (`_NOT_RELAYED`, `x-kvgate-*`), plus the request id, what admission adds and the route
-headers. Cost: one engine round trip per `send`; O(headers) for the header sets.
+within the deadline and `server.max_answer_bytes`. `response_headers`: the engine's headers the client gets, less
+the hop-by-hop ones and those the gateway writes itself (`_NOT_RELAYED`, `x-kvgate-*`), plus the request id, what
+admission adds and the route headers. Cost: one engine round trip per `send`; O(headers) for the header sets.
 """
 
 from __future__ import annotations
 
 import time
 
-from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
+from engine_pool.http_client import ResponseTooLarge, UpstreamClient, UpstreamConnectionError, UpstreamResponse
 from engine_pool.replica import Replica, rank_headers
 from gateway.config import TimeoutConfig
-from gateway.errors import Retryable, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import Retryable, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.exchange import Exchange
 from policies.base import Decision
 
@@ -104,12 +104,17 @@ async def send(client: UpstreamClient, timeouts: TimeoutConfig, replica: Replica
     raise AssertionError("unreachable")
 
 
-async def read_answer(upstream: UpstreamResponse, replica: Replica, deadline: float) -> bytes:
-    """A whole answer's body, within the deadline; a connection lost on the way is `Retryable`."""
+async def read_answer(upstream: UpstreamResponse, replica: Replica, deadline: float, limit: int) -> bytes:
+    """A whole answer's body of at most `limit` bytes, within the deadline; a connection lost on the way is
+    `Retryable`, a larger answer an `UpstreamError` (another replica would answer the same)."""
     if not upstream.complete:  # usually the whole body came with the headers
         upstream.set_timeout(deadline - time.monotonic())
     try:
-        raw = await upstream.read()
+        raw = await upstream.read(limit)
+    except ResponseTooLarge:
+        raise UpstreamError(
+            f"replica {replica.id}'s answer is larger than server.max_answer_bytes ({limit} bytes)"
+        ) from None
     except TimeoutError:  # the total deadline: nothing left to retry with
         raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
     except ConnectionError as exc:

@@ -213,3 +213,21 @@ async def test_a_replica_removed_for_good_takes_its_series_with_it(http: aiohttp
         after = await scrape(http, gw.url)
     assert not [s for s in after if s.labels.get("replica") == gone], gone
     assert any(s.name == "kvgate_requests_total" and s.value > 0 for s in after)  # the other replica's stay
+
+
+async def test_a_whole_answer_over_max_answer_bytes_is_cut_off_with_502_and_not_rerun(
+    http: aiohttp.ClientSession,
+) -> None:
+    """An engine's whole answer is read up to `server.max_answer_bytes`: a larger one is cut off (not grown until
+    the total deadline), the client gets 502 in OpenAI's shape, and another replica is not asked (it would answer
+    the same); a smaller answer passes."""
+    async with gateway_over_sims([SIM, SIM], server={"max_answer_bytes": 2048}) as (gw, sims):
+        status, body = await post(http, gw.url, max_tokens=4)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        status, body = await post(http, gw.url, max_tokens=1000)
+        assert status == 502 and body["error"]["code"] == "upstream_error"
+        assert "server.max_answer_bytes (2048 bytes)" in body["error"]["message"]
+        assert sum(s.engine.stats.started for s in sims) == 2
+        status, body = await post(http, gw.url, max_tokens=4)  # the pool is still whole
+        assert status == 200
+        assert (await requests_by_status(http, gw.url)) == {"200": 2.0, "502": 1.0}
