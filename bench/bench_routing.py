@@ -1,6 +1,6 @@
 """Routing benchmark (issue 4): kvgate's cache-aware vs round-robin vs least-load on simulated engines.
 
-    python -m bench.bench_routing            # full run, ~10 min on 2 shared cores; rewrites docs/routing.md
+    python -m bench.bench_routing            # full run, ~13 min on 2 shared cores; rewrites docs/routing.md
     python -m bench.bench_routing --quick    # smoke, ~2-3 min, prints only
 
 Setup per workload: `--replicas` simulated engines (separate processes, `kvgate sim-engine`, costs in
@@ -189,8 +189,8 @@ def run_workload(
     specs = [(SGLANG, {"python": args.sglang_python}) if p == SGLANG else (p, params) for p, params in specs]
     gw_cpus, other_cpus = split_cpus(args.pin)
     with sim_pool(args.replicas, costs, w.num_blocks, MODEL, other_cpus, args.hide_capacity) as sims:
-        # a trace is replayed at its own timestamps; the generated workloads have none
-        for arrival_name in ["trace"] if w.name == "trace" else [a for a in args.arrivals if a != "trace"]:
+        # a trace (or a flash crowd) is replayed at its own timestamps; the other workloads have none
+        for arrival_name in ["trace"] if w.timed else [a for a in args.arrivals if a != "trace"]:
             runs: dict[str, list[Row]] = {p: [] for p in args.policies}
             for rep in range(args.repeat):
                 with gateways(sims, specs, None if args.hide_slots else costs.max_num_seqs, gw_cpus) as gws:

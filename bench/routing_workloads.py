@@ -29,6 +29,7 @@ from loadgen.client import RequestResult, RequestSpec
 from loadgen.text import CharTextMaker
 from loadgen.workloads import (
     agent_sessions,
+    flash_crowd,
     multi_round_chat,
     parse_mooncake_trace,
     random_requests,
@@ -49,6 +50,7 @@ class Workload:
     num_blocks: int  # KV capacity per replica, in blocks
     concurrency: int  # closed loop
     rate: float  # Poisson, new sessions per second
+    timed: bool = False  # its requests carry their own arrival times: run with the `trace` arrival only
 
 
 def _n(base: int, scale: float, low: int = 2) -> int:
@@ -65,6 +67,8 @@ def workloads(scale: float) -> list[Workload]:
     big_groups = _n(128, scale, 36)
     rnd_n = _n(320, scale, 90)
     popular_n = _n(480, scale, 120)
+    burst_n = _n(160, scale, 48)
+    docs_n = _n(240, scale, 72)
 
     def gsp(seed: int) -> Iterator[RequestSpec]:
         return shared_prefix(
@@ -103,6 +107,17 @@ def workloads(scale: float) -> list[Workload]:
             question_tokens=64, output_tokens=16,
         )  # fmt: skip
 
+    def crowd(seed: int) -> Iterator[RequestSpec]:
+        return flash_crowd(maker, seed=seed, prompts=4, bursts=3, per_burst=burst_n, burst_s=0.4, gap_s=5.0)
+
+    def documents(seed: int) -> Iterator[RequestSpec]:
+        # 6 end users sending OpenAI's `user` (kvgate makes each a session) over 12 zipf-popular documents; KV for
+        # three documents and their questions per replica: the working set fits the pool only when partitioned
+        return shared_prefix(
+            maker, seed=seed, groups=12, prompts_per_group=docs_n // 12, system_tokens=2048, question_tokens=64,
+            output_tokens=16, popularity="zipf", zipf_s=1.1, users=6,
+        )  # fmt: skip
+
     def rnd(seed: int) -> Iterator[RequestSpec]:
         return random_requests(maker, seed=seed, num_requests=rnd_n, input_tokens=(512, 2048), output_tokens=(8, 24))
 
@@ -123,6 +138,11 @@ def workloads(scale: float) -> list[Workload]:
                  rate=40.0),
         Workload("zero-reuse", f"{rnd_n} unique prompts 512-2048 tok, output 8-24", rnd,
                  num_blocks=2048, concurrency=32, rate=32.0),
+        Workload("flash-crowd", f"3 bursts of {burst_n} requests within 0.4 s, 5 s apart, on 4 system prompts of 1536",
+                 crowd, num_blocks=2048, concurrency=32, rate=0.0, timed=True),
+        Workload("documents-users", f"6 users sending `user`, 12 documents of 2048 tok (zipf s=1.1), "
+                 f"{docs_n // 12 * 12} requests; KV for 3 documents a replica", documents, num_blocks=400,
+                 concurrency=8, rate=10.0),
     ]  # fmt: skip
 
 
@@ -151,7 +171,7 @@ def trace_workload(
         )  # fmt: skip
 
     about = f"{len(records)} requests of {Path(path).name}, working set {working_set} blocks, {cache_ratio:g}x the pool"
-    return Workload("trace", about, replay, num_blocks=num_blocks, concurrency=32, rate=0.0)
+    return Workload("trace", about, replay, num_blocks=num_blocks, concurrency=32, rate=0.0, timed=True)
 
 
 def rebuild_prompts(factory: Factory, seed: int, results: Sequence[RequestResult]) -> list[list[int]]:

@@ -2,7 +2,10 @@
 
 - `shared_prefix`: `groups` system prompts of `system_tokens`, each shared by questions of `question_tokens`;
   `groups * prompts_per_group` requests whose group is round-robin (uniform) or drawn with probability
-  proportional to 1 / rank^s (zipf), then shuffled. Single-turn.
+  proportional to 1 / rank^s (zipf), then shuffled. Single-turn. With `users`, the requests come from that many
+  end users in turn, each sending OpenAI's `user` field (as OpenAI recommends; kvgate keys sessions on it).
+- `flash_crowd`: `bursts` bursts of `per_burst` requests, `gap_s` apart, each burst's arrivals spread uniformly over
+  `burst_s` (a push notification, a page going viral): `prompts` system prompts drawn uniformly, a question each.
 - `multi_round_chat`: `users` sessions of `rounds` turns; one shared system prompt, a new question per turn; the
   runner appends each answer to the session history, so the context grows by question + answer every turn; each
   request carries OpenAI's `user` field, as chat apps send it.
@@ -50,6 +53,7 @@ def shared_prefix(
     output_tokens: int = 64,
     popularity: Literal["uniform", "zipf"] = "uniform",
     zipf_s: float = 1.1,
+    users: int = 0,
 ) -> Iterator[RequestSpec]:
     if groups < 1 or prompts_per_group < 1:
         raise ValueError("groups and prompts_per_group must be >= 1")
@@ -65,13 +69,44 @@ def shared_prefix(
         question = maker.text(f"sp-{seed}-q-{i}", question_tokens)
         yield RequestSpec(
             session_id=f"sp{i}",
-            user_id=f"g{g}",
+            user_id=f"u{i % users}" if users else f"g{g}",
             turn=0,
             messages=(("system", systems[g]), ("user", question)),
             max_tokens=output_tokens,
             est_prompt_tokens=system_tokens + question_tokens,
             group=g,
+            send_user=users > 0,
         )
+
+
+def flash_crowd(
+    maker: TextMaker,
+    *,
+    seed: int,
+    prompts: int = 4,
+    bursts: int = 3,
+    per_burst: int = 160,
+    burst_s: float = 0.4,
+    gap_s: float = 5.0,
+    system_tokens: int = 1536,
+    question_tokens: int = 64,
+    output_tokens: int = 16,
+) -> Iterator[RequestSpec]:
+    rng = random.Random(seed)
+    systems = [maker.text(f"fc-{seed}-sys-{g}", system_tokens) for g in range(prompts)]
+    for b in range(bursts):
+        for k, t in enumerate(sorted(rng.uniform(0.0, burst_s) for _ in range(per_burst))):
+            i, g = b * per_burst + k, rng.randrange(prompts)
+            yield RequestSpec(
+                session_id=f"fc{i}",
+                user_id=f"g{g}",
+                turn=0,
+                messages=(("system", systems[g]), ("user", maker.text(f"fc-{seed}-q-{i}", question_tokens))),
+                max_tokens=output_tokens,
+                arrival_s=b * gap_s + t,
+                est_prompt_tokens=system_tokens + question_tokens,
+                group=g,
+            )
 
 
 def multi_round_chat(

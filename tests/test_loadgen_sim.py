@@ -138,6 +138,27 @@ async def test_open_loop_poisson_and_trace_arrivals(sim: SimServer) -> None:
     assert sum(r.cached_tokens for r in res.results) > 0  # hash id 0 is a shared 16-token block
 
 
+async def test_a_flash_crowd_arrives_in_its_bursts_and_its_users_send_their_user_field(sim: SimServer) -> None:
+    """The flash crowd's requests arrive within their bursts' windows (replayed at their own times), the same seed
+    gives the same arrivals; shared_prefix's end users send OpenAI's `user`, one of `users` each."""
+    factory = lambda s: wl.flash_crowd(  # noqa: E731
+        M, seed=s, prompts=2, bursts=2, per_burst=6, burst_s=0.1, gap_s=0.5, system_tokens=32, question_tokens=4,
+        output_tokens=2,
+    )  # fmt: skip
+    assert [x.arrival_s for x in factory(4)] == [x.arrival_s for x in factory(4)] != [x.arrival_s for x in factory(5)]
+    res = await _run(sim.url, factory, Arrival("trace"), seed=4)
+    assert len(res.results) == 12 and all(r.ok for r in res.results)
+    arrival = {x.session_id: x.arrival_s for x in factory(4)}
+    for r in res.results:
+        burst = int(r.session_id.removeprefix("fc")) // 6
+        assert 0.5 * burst <= arrival[r.session_id] < 0.5 * burst + 0.1  # within its burst
+        assert r.start_s >= arrival[r.session_id]  # sent at its time, not before
+    assert sum(r.cached_tokens for r in res.results) > 0  # a burst shares two system prompts
+    specs = list(wl.shared_prefix(M, seed=1, groups=3, prompts_per_group=4, system_tokens=8, users=5))
+    assert all(x.send_user for x in specs) and {x.user_id for x in specs} == {f"u{i}" for i in range(5)}
+    assert not any(x.send_user for x in wl.shared_prefix(M, seed=1, groups=3, prompts_per_group=4, system_tokens=8))
+
+
 async def test_a_next_turn_found_by_the_new_session_scan_is_sent(sim: SimServer) -> None:
     """One user, two rounds, one request at a time: turn 2 is only read from the workload (by the scan for new
     sessions) after turn 1 finished, when nothing is in flight any more. The runner once waited for a wake-up that

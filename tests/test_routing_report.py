@@ -30,3 +30,12 @@ def test_one_run_compares_strictly_and_the_p50_must_stay_near_the_best() -> None
     rr = _row("round-robin", 332.6, (332.6, 332.6))
     assert _p99_line(_row("cache-aware", 332.7, (332.7, 332.7)), rr).startswith("- NOT MET")
     assert _p99_line(_row("cache-aware", 300.0, (300.0, 300.0), p50=30.0), rr).startswith("- NOT MET")
+
+
+def test_timed_arrivals_get_the_tail_check_too() -> None:
+    """A trace or the flash crowd (the `trace` arrival) is an open arrival: its p99 is held to round-robin's."""
+    rr, ca = _row("round-robin", 372.0, (372.0, 372.0)), _row("cache-aware", 348.0, (348.0, 348.0))
+    rr.arrival = ca.arrival = "trace"
+    assert _p99_line(ca, rr).startswith("- MET: shared-prefix/trace TTFT p99 348.0")
+    ca.ttft_p99_ms = 400.0
+    assert _p99_line(ca, rr).startswith("- NOT MET")
