@@ -67,6 +67,7 @@ def workloads(scale: float) -> list[Workload]:
     big_groups = _n(128, scale, 36)
     rnd_n = _n(320, scale, 90)
     popular_n = _n(480, scale, 120)
+    parents = _n(12, scale, 4)
     burst_n = _n(160, scale, 48)
     docs_n = _n(240, scale, 72)
 
@@ -101,6 +102,12 @@ def workloads(scale: float) -> list[Workload]:
             tool_result_tokens=160, output_tokens=16, pause_s=0.3,
         )  # fmt: skip
 
+    def subagents(seed: int) -> Iterator[RequestSpec]:
+        return agent_sessions(
+            maker, seed=seed, sessions=parents, turns=6, system_tokens=1536, task_tokens=64,
+            tool_result_tokens=160, output_tokens=16, pause_s=0.3, subagents=3,
+        )  # fmt: skip
+
     def big(seed: int) -> Iterator[RequestSpec]:
         return shared_prefix(
             maker, seed=seed, groups=big_groups, prompts_per_group=3, system_tokens=1536,
@@ -133,6 +140,9 @@ def workloads(scale: float) -> list[Workload]:
                  popular, num_blocks=2048, concurrency=32, rate=20.0),
         Workload("agent-sessions", f"{agents} sessions x 6 turns, shared system 1536, tool results 160, pause 0.3 s",
                  agent, num_blocks=2048, concurrency=32, rate=5.0),
+        Workload("agent-subagents", f"{parents} agents, each with 3 sub-agents under its session header (system "
+                 "768), 6 turns each, system 1536, tool results 160, pause 0.3 s", subagents, num_blocks=2048,
+                 concurrency=32, rate=5.0),
         Workload("beyond-capacity", f"{big_groups} groups x 3, system 1536: working set ~{big_groups * system_blocks}"
                  " blocks > pool", big, num_blocks=max(512, big_groups * system_blocks // 6), concurrency=32,
                  rate=40.0),

@@ -124,6 +124,9 @@ def _workload(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=int, default=8, help="agent: turns per session")
     g.add_argument("--tool-result-len", type=int, default=128, help="agent: tool result per turn")
     g.add_argument("--pause-s", type=float, default=0.0, help="agent: pause between turns")
+    g.add_argument(
+        "--subagents", type=int, default=0, help="agent: sub-agent conversations per session, under its session header"
+    )
     g.add_argument("--input-len", type=_range, default=(128, 512), metavar="MIN:MAX", help="random")
     g.add_argument("--random-output-len", type=_range, default=(32, 128), metavar="MIN:MAX", help="random")
     g.add_argument("--trace", metavar="FILE", help="trace: Mooncake JSONL")

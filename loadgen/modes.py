@@ -87,7 +87,7 @@ def build_factory(args: argparse.Namespace, maker: TextMaker) -> WorkloadFactory
             return wl.agent_sessions(
                 maker, seed=seed, sessions=args.sessions, turns=args.turns, system_tokens=args.system_len,
                 task_tokens=args.question_len, tool_result_tokens=args.tool_result_len,
-                output_tokens=args.output_len, pause_s=args.pause_s,
+                output_tokens=args.output_len, pause_s=args.pause_s, subagents=args.subagents,
             )  # fmt: skip
         if name == "random":
             return wl.random_requests(

@@ -12,7 +12,10 @@
   `think_s` pauses between a turn's answer and the next question.
 - `agent_sessions`: long sessions: a shared tool-description system prompt, a task, then `turns - 1` tool results
   of `tool_result_tokens` each (sent as user messages, so every chat template accepts them), `pause_s` between
-  turns, and an `x-session-id` header for session affinity.
+  turns, and an `x-session-id` header for session affinity. With `subagents`, each session also runs that many
+  sub-agent conversations of its own (a shared sub-agent system prompt of half the length, a task, tool results)
+  under the parent's session header, as agent frameworks send them (Claude Code's sub-agents share its
+  `x-claude-code-session-id`).
 - `random_requests`: unique text, input and output lengths uniform in the given ranges. No reuse.
 - `trace_replay`: a Mooncake-style JSONL trace (`timestamp` ms, `input_length`, `output_length`, `hash_ids`): block
   i of a prompt is the text keyed by hash_ids[i] (`block_tokens` tokens, the last block cut to length), so requests
@@ -151,34 +154,42 @@ def agent_sessions(
     tool_result_tokens: int = 128,
     output_tokens: int = 32,
     pause_s: float = 0.0,
+    subagents: int = 0,
 ) -> Iterator[RequestSpec]:
     if sessions < 1 or turns < 1:
         raise ValueError("sessions and turns must be >= 1")
     system = maker.text(f"ag-{seed}-tools", system_tokens)
-    for s in range(sessions):
-        sid = f"agent-{seed}-{s}"
+    sub_system = maker.text(f"ag-{seed}-subagent", system_tokens // 2)
+
+    def conversation(sid: str, header: str, user: str, key: str, first: tuple[str, int]) -> Iterator[RequestSpec]:
         for t in range(turns):
             if t == 0:
                 msgs: tuple[tuple[str, str], ...] = (
-                    ("system", system),
-                    ("user", maker.text(f"ag-{seed}-s{s}-task", task_tokens)),
+                    ("system", first[0]),
+                    ("user", maker.text(f"{key}-task", task_tokens)),
                 )
-                est = system_tokens + task_tokens
+                est = first[1] + task_tokens
             else:
-                body = maker.text(f"ag-{seed}-s{s}-t{t}", tool_result_tokens)
-                msgs = (("user", f"Tool result: {body}"),)
+                msgs = (("user", f"Tool result: {maker.text(f'{key}-t{t}', tool_result_tokens)}"),)
                 est = tool_result_tokens
             yield RequestSpec(
                 session_id=sid,
-                user_id=f"agent{s}",
+                user_id=user,
                 turn=t,
                 messages=msgs,
                 max_tokens=output_tokens,
                 think_s=pause_s if t > 0 else 0.0,
-                headers=((SESSION_HEADER, sid),),
+                headers=((SESSION_HEADER, header),),
                 est_prompt_tokens=est,
                 final=t == turns - 1,
             )
+
+    for s in range(sessions):
+        sid = f"agent-{seed}-{s}"
+        yield from conversation(sid, sid, f"agent{s}", f"ag-{seed}-s{s}", (system, system_tokens))
+        for j in range(subagents):  # conversations of their own under the parent's session header
+            sub = (sub_system, system_tokens // 2)
+            yield from conversation(f"{sid}-sub{j}", sid, f"agent{s}", f"ag-{seed}-s{s}-sub{j}", sub)
 
 
 def random_requests(

@@ -159,6 +159,19 @@ async def test_a_flash_crowd_arrives_in_its_bursts_and_its_users_send_their_user
     assert not any(x.send_user for x in wl.shared_prefix(M, seed=1, groups=3, prompts_per_group=4, system_tokens=8))
 
 
+def test_sub_agents_are_conversations_of_their_own_under_their_parents_session_header() -> None:
+    specs = list(wl.agent_sessions(M, seed=2, sessions=2, turns=3, system_tokens=32, subagents=2))
+    assert len(specs) == 2 * 3 * 3
+    convs = {x.session_id for x in specs}
+    assert convs == {f"agent-2-{s}{sub}" for s in range(2) for sub in ("", "-sub0", "-sub1")}
+    for x in specs:  # every conversation of a session sends the parent's header
+        assert dict(x.headers)[wl.SESSION_HEADER] == x.session_id.split("-sub")[0]
+    firsts = [x for x in specs if x.turn == 0]
+    subs = {x.messages[0][1] for x in firsts if "-sub" in x.session_id}
+    assert len(subs) == 1 and subs != {firsts[0].messages[0][1]}  # one sub-agent system prompt, not the parent's
+    assert len(subs.pop()) < len(firsts[0].messages[0][1])  # half its tokens
+
+
 async def test_a_next_turn_found_by_the_new_session_scan_is_sent(sim: SimServer) -> None:
     """One user, two rounds, one request at a time: turn 2 is only read from the workload (by the scan for new
     sessions) after turn 1 finished, when nothing is in flight any more. The runner once waited for a wake-up that
