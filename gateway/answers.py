@@ -23,12 +23,12 @@ from gateway.migration import whole_usage
 _TOOL_CALL = re.compile(rb'"(?:finish|stop)_reason"\s*:\s*"(?:tool_calls|tool_use)"|"type"\s*:\s*"function_call"')
 
 
-_ERROR_BYTES = 1024 * 1024
-
-
 def ends_in_tool_call(data: bytes) -> bool:
     """The answer (or the stream event) says the model called a tool: the agent will be back with its result."""
     return _TOOL_CALL.search(data) is not None
+
+
+_ERROR_BYTES = 1024 * 1024  # an engine's error body read at most (its message is cut at 1 KiB anyway)
 
 
 async def upstream_error(upstream: UpstreamResponse) -> UpstreamError:
