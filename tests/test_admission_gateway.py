@@ -296,6 +296,45 @@ async def test_fairness_light_tenant_is_not_starved() -> None:
         assert mean_wait("light") < mean_wait("flood")
 
 
+async def test_with_latency_targets_a_flood_of_streams_leaves_the_light_tenant_its_share() -> None:
+    """Latency targets on (a 1 s TTFT target) beside a gate: a tenant flooding with streams queues; the waits the
+    gateway's own fair queue grants are not the latency model's lateness, so the light tenant's queued streams keep
+    their budget and are served first. When those waits were learned as lateness, the margin grew to the target,
+    queued requests timed out at once, and the light tenant was refused (503 queue_timeout) while the flood got in by
+    volume. Every request the queue refuses counts as a refused one of its targets."""
+    tenants = {"flood": {"keys": [hash_key("sk-flood")]}, "light": {"keys": [hash_key("sk-light")]}}
+    admission = {
+        "auth": True,
+        "tenants": tenants,
+        "replica_max_concurrency": 2,
+        "queue": {"max_queued": 64, "max_queued_per_tenant": 32, "max_wait_s": 30},
+        "targets": {"default": {"ttft_s": 1.0}},
+    }
+    async with stack(admission, max_num_seqs=2, decode_ms=20) as (gw, _, session):
+        flood_status: list[int] = []
+        light_status: list[int] = []
+        flooding = True
+
+        async def flooder() -> None:
+            while flooding:
+                flood_status.append((await post(session, gw.url, chat(max_tokens=10, stream=True), key="sk-flood"))[0])
+
+        async def light() -> None:
+            nonlocal flooding
+            await wait_for(lambda: flood_status.count(200) >= 8, 60.0, "the flood's first answers")
+            await wait_for(lambda: gw.app[ADMISSION].capacity_gate.queued_for("flood") >= 10, 30.0, "flood queued")
+            for _ in range(6):
+                light_status.append((await post(session, gw.url, chat(max_tokens=10, stream=True), key="sk-light"))[0])
+            flooding = False
+
+        await asyncio.gather(light(), *(flooder() for _ in range(24)))
+        assert light_status == [200] * 6
+        reg = gw.app[REGISTRY]
+        refused = flood_status.count(503)
+        slo = {"model": MODEL, "priority": "interactive", "tenant": "flood", "outcome": "refused"}
+        assert (reg.get_sample_value("kvgate_slo_requests_total", slo) or 0.0) == refused
+
+
 @pytest.mark.parametrize("access", ["auto", "public"])
 async def test_metrics_and_readiness_detail_need_the_admin_key_on_an_authenticated_gateway(access: str) -> None:
     async with stack(ADMISSION_CFG, server={"metrics_access": access}) as (gw, _, session):

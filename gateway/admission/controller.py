@@ -180,10 +180,15 @@ class AdmissionController:
                     max_wait = self._judge(identity, model, prompt_tokens, ctx, demand, max_wait)
                 session = demand.info.session_key if demand is not None else None
                 ticket.session = session_digest(f"{tenant}\x00{session}") if session is not None else None
-                await self.capacity_gate.acquire_slot(
-                    identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx, max_wait,
-                    self.attained.of(ticket.session) if self.config.queue.order == "least-attained" else 0.0,
-                )  # fmt: skip
+                try:
+                    await self.capacity_gate.acquire_slot(
+                        identity, tenant_cfg.weight, tenant_cfg.max_queued, model, ctx, max_wait,
+                        self.attained.of(ticket.session) if self.config.queue.order == "least-attained" else 0.0,
+                    )  # fmt: skip
+                except Overloaded:  # the queue refused it (full, or no slot in time): a refusal of its targets too
+                    if ticket.targets is not None:
+                        self.latency.refused(model, identity)
+                    raise
                 ticket.holds_slot = True
         except BaseException:
             await self.finish(ticket, ctx, failed=True)

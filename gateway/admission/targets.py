@@ -154,11 +154,16 @@ class LatencyGate:
         # the batch it decoded in, as it ran (the prediction's is the batch it joined, before those after it came)
         batch = replica.mean_batch(ctx.batch_mark) if ctx.batch_mark is not None else 1.0
         if ctx.stream:
-            if prediction is not None and not ctx.split:  # the target counts from arrival: so does the lateness
+            if prediction is not None and not ctx.split:
+                # the target counts from arrival, and so does the lateness, less the wait in the gateway's own fair
+                # queue: that wait is granted apart (at most the target less the prediction); learned as lateness,
+                # a queue's waits became the margin, left the next request nothing to wait with, and every queued
+                # request timed out: the fair queue's order no longer counted and a flooding tenant won by volume
                 raw = prediction.ttft_s - prediction.margin_s
-                learner.observe_late(ctx.ttft_s, raw)
+                observed = ctx.ttft_s - ctx.queue_wait_s
+                learner.observe_late(observed, raw)
                 self.predicted.labels(ctx.model).observe(prediction.ttft_s)
-                self.error.labels(ctx.model).observe(abs(ctx.ttft_s - raw))
+                self.error.labels(ctx.model).observe(abs(observed - raw))
             if prediction is not None and prediction.wait_s == 0.0 and not ctx.split:
                 learner.observe_first_token(computed, sent_ttft)
             if output > 1:
