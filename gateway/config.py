@@ -8,6 +8,7 @@ dotted path of each bad key (`routing.policy: unknown routing policy 'x'`).
 from __future__ import annotations
 
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -296,14 +297,21 @@ class ConfigError(ValueError):
     """Configuration that cannot be served; the message lists every bad key by its dotted path."""
 
 
+_OWN_PATH = re.compile(r"([A-Za-z_][\w-]*(?:\.[\w-]+)+): ")
+
+
 def format_validation_error(err: ValidationError, section: str | None = None) -> str:
     """Each error on a line with its dotted path (under `section` when a section was validated alone)."""
     lines = []
     for e in err.errors():
         message = e["msg"].removeprefix("Value error, ")
-        # a check of the whole config names its own paths (`engines.1.url: ...`)
         loc = [section] if section else []
         loc += [str(p) for p in e["loc"]]
+        # a check of a whole section names its own paths below it (`tenants.a.priority: ...`): joined to the
+        # section's, so every line starts with the key's full path
+        if loc and (named := _OWN_PATH.match(message)):
+            loc.append(named[1])
+            message = message[named.end() :]
         lines.append(f"{'.'.join(loc)}: {message}" if loc else message)
     return "invalid configuration:\n  " + "\n  ".join(lines)
 

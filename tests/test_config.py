@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.admission.config import hash_key
 from gateway.config import ConfigError, env_overrides, load_config
 from gateway.serve import main as serve_main
 
@@ -31,6 +32,20 @@ def test_every_bad_key_is_named_by_path(tmp_path: Path) -> None:
     text = str(info.value)
     for path_part in ("server.prot", "engines.0.url", "routing.policy", "timeouts.connect_s"):
         assert path_part in text
+
+
+def test_a_sections_own_check_names_the_full_path_of_the_key() -> None:
+    """A check of a whole section (admission's tenants against its classes) names its keys below the section: the
+    line starts with the key's full path, not the section's followed by a second path."""
+    gold = {"a": {"keys": [hash_key("k")], "priority": "gold"}}
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={"admission": {"tenants": gold}}, environ={})
+    assert str(info.value).splitlines()[1:] == ["  admission.tenants.a.priority: unknown class 'gold'"]
+    with pytest.raises(ConfigError, match=r"admission\.tenants\.b\.keys: .* prints a key's hash in that form$"):
+        load_config(overrides={"admission": {"tenants": {"b": {"keys": ["plain"]}}}}, environ={})
+    many = {name: {"keys": [hash_key(name)]} for name in "abc"}
+    with pytest.raises(ConfigError, match=r"admission: 3 tenants, more than max_tenants \(2\)"):
+        load_config(overrides={"admission": {"tenants": many, "max_tenants": 2}}, environ={})
 
 
 def test_a_bad_routing_parameter_is_named_by_path(tmp_path: Path) -> None:

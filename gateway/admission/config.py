@@ -158,7 +158,9 @@ class TenantConfig(_Strict):
         for k in keys:
             digest = k.removeprefix("sha256:")
             if not k.startswith("sha256:") or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise ValueError("keys must be 'sha256:<64 lowercase hex>': `kvgate hash-key KEY` prints a key's")
+                raise ValueError(
+                    "keys must be 'sha256:<64 lowercase hex>': `kvgate hash-key KEY` prints a key's hash in that form"
+                )
         return keys
 
 
@@ -300,7 +302,7 @@ class AdmissionConfig(_Strict):
             if name not in self.priority_classes and name not in _SHIPPED_CLASSES:
                 raise ValueError(f"targets.classes.{name}: unknown class (priority_classes: {self.priority_classes})")
         if len(self.tenants) > self.max_tenants:
-            raise ValueError("more tenants than max_tenants")
+            raise ValueError(f"{len(self.tenants)} tenants, more than max_tenants ({self.max_tenants})")
         derived = [n for n, t in self.tenants.items() if t.cache_isolation and not t.cache_salt]
         if derived and not self.cache_salt_secret:
             raise ValueError(
