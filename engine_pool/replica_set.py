@@ -177,6 +177,13 @@ class ReplicaSet:
                 r.warm = warm
             self._notify()
 
+    def set_gates(self, replica: Replica, max_concurrency: int | None, max_num_seqs: int | None) -> None:
+        """The replica's gateway-side gate and its engine's batch slots, changed in place (a reload); the engine's
+        other ranks with it."""
+        for r in (replica, *replica.ranks):
+            r.max_concurrency, r.max_num_seqs = max_concurrency, max_num_seqs
+        self._notify()
+
     def set_draining(self, replica: Replica, draining: bool) -> None:
         """A draining replica takes no new requests; those in flight finish. The engine's other ranks with it."""
         if any(draining != r.draining for r in (replica, *replica.ranks)):

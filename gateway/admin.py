@@ -170,7 +170,7 @@ async def reload_config(request: web.Request) -> web.Response:
     return web.json_response({
         "reloaded": True, "tenants": sorted(admission.tenants), "auth": admission.auth, "applied": result.applied,
         "restart_needed": result.restart_needed, "engines_added": result.engines_added,
-        "engines_removed": result.engines_removed,
+        "engines_removed": result.engines_removed, "engines_changed": result.engines_changed,
     })  # fmt: skip
 
 

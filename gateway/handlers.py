@@ -19,7 +19,7 @@ from gateway.admission.auth import check_admin
 from gateway.body import expect_handler
 from gateway.endpoints import ENDPOINTS, Endpoint
 from gateway.errors import GatewayError
-from gateway.keys import CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID, UPSTREAM
+from gateway.keys import ADMISSION, CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID, UPSTREAM
 from gateway.realtime import PATH as REALTIME_PATH
 from gateway.realtime import realtime
 
@@ -113,10 +113,10 @@ def readiness(app: web.Application) -> dict[str, Any]:
 
 def check_observability(request: web.Request) -> None:
     """Raise unless this request may see /metrics and /ready's detail (`server.metrics_access`): 401 without the
-    admin key, 404 when none is configured."""
+    admin key, 404 when none is configured. `auto` follows admission.auth as it runs now (a reload may switch it)."""
     cfg = request.app[CONFIG]
     access = cfg.server.metrics_access
-    if access == "admin" or (access == "auto" and cfg.admission.auth):
+    if access == "admin" or (access == "auto" and request.app[ADMISSION].config.auth):
         check_admin(request.headers, cfg.admin.key)
 
 

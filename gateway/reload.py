@@ -6,7 +6,10 @@ section by section, and what can change under traffic is applied:
 - `admission`: tenants, keys, limits, queue bounds (`AdmissionController.reload`; in-flight and queued requests
   keep their leases);
 - `engines` given by `url`: a new one joins through the health probe; a removed one drains (takes no new request,
-  its in-flight ones finish, up to `_DRAIN_S`) and leaves; a changed one is replaced the same way;
+  its in-flight ones finish, up to `_DRAIN_S`) and leaves; one whose gate or batch slots (`max_concurrency`,
+  `max_num_seqs`) changed keeps serving with the new values; one with any other change is replaced: it drains, then
+  rejoins with its new settings. What a drain does when it ends is decided then, by the configuration running at
+  that moment (an engine put back while it drained stays, a second change is the one applied), one drain per engine;
 - `routing`: the policy and its parameters, `max_candidates` (the next decision uses them); the prefix-cache
   state follows the policy (started on a switch to a policy that uses it, stopped when leaving one: cache_ctx);
 - `models`: aliases and fallbacks.
@@ -43,7 +46,8 @@ class ReloadResult:
     applied: list[str] = field(default_factory=list)  # sections whose new values are in effect
     restart_needed: list[str] = field(default_factory=list)  # sections that differ but keep their running values
     engines_added: list[str] = field(default_factory=list)
-    engines_removed: list[str] = field(default_factory=list)
+    engines_removed: list[str] = field(default_factory=list)  # drained: removed, or replaced with a changed entry
+    engines_changed: list[str] = field(default_factory=list)  # a new gate or batch slots, in place
 
 
 class ConfigReloader:
@@ -54,17 +58,22 @@ class ConfigReloader:
         self.running: GatewayConfig = app[CONFIG]
         self._wanted = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._draining: set[asyncio.Task[None]] = set()
+        self._drains: dict[str, tuple[asyncio.Task[None], EngineConfig]] = {}  # by replica id: the task, its entry
 
     # --- triggers ---------------------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvgate:reload")
 
     async def close(self) -> None:
-        for task in [self._task, *self._draining]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in [self._task, *self._draining] if t is not None), return_exceptions=True)
+        tasks = [t for t in [self._task, *(task for task, _ in self._drains.values())] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def draining(self) -> list[str]:
+        """The engines a reload removed or replaced whose drain has not ended."""
+        return list(self._drains)
 
     def request_reload(self) -> None:
         """Signal-handler safe: only records the request; the reload task acts on it."""
@@ -76,7 +85,7 @@ class ConfigReloader:
             self._wanted.clear()
             try:
                 await self.reload_file()
-            except ValueError as exc:  # logged by reload_file; the running config stays
+            except Exception as exc:  # logged by reload_file; the running config stays
                 log.debug("reload refused: %s", exc)
 
     async def reload_file(self) -> ReloadResult:
@@ -92,7 +101,11 @@ class ConfigReloader:
         except ValueError as exc:
             log.error("config reload failed, keeping the running config: %s", exc)
             raise
-        return await self.apply(new)
+        try:
+            return await self.apply(new)
+        except Exception:
+            log.exception("config reload failed while applying it")
+            raise
 
     # --- applying ---------------------------------------------------------------------------------------------
     async def apply(self, new: GatewayConfig) -> ReloadResult:
@@ -113,7 +126,7 @@ class ConfigReloader:
             self.app[COMPLETIONS].set_models(new.models)
         result.applied = [s for s in _APPLIED if getattr(old, s) != getattr(new, s)]
         self._apply_engines(old, new, result)
-        if result.engines_added or result.engines_removed:
+        if result.engines_added or result.engines_removed or result.engines_changed:
             result.applied.append("engines")
         # what now runs: the new values of applied sections, the old ones of the rest
         self.running = new.model_copy(
@@ -121,40 +134,77 @@ class ConfigReloader:
             | {"engines": [e for e in new.engines if not e.dns] + [e for e in old.engines if e.dns]}
         )
         log.info(
-            "config reloaded: applied %s; engines +%s -%s; needing a restart: %s",
-            result.applied or "nothing", result.engines_added, result.engines_removed, result.restart_needed or "none",
+            "config reloaded: applied %s; engines +%s -%s ~%s; needing a restart: %s", result.applied or "nothing",
+            result.engines_added, result.engines_removed, result.engines_changed, result.restart_needed or "none",
         )  # fmt: skip
         return result
 
     def _apply_engines(self, old: GatewayConfig, new: GatewayConfig, result: ReloadResult) -> None:
-        before = {attached_replica(e).id: e for e in old.engines if e.url is not None}
-        after = {attached_replica(e).id: e for e in new.engines if e.url is not None}
+        before, after = _attached(old), _attached(new)
         replicas = self.app[REPLICAS]
         for rid, engine in before.items():
-            if after.get(rid) != engine:
-                replica = replicas.get(rid)
-                if replica is not None and not replica.managed:
-                    result.engines_removed.append(rid)
-                    self._drain_then_remove(replica, after.get(rid))
+            wanted = after.get(rid)
+            replica = replicas.get(rid)
+            if wanted == engine or replica is None or replica.managed:
+                continue
+            if wanted is not None and _gates_only(engine, wanted):
+                self._set_gates(replica, wanted)
+                result.engines_changed.append(rid)
+            else:
+                result.engines_removed.append(rid)
+                self._drain(replica, engine)
         for rid, engine in after.items():
-            if rid not in before:
+            if rid in before:
+                continue
+            result.engines_added.append(rid)
+            draining = self._drains.get(rid)
+            if draining is None:
                 replicas.add(attached_replica(engine))
-                result.engines_added.append(rid)
+            elif draining[1] == engine and (replica := replicas.get(rid)) is not None:
+                replicas.set_draining(replica, False)  # put back as it was while it drained: it stays
+            # else: the drain, when it ends, replaces it with this entry (the running configuration's)
 
-    def _drain_then_remove(self, replica: Replica, replacement: EngineConfig | None) -> None:
+    def _set_gates(self, replica: Replica, engine: EngineConfig) -> None:
+        self.app[REPLICAS].set_gates(replica, engine.max_concurrency, engine.max_num_seqs)
+        for r in (replica, *replica.ranks):
+            self.app[ADMISSION].capacity_gate.reconfigured(r)
+
+    def _drain(self, replica: Replica, engine: EngineConfig) -> None:
+        """Drain the replica built from `engine`, then do what the configuration running then asks of its id."""
         replicas = self.app[REPLICAS]
         replicas.set_draining(replica, True)
+        if replica.id in self._drains:
+            return  # its drain is under way: it decides when it ends
 
         async def drain() -> None:
-            if not await replica.wait_idle(_DRAIN_S):
-                log.warning("engine %s still had requests after %.0f s; removing it", replica.id, _DRAIN_S)
-            await replicas.remove(replica.id)
-            if replacement is not None:
-                replicas.add(attached_replica(replacement))
+            try:
+                if not await replica.wait_idle(_DRAIN_S):
+                    log.warning("engine %s still had requests after %.0f s; removing it", replica.id, _DRAIN_S)
+                wanted = _attached(self.running).get(replica.id)
+                if wanted == engine:
+                    replicas.set_draining(replica, False)
+                    return
+                await replicas.remove(replica.id)
+                if wanted is not None:
+                    replicas.add(attached_replica(wanted))
+            finally:
+                self._drains.pop(replica.id, None)
 
         task = asyncio.get_running_loop().create_task(drain(), name=f"reload:drain:{replica.id}")
-        self._draining.add(task)
-        task.add_done_callback(self._draining.discard)
+        self._drains[replica.id] = (task, engine)
+
+
+def _attached(cfg: GatewayConfig) -> dict[str, EngineConfig]:
+    """The engines given by `url`, by replica id."""
+    return {attached_replica(e).id: e for e in cfg.engines if e.url is not None}
+
+
+_GATES = {"max_concurrency", "max_num_seqs"}
+
+
+def _gates_only(old: EngineConfig, new: EngineConfig) -> bool:
+    """The two entries differ only in the settings a running replica takes in place."""
+    return old.model_copy(update={k: getattr(new, k) for k in _GATES}) == new
 
 
 RELOADER = web.AppKey("reloader", ConfigReloader)

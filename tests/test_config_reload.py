@@ -18,6 +18,7 @@ from gateway.admission.config import hash_key
 from gateway.config import ConfigSource, load_config
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
+from gateway.reload import RELOADER
 from simengine import SimConfig, SimServer, run_sim_engine
 from tests.conftest import wait_for
 from tests.test_admission_gateway import wait_ready
@@ -201,3 +202,97 @@ async def test_a_quota_store_change_is_named_as_needing_a_restart(tmp_path: Path
             config_file(path, [sim], admission={**auth, "redis": {"url": "redis://127.0.0.1:6379/0"}})
             status, answer = await reload(http, gw)
             assert status == 200 and answer["restart_needed"] == ["admission.redis"], answer
+
+
+async def test_an_engine_put_back_while_it_drains_stays_and_the_rest_of_that_reload_applies(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A reload removes an engine carrying a request; a second one, while it drains, lists it again (and switches
+    the policy): the engine takes requests again and stays when its drain ends. It used to fail the second reload
+    ("replica already exists") after the policy had changed, and the drain then removed the engine for good."""
+    async with AsyncExitStack() as stack:
+        sims = [
+            await stack.enter_async_context(run_sim_engine(SimConfig(model="sim", decode_ms=50, seed=i)))
+            for i in range(2)
+        ]
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, sims)
+        gw = await stack.enter_async_context(gateway_from(path))
+        await wait_ready(http, gw.url)
+        first, second = (s.url.split("://", 1)[1] for s in sims)
+        replicas = gw.app[REPLICAS]
+        config_file(path, sims[:1])  # the first engine alone takes the next request
+        assert (await reload(http, gw))[1]["engines_removed"] == [second]
+        await wait_for(lambda: replicas.get(second) is None, what="the second engine gone")
+        slow = asyncio.create_task(chat(http, gw, "sk-acme", max_tokens=40))
+        await wait_for(lambda: replicas.get(first).in_flight > 0, what="a request on the first engine")  # type: ignore[union-attr]
+        config_file(path, sims[1:])
+        status, answer = await reload(http, gw)
+        assert status == 200 and answer["engines_removed"] == [first]
+        assert replicas.get(first).draining  # type: ignore[union-attr]
+        config_file(path, sims, routing={"policy": "round-robin"})
+        status, answer = await reload(http, gw)
+        assert status == 200, answer
+        assert answer["engines_added"] == [first] and set(answer["applied"]) == {"routing", "engines"}
+        assert not replicas.get(first).draining  # type: ignore[union-attr]
+        assert (await slow)[0] == 200
+        await wait_for(lambda: not gw.app[RELOADER].draining, what="the drain's end")
+        await wait_ready(http, gw.url)
+        served = {(await chat(http, gw, "sk-acme"))[1] for _ in range(4)}  # round-robin: both engines
+        assert served == {first, second}
+        status, answer = await reload(http, gw)  # nothing changed since: nothing to apply
+        assert status == 200 and answer["applied"] == []
+
+
+async def test_a_new_gate_on_an_engine_applies_in_place_without_taking_it_out(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Changing an attached engine's `max_concurrency` while it serves keeps it in the pool (it used to drain, and
+    the gateway answered 503 no_ready_replica until its streams ended); the new gate is the one admission uses."""
+    async with run_sim_engine(SimConfig(model="sim", decode_ms=50)) as sim:
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, [sim])
+        async with gateway_from(path) as gw:
+            await wait_ready(http, gw.url)
+            rid = sim.url.split("://", 1)[1]
+            slow = asyncio.create_task(chat(http, gw, "sk-acme", max_tokens=40))
+            replica = gw.app[REPLICAS].get(rid)
+            assert replica is not None
+            await wait_for(lambda: replica.in_flight > 0, what="a request in flight")
+            config_file(path, [sim])
+            data = yaml.safe_load(path.read_text())
+            data["engines"][0].update(max_concurrency=3, max_num_seqs=8)
+            path.write_text(yaml.safe_dump(data))
+            status, answer = await reload(http, gw)
+            assert status == 200, answer
+            assert answer["engines_changed"] == [rid] and answer["engines_removed"] == []
+            assert gw.app[REPLICAS].get(rid) is replica and not replica.draining
+            assert (replica.max_concurrency, replica.max_num_seqs) == (3, 8)
+            assert (await chat(http, gw, "sk-acme"))[:2] == (200, rid)  # served while the stream goes on
+            async with http.get(f"{gw.url}/ready") as resp:
+                assert resp.status == 200
+            assert (await slow)[0] == 200
+
+
+async def test_switching_auth_by_reload_switches_who_may_read_metrics(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """`server.metrics_access: auto` follows admission.auth as reloaded: turned on, /metrics needs the admin key
+    and /ready tells only its verdict; turned off, /metrics is public again."""
+    async with run_sim_engine(SimConfig(model="sim")) as sim:
+        path = tmp_path / "kvgate.yaml"
+        config_file(path, [sim], admission={"auth": False})
+        async with gateway_from(path) as gw:
+            await wait_ready(http, gw.url)
+
+            async def public() -> tuple[int, bool]:
+                async with http.get(f"{gw.url}/metrics") as m, http.get(f"{gw.url}/ready") as r:
+                    return m.status, "models" in await r.json()
+
+            assert await public() == (200, True)
+            config_file(path, [sim])  # auth on
+            assert (await reload(http, gw))[0] == 200
+            assert await public() == (401, False)
+            config_file(path, [sim], admission={"auth": False})
+            assert (await reload(http, gw))[0] == 200
+            assert await public() == (200, True)

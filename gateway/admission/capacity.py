@@ -87,6 +87,12 @@ class CapacityGate:
     def replica_removed(self, replica: Replica) -> None:
         self._defaulted.discard(replica.id)
 
+    def reconfigured(self, replica: Replica) -> None:
+        """The replica's configured gate was changed in place (a reload): a configured one replaces the default, none
+        takes the default."""
+        self._defaulted.discard(replica.id)
+        self._apply_default_gate(replica)
+
     def _apply_default_gate(self, replica: Replica) -> None:
         if replica.max_concurrency is not None and replica.id not in self._defaulted:
             return  # configured explicitly
