@@ -58,6 +58,7 @@ class Slot:
     restarts: int = 0
     failures: deque[float] = field(default_factory=deque)
     last_error: str | None = None
+    failure_reason: str = "crash"  # the last unplanned failure's kind: its restart's reason
     started_at: float = 0.0
     ready_at: float | None = None
     events: deque[tuple[float, str]] = field(default_factory=lambda: deque(maxlen=32))

@@ -288,7 +288,7 @@ class Supervisor:
         window = slot.model.restart.crash_loop_window_s
         while slot.failures and now - slot.failures[0] > window:
             slot.failures.popleft()
-        self.metrics.restarts.labels(slot.id, slot.model.name, reason).inc()
+        slot.failure_reason = reason  # counted as a restart's reason when `_after_exit` restarts it
         log.warning("replica %s failed (%s): %s", slot.id, reason, detail)
 
     def _begin_stopping(self, slot: Slot, *, kill: bool = False) -> None:
@@ -323,6 +323,7 @@ class Supervisor:
             delay = backoff_delay(slot.attempts, r.backoff_base_s, r.backoff_max_s)
             self._set_state(slot, SlotState.BACKOFF, f"restart in {delay:.1f} s after {slot.last_error}")
             slot.restarts += 1
+            self.metrics.restarts.labels(slot.id, slot.model.name, slot.failure_reason).inc()
             self._spawn(slot, self._timer(slot, slot.gen, delay), "backoff")
         elif slot.after == "restart":
             self._set_state(slot, SlotState.STOPPED, "restarting")
