@@ -4,6 +4,7 @@ stopped mid-test -> the failure policy holds and nothing crashes; Redis back -> 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import signal
 import time
@@ -382,3 +383,31 @@ async def test_a_gateway_without_redis_counts_its_running_requests_in_its_local_
         statuses = [(await post(session, gws[0].url, chat(), key="sk-acme"))[0] for _ in range(2)]
         assert 429 in statuses and 200 not in statuses
         assert [(await t)[0] for t in held] == [200, 200]
+
+
+@pytest.mark.parametrize("store", ["local", "redis"])
+async def test_a_tenant_limited_by_the_day_alone_is_told_its_daily_token_budget(
+    redis_server: RedisProcess, store: str
+) -> None:
+    """`tokens_per_day` alone: the token headers carry the day's budget, what is left of it and the time to UTC
+    midnight (they were absent: only a per-minute token limit had them), the same from either store."""
+    if store == "redis":
+        await redis_server.start()
+    limits = {"tokens_per_day": 100_000}
+    async with AsyncExitStack() as es:
+        engine = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, instant=True)))
+        adm = admission(redis_server.url, "open", limits) if store == "redis" else {
+            "auth": True, "tenants": {"acme": {"keys": [hash_key("sk-acme")], "limits": limits}},
+        }  # fmt: skip
+        gw = await es.enter_async_context(running_gateway(gateway_config([engine], adm)))
+        session = await es.enter_async_context(aiohttp.ClientSession())
+        await wait_ready(session, gw.url)
+        _, first, _ = await post(session, gw.url, chat(), key="sk-acme")
+        _, second, _ = await post(session, gw.url, chat(), key="sk-acme")
+    assert first["x-ratelimit-limit-tokens"] == second["x-ratelimit-limit-tokens"] == "100000"
+    assert 100_000 > int(first["x-ratelimit-remaining-tokens"]) > int(second["x-ratelimit-remaining-tokens"])
+    to_midnight = 86_400 - time.time() % 86_400
+    reset = first["x-ratelimit-reset-tokens"]  # OpenAI's duration format, e.g. 6h3m2s
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    seconds = sum(int(n) * units[u] for n, u in re.findall(r"(\d+)(ms|h|m|s)", reset))
+    assert abs(seconds - to_midnight) < 120, reset

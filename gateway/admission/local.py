@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.admission.config import LimitsConfig
-from gateway.admission.quota import DAY_S, MINUTE_S, Lease, QuotaResult
+from gateway.admission.quota import DAY_S, MINUTE_S, Lease, QuotaResult, token_window
 
 
 @dataclass(slots=True)
@@ -91,6 +91,9 @@ class LocalQuotaStore:
             state.tokens += tokens
             state.day_tokens += tokens
             lease = Lease(tenant, lease_id, tokens, self.name)
+        limit_tokens, remaining_tokens, reset_tokens = token_window(
+            tpm, state.tokens, to_minute, tpd, state.day_tokens, to_day
+        )
         return QuotaResult(
             allowed=reason is None,
             reason=reason,
@@ -99,9 +102,9 @@ class LocalQuotaStore:
             limit_requests=rpm,
             remaining_requests=(rpm - state.requests) if rpm else 0,
             reset_requests_s=to_minute,
-            limit_tokens=tpm,
-            remaining_tokens=(tpm - state.tokens) if tpm else 0,
-            reset_tokens_s=to_minute,
+            limit_tokens=limit_tokens,
+            remaining_tokens=remaining_tokens,
+            reset_tokens_s=reset_tokens,
         )
 
     async def release(self, lease: Lease, tokens: int) -> None:

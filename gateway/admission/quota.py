@@ -80,6 +80,19 @@ class QuotaStore(Protocol):
     async def close(self) -> None: ...
 
 
+def token_window(
+    tpm: int | None, minute_tokens: int, to_minute_s: float, tpd: int | None, day_tokens: int, to_day_s: float
+) -> tuple[int | None, int, float]:
+    """The token limit the rate-limit headers report: (limit, remaining, reset seconds) of the minute's limit, or,
+    for a tenant limited by the day alone, of the day's (OpenAI's headers have no daily kind: a client reading them
+    still learns its budget and when it resets)."""
+    if tpm is not None:
+        return tpm, tpm - minute_tokens, to_minute_s
+    if tpd is not None:
+        return tpd, tpd - day_tokens, to_day_s
+    return None, 0, to_minute_s
+
+
 def token_cost(prompt: int, cached: int, completion: int, cached_weight: float) -> int:
     cached = min(max(0, cached), max(0, prompt))
     return max(0, prompt - cached) + round(cached * cached_weight) + max(0, completion)

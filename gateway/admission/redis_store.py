@@ -46,7 +46,7 @@ from redis.exceptions import RedisError
 from gateway.admission.config import LimitsConfig, RedisConfig
 from gateway.admission.local import LocalQuotaStore
 from gateway.admission.metrics import AdmissionMetrics
-from gateway.admission.quota import Lease, QuotaResult, limit_or_zero
+from gateway.admission.quota import Lease, QuotaResult, limit_or_zero, token_window
 from kvcommon.backoff import Backoff
 
 log = logging.getLogger("kvgate.admission.redis")
@@ -78,10 +78,10 @@ if reason == '' then
   redis.call('PEXPIRE', rk, 120000)
   toks = redis.call('INCRBY', tk, tokens)
   redis.call('PEXPIRE', tk, 120000)
-  redis.call('INCRBY', dk, tokens)
+  dtoks = redis.call('INCRBY', dk, tokens)
   redis.call('PEXPIRE', dk, 172800000)
 end
-return {reason, retry, reqs, toks, to_min}
+return {reason, retry, reqs, toks, to_min, dtoks, to_day}
 """
 
 _RELEASE = """
@@ -225,13 +225,16 @@ class RedisQuotaStore:
         return result
 
     def _result(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str, raw: list[Any]) -> QuotaResult:
-        reason_raw, retry_ms, reqs, toks, to_min_ms = raw
+        reason_raw, retry_ms, reqs, toks, to_min_ms, day_toks, to_day_ms = raw
         reason = reason_raw.decode() if isinstance(reason_raw, bytes) else str(reason_raw)
         lease = None
         if not reason:
             lease = Lease(tenant, lease_id, tokens, self.name)
             self._leases[lease_id] = tenant
-        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        rpm, tpm, tpd = limits.requests_per_minute, limits.tokens_per_minute, limits.tokens_per_day
+        limit_tokens, remaining_tokens, reset_tokens = token_window(
+            tpm, int(toks), int(to_min_ms) / 1000, tpd, int(day_toks), int(to_day_ms) / 1000
+        )
         return QuotaResult(
             allowed=not reason,
             reason=reason or None,
@@ -240,9 +243,9 @@ class RedisQuotaStore:
             limit_requests=rpm,
             remaining_requests=(rpm - int(reqs)) if rpm else 0,
             reset_requests_s=int(to_min_ms) / 1000,
-            limit_tokens=tpm,
-            remaining_tokens=(tpm - int(toks)) if tpm else 0,
-            reset_tokens_s=int(to_min_ms) / 1000,
+            limit_tokens=limit_tokens,
+            remaining_tokens=remaining_tokens,
+            reset_tokens_s=reset_tokens,
         )
 
     def _give_back(self, tenant: str, lease_id: str) -> None:
