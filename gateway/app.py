@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -20,6 +21,7 @@ from engine_pool.http_client import VIA, UpstreamClient, via_chain
 from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from gateway import handlers
+from gateway.accesslog import refused
 from gateway.admission.controller import AdmissionController
 from gateway.admission.local import LocalQuotaStore
 from gateway.admission.metrics import AdmissionMetrics
@@ -29,7 +31,7 @@ from gateway.attached import attached_replica, dns_target
 from gateway.cache_ctx import CACHE_SWITCH, cache_ctx
 from gateway.completion import CompletionService
 from gateway.config import GatewayConfig
-from gateway.endpoints import API_BY_PATH
+from gateway.endpoints import API_BY_PATH, endpoint_label
 from gateway.errors import BadRequest, GatewayError, LoopDetected, error_response, http_exception_to_error
 from gateway.ids import REQUEST_ID_MAX, IdSource, valid_request_id
 from gateway.keys import (
@@ -68,6 +70,7 @@ _ANTHROPIC_PREFIX = "/v1/messages"  # Anthropic's routes (and those it has that 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.monotonic()
     client_id = request.headers.get("x-request-id")
     request_id = client_id if client_id and valid_request_id(client_id) else request.app[IDS].next()
     request[REQUEST_ID] = request_id
@@ -89,20 +92,27 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                 "it (x-kvgate-via)"
             )
         response = await handler(request)
-    except GatewayError as err:
-        return error_response(err, request_id=request_id, api=api)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        if resource is None:  # no route takes it (a scan, a wrong path or method): counted, with no model
-            request.app[METRICS].requests.labels("-", "-", "unrouted", str(exc.status)).inc()
-        return error_response(http_exception_to_error(exc), request_id=request_id, api=api)
+        err = http_exception_to_error(exc)
+    except GatewayError as exc:
+        err = exc
     except Exception:
         log.exception("unhandled error in %s %s (request %s)", request.method, request.path, request_id)
-        return error_response(GatewayError("internal gateway error"), request_id=request_id, api=api)
-    if not response.prepared:
-        response.headers.setdefault("x-request-id", request_id)
-    return response
+        err = GatewayError("internal gateway error")
+    else:
+        if not response.prepared:
+            response.headers.setdefault("x-request-id", request_id)
+        return response
+    # refused outside the request paths that log themselves (a completion's handler answers its own errors): a
+    # route's checks above, the admin API's key, a path no route takes (a scan, a wrong path or method)
+    endpoint = endpoint_label(resource.canonical if resource is not None else None)
+    refused(
+        request.app[CONFIG].server.access_log, request.app[METRICS].requests, request_id, endpoint, err.status,
+        err.code, started,
+    )  # fmt: skip
+    return error_response(err, request_id=request_id, api=api)
 
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:

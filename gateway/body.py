@@ -145,7 +145,10 @@ class ExpectationFailed(GatewayError):
 ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 
 
-def expect_handler(max_body_bytes: int, ids: IdSource, api: ApiShape = "openai") -> ExpectHandler:
+Refusal = Callable[[web.Request, str, GatewayError], None]  # logs and counts a request refused before its handler
+
+
+def expect_handler(max_body_bytes: int, ids: IdSource, refused: Refusal, api: ApiShape = "openai") -> ExpectHandler:
     async def handle(request: web.Request) -> web.StreamResponse | None:
         err: GatewayError | None = None
         if request.headers.get("Expect", "").lower() != "100-continue":
@@ -153,7 +156,9 @@ def expect_handler(max_body_bytes: int, ids: IdSource, api: ApiShape = "openai")
         elif request.content_length is not None and request.content_length > max_body_bytes:
             err = PayloadTooLarge("request body exceeds the configured limit")
         if err is not None:
-            response = error_response(err, request_id=request.headers.get("x-request-id") or ids.next(), api=api)
+            request_id = request.headers.get("x-request-id") or ids.next()
+            refused(request, request_id, err)
+            response = error_response(err, request_id=request_id, api=api)
             response.force_close()  # the body may follow anyway: it is not read
             return response
         if request.version >= (1, 1):

@@ -77,6 +77,9 @@ class ResponseHolders:
         return None if replica_id is None else self.replicas.get(replica_id)
 
 
+_TRACESTATE = 512  # W3C's bound on what a vendor must pass on of a tracestate
+
+
 class CompletionService:
     def __init__(
         self,
@@ -134,8 +137,10 @@ class CompletionService:
         traceparent = request.headers.get("traceparent")
         if self.tracer is not None:
             ctx.trace = self.tracer.begin(traceparent)
-        elif traceparent is not None and valid_traceparent(traceparent):
-            ctx.client_traceparent = traceparent
+        if ctx.trace is None and traceparent is not None and valid_traceparent(traceparent):
+            ctx.client_traceparent = traceparent  # not traced here (off, or not sampled): passed on as it came
+        if traceparent is not None and (state := request.headers.get("tracestate")) and len(state) <= _TRACESTATE:
+            ctx.client_tracestate = state
         out = Responder(request)
         admission = self.admission
         info: RequestInfo | None = None

@@ -235,7 +235,12 @@ class TracingConfig(StrictModel):
     )
     service_name: str = Field("kvgate", description="the spans' service.name")
     sample_ratio: float = Field(
-        1.0, ge=0, le=1, description="share of requests traced when the client sent no sampled traceparent"
+        1.0,
+        ge=0,
+        le=1,
+        description="share of requests traced that came without a traceparent (a client's sampled "
+        "one is always continued, its unsampled one never traced; either is passed on to the engine, with its "
+        "tracestate)",
     )
     headers: dict[str, str] = Field(default_factory=dict, description="headers of the OTLP requests (auth)")
     timeout_s: float = Field(5.0, gt=0, description="deadline of one export")

@@ -63,7 +63,8 @@ class RequestContext:
     extra_headers: dict[str, str] = field(default_factory=dict)  # e.g. x-ratelimit-*, added to every response
     # tracing (gateway.tracing): the ids of a sampled request, and when its stages ended (time.monotonic())
     trace: TraceIds | None = None
-    client_traceparent: str | None = None  # with tracing off: the client's, passed on to the engine as it came
+    client_traceparent: str | None = None  # not traced here (off, or not sampled): the client's, passed on as it came
+    client_tracestate: str | None = None  # the client's, passed on with either traceparent
     admitted_at: float | None = None
     route_started: float | None = None
     routed_at: float | None = None

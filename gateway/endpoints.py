@@ -117,3 +117,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 )
 CHAT, COMPLETIONS = ENDPOINTS[0], ENDPOINTS[1]
 API_BY_PATH: dict[str, ApiShape] = {e.path: e.api for e in ENDPOINTS}  # the middleware's errors, by route
+_NAME_BY_PATH: dict[str, str] = {e.path: e.name for e in ENDPOINTS}
+
+
+def endpoint_label(path: str | None) -> str:
+    """The `endpoint` label of a request refused before its handler, by its route (None: no route took it): the
+    endpoint's name, `admin` for the admin API, `gateway` for the gateway's own routes, `unrouted`."""
+    if path is None:
+        return "unrouted"
+    return _NAME_BY_PATH.get(path) or ("admin" if path.startswith("/admin") else "gateway")

@@ -15,11 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import admin
 from gateway.abort import PATH as ABORT_PATH
 from gateway.abort import abort_requests
+from gateway.accesslog import refused
 from gateway.admission.auth import check_admin
 from gateway.body import expect_handler
-from gateway.endpoints import ENDPOINTS, Endpoint
+from gateway.endpoints import ENDPOINTS, Endpoint, endpoint_label
 from gateway.errors import GatewayError
-from gateway.keys import ADMISSION, CACHE, COMPLETIONS, CONFIG, IDS, REGISTRY, REPLICAS, REQUEST_ID, UPSTREAM
+from gateway.keys import ADMISSION, CACHE, COMPLETIONS, CONFIG, IDS, METRICS, REGISTRY, REPLICAS, REQUEST_ID, UPSTREAM
 from gateway.realtime import PATH as REALTIME_PATH
 from gateway.realtime import realtime
 
@@ -139,9 +140,17 @@ async def metrics(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     """Every route of the gateway's one server."""
     max_body, ids = app[CONFIG].server.max_body_bytes, app[IDS]
-    expect = expect_handler(max_body, ids)
+
+    def note(request: web.Request, request_id: str, err: GatewayError) -> None:
+        path = request.match_info.route.resource.canonical if request.match_info.route.resource else None
+        refused(
+            app[CONFIG].server.access_log, app[METRICS].requests, request_id, endpoint_label(path), err.status,
+            err.code, time.monotonic(),
+        )  # fmt: skip
+
+    expect = expect_handler(max_body, ids, note)
     for endpoint in ENDPOINTS:
-        expects = expect if endpoint.api == "openai" else expect_handler(max_body, ids, endpoint.api)
+        expects = expect if endpoint.api == "openai" else expect_handler(max_body, ids, note, endpoint.api)
         app.router.add_route(endpoint.method, endpoint.path, _endpoint_handler(endpoint), expect_handler=expects)
     app.router.add_post(ABORT_PATH, abort_requests, expect_handler=expect)
     app.router.add_get(REALTIME_PATH, realtime, expect_handler=expect)

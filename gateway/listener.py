@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 from collections import OrderedDict
 from typing import Any, cast
 
@@ -56,6 +57,7 @@ from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
+from gateway.accesslog import refused
 from gateway.config import GatewayConfig
 from gateway.endpoints import API_BY_PATH
 from gateway.errors import (
@@ -341,6 +343,7 @@ class GuardedRequestHandler(RequestHandler):
             if self._head_bytes > 0:
                 self._refuse(err)
             return
+        self._listener.refused(err)
         transport.write(_raw_answer(err, self._api))
         self.force_close()
         transport.close()
@@ -357,7 +360,9 @@ class GuardedRequestHandler(RequestHandler):
             log.error("error handling a request from %s", request.remote, exc_info=exc)
         if request.writer.output_size > 0:
             raise ConnectionError("the response is under way: no error answer can follow")
-        status, headers, body = render_error(protocol_error(status, exc), api=self._api)
+        err = protocol_error(status, exc)
+        self._listener.refused(err)
+        status, headers, body = render_error(err, api=self._api)
         resp = web.Response(status=status, body=body, headers=headers)
         resp.force_close()
         return resp
@@ -412,6 +417,11 @@ class GatewayListener:
         self.port = 0
         self._stopped = False
         self._refusal = _raw_answer(Overloaded("too many connections to this gateway", code="too_many_connections"))
+
+    def refused(self, err: GatewayError) -> None:
+        """A request refused as its bytes arrived (no route read yet): logged and counted as `unrouted`."""
+        server = self.config.server
+        refused(server.access_log, self.app[METRICS].requests, "-", "unrouted", err.status, err.code, time.monotonic())
 
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self.runner.server

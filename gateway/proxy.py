@@ -131,6 +131,8 @@ class UpstreamProxy:
             replica, decision = await self._choose(ex, prefill, over_gate=migrated or not ex.gated)
             if not prefill:
                 ctx.route_started, ctx.routed_at = started, time.monotonic()
+                if ctx.trace is not None:  # the route span's: what the index predicted the replica holds
+                    ctx.predicted_cached_tokens = self.router.cached_tokens(ex.info, [replica.id]).get(replica.id, 0)
         ex.tried.append(replica.id)
         if prefill:
             return replica, decision

@@ -184,6 +184,11 @@ class _Formatter(logging.Formatter):
     _second = -1
     _text = ""
 
+    def format(self, record: logging.LogRecord) -> str:
+        if getattr(record, "raw", False):  # a JSON access-log line: the object alone, a line of JSON
+            return record.getMessage()
+        return super().format(record)
+
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         second = int(record.created)
         if second != self._second:
@@ -229,6 +234,7 @@ def setup_logging(level: str) -> BatchedStderrHandler:
     handler = BatchedStderrHandler()
     handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.getLogger("kvgate.access").setLevel(logging.INFO)  # `server.access_log` switches it, not the level
     # The format uses neither the caller's file and line nor thread or process names, and finding each costs time
     # on every record (one per request): switched off as the logging docs' "Optimization" section describes.
     logging._srcfile = None

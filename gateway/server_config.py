@@ -22,8 +22,9 @@ class ServerConfig(StrictModel):
     )
     access_log: Literal["plain", "json", "off"] = Field(
         "plain",
-        description="one line per request on the kvgate.access logger: plain, json, or off (YAML's unquoted "
-        "off/false and on/true are read as off and plain)",
+        description="one line per request on the kvgate.access logger, whatever --log-level says: plain (logfmt), "
+        "json (an object a line, with its time), or off (YAML's unquoted off/false and on/true are read as off and "
+        "plain)",
     )
     route_headers: bool = Field(True, description="add x-kvgate-replica / x-kvgate-route-reason to responses")
     metrics_access: Literal["auto", "public", "admin"] = Field(

@@ -2,7 +2,9 @@
 
 Optional (`pip install "kvgate[tracing]"`, the OpenTelemetry SDK and its OTLP/HTTP exporter) and off unless
 `tracing.otlp_endpoint` is set: then nothing is imported, a request carries no trace (`RequestContext.trace` is
-None; the path checks that one field) and a valid client `traceparent` is passed on to the engine unchanged.
+None; the path checks that one field) and a valid client `traceparent` is passed on to the engine unchanged (on,
+an unsampled one too: a request not traced here keeps the client's context; the client's `tracestate` goes with
+either).
 
 When on, a request is timed on its `RequestContext` as it goes (monotonic clock: admitted, routed, sent, first byte,
 end) and `Tracer.finish` builds its spans when it ends, with explicit ids and times (the SDK's `ReadableSpan`),

@@ -61,6 +61,8 @@ def _ask_headers(ex: Exchange) -> dict[str, str]:
         ctx.sent_at = time.monotonic()
     elif ctx.client_traceparent is not None:
         headers["traceparent"] = ctx.client_traceparent
+    if ctx.client_tracestate is not None and "traceparent" in headers:
+        headers["tracestate"] = ctx.client_tracestate
     return headers
 
 

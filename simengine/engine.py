@@ -91,6 +91,7 @@ class SimEngine:
         self.stats = SimStats()
         self.publisher: KVEventPublisher | None = None
         self.traceparents: deque[str] = deque(maxlen=256)  # the W3C trace context of the last requests
+        self.tracestates: deque[str] = deque(maxlen=256)  # and the tracestate of those that had one
         self.anthropic_headers: deque[tuple[str, str]] = deque(maxlen=256)  # anthropic-version, -beta of Messages
         self.request_ids: deque[str] = deque(maxlen=256)  # the X-Request-Id of the last requests
         self.in_flight = 0  # HTTP generation requests being handled (GET /load)

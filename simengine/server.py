@@ -69,6 +69,8 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
     traceparent = request.headers.get("traceparent")
     if traceparent is not None:  # what vLLM would parent its request spans on (--otlp-traces-endpoint)
         request.app[ENGINE_KEY].traceparents.append(traceparent)
+        if (tracestate := request.headers.get("tracestate")) is not None:
+            request.app[ENGINE_KEY].tracestates.append(tracestate)
 
 
 async def anthropic_messages(request: web.Request) -> web.StreamResponse:

@@ -63,9 +63,10 @@ async def test_a_traced_request_yields_a_span_per_stage_in_the_clients_trace(htt
     async with otlp_receiver() as (endpoint, spans):
         tracing = {"otlp_endpoint": endpoint}
         async with gateway_over_sims([SimConfig()], tracing=tracing, routing={"policy": "cache-aware"}) as (gw, sims):
-            await chat(http, gw.url, {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01"}, stream=True)
+            await chat(http, gw.url, {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-01", "tracestate": "v=1"}, stream=True)
             await chat(http, gw.url, {}, stream=False)  # no traceparent: a trace of its own (sample_ratio 1)
-            await chat(http, gw.url, {"traceparent": f"00-{TRACE}-{CLIENT_SPAN}-00"}, stream=False)  # not sampled
+            unsampled = f"00-{TRACE}-{CLIENT_SPAN}-00"
+            await chat(http, gw.url, {"traceparent": unsampled, "tracestate": "v=2"}, stream=False)
         # the gateway flushed its spans on shutdown
         traced = [s for s in spans if s.trace_id.hex() == TRACE]
         by_name = {s.name: s for s in traced}
@@ -83,9 +84,16 @@ async def test_a_traced_request_yields_a_span_per_stage_in_the_clients_trace(htt
         # the engine got the trace context naming kvgate's upstream span: its own spans join the trace there
         upstream = by_name["kvgate.upstream"].span_id.hex()
         assert sims[0].engine.traceparents[0] == f"00-{TRACE}-{upstream}-01"
-        others = {s.trace_id for s in spans if s.trace_id.hex() != TRACE}
-        assert len(others) == 1  # the request without a traceparent; the unsampled one sent nothing
-        assert len(sims[0].engine.traceparents) == 2
+        others = [s for s in spans if s.trace_id.hex() != TRACE]
+        assert len({s.trace_id for s in others}) == 1  # the request without a traceparent; the unsampled one: none
+        # the second request's prompt was cached where it went: its route span says what the index predicted
+        own_route = next(s for s in others if s.name == "kvgate.route")
+        predicted = {a.key: a.value for a in own_route.attributes}["kvgate.predicted_cached_tokens"].int_value
+        assert predicted > 0
+        # not traced here, the unsampled request's context still reaches the engine as the client sent it, and each
+        # request's tracestate with its traceparent
+        assert len(sims[0].engine.traceparents) == 3 and sims[0].engine.traceparents[2] == unsampled
+        assert list(sims[0].engine.tracestates) == ["v=1", "v=2"]
 
 
 async def test_with_tracing_off_the_clients_trace_context_reaches_the_engine(http: aiohttp.ClientSession) -> None:
