@@ -9,8 +9,10 @@ Examples:
   kvgate loadgen report --url http://127.0.0.1:8000 --workload sharegpt --dataset sharegpt.json \\
       --slo ttft=500ms,tpot=50ms --plan auto --metrics-url http://127.0.0.1:8000/metrics --duration 60 --out rep
   kvgate loadgen compare results/rr/result.json results/cache/result.json --out results/cmp
-Exit status: 0 done, 1 nothing succeeded / a quality check failed / the gate could not be written, 2 bad usage
-(including an unreadable dataset, trace or plan file).
+Exit status: 0 done, 1 nothing succeeded (an unreachable URL included, with or without --model) / a quality check
+failed / the gate could not be written, 2 bad usage (including an unreadable dataset, trace or plan file, and a
+--plan auto whose metrics pages report no KV capacity: both checked before any load is sent), 130 interrupted
+(Ctrl-C; nothing is written: the knee, gate and plan comparison need the whole sweep).
 """
 
 from __future__ import annotations
@@ -216,6 +218,9 @@ async def _dispatch(args: argparse.Namespace) -> int:
         if args.mode == "report":
             return await capacity.report(args)
         return modes.compare(args)
+    except (aiohttp.ClientConnectionError, TimeoutError) as exc:  # the server, not the usage: as when --model skips
+        print(f"kvgate loadgen: cannot reach {args.url}: {exc}", file=sys.stderr)  # asking it for its models
+        return 1
     except (ValueError, OSError, aiohttp.ClientError) as exc:  # TraceError and DatasetError are ValueErrors
         print(f"kvgate loadgen: {exc}", file=sys.stderr)
         return 2

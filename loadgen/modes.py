@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -273,8 +274,7 @@ def _apply_goodput(doc: Doc, args: argparse.Namespace) -> None:
             p["verdict"] = slo_verdict(p["verdict"], p["summary"]["slo_attainment"], args.slo_attainment)
     unit = "req/s" if doc["arrival"] == "poisson" else "concurrency"
     best = max(doc["points"], key=lambda p: p["summary"]["goodput_req_per_s"])
-    lowest = min(doc["points"], key=lambda p: p["load"])
-    if knee.found and lowest["summary"]["slo_attainment"] < args.slo_attainment:
+    if not knee.found and knee.saturated_at is not None:
         head = "no load tested is within targets"
     elif unit == "req/s":
         head = f"the highest rate within targets: {unit} {knee.load:g}"
@@ -287,19 +287,49 @@ def _apply_goodput(doc: Doc, args: argparse.Namespace) -> None:
                       "text": text}  # fmt: skip
 
 
-async def _prediction(http: aiohttp.ClientSession, args: argparse.Namespace, doc: Doc) -> predicted.Prediction:
+async def _plan_source(
+    http: aiohttp.ClientSession, args: argparse.Namespace
+) -> tuple[int, float, Any] | list[predicted.Capacity] | None:
+    """What `--plan` predicts from, read and checked before any load is sent: a bad plan file, or engines that report
+    no KV capacity, must not cost a whole sweep thrown away after it (ValueError: exit 2)."""
+    if not args.plan:
+        return None
     if args.plan != "auto":
-        return predicted.from_plan_file(args.plan, doc["recommendation"]["replicas"])
-    first = doc["points"][0]["summary"]
-    per_seq = (first["prompt_tokens"] + first["completion_tokens"]) / max(1, first["succeeded"])
-    return predicted.from_capacities(await predicted.scrape_capacities(http, args.metrics_url or []), per_seq)
+        return predicted.read_plan_file(args.plan)
+    if not args.metrics_url:
+        raise ValueError("--plan auto reads the engines' KV capacity: give --metrics-url (kvgate's or the engines')")
+    return await predicted.scrape_capacities(http, args.metrics_url)
+
+
+def _plan_beside(doc: Doc, args: argparse.Namespace, source: tuple[int, float, Any] | list[predicted.Capacity]) -> None:
+    """doc["plan"]: the prediction beside the measured knee, in concurrency (a rate sweep's by Little's law)."""
+    if isinstance(source, list):  # the engines' capacity, at the tokens a sequence held in the lowest-load setting
+        first = doc["points"][0]["summary"]
+        per_seq = (first["prompt_tokens"] + first["completion_tokens"]) / max(1, first["succeeded"])
+        prediction = predicted.from_capacities(source, per_seq)
+    else:
+        prediction = predicted.from_plan_file(args.plan, doc["recommendation"]["replicas"], source)
+    by_rate = doc["arrival"] == "poisson"
+    loads = [_in_flight(p) if by_rate else p["load"] for p in doc["points"]]
+    knee = doc["knee"]  # not found: none up to the last load, or (saturated at the lowest) at the lowest
+    measured = loads[knee["index"]] if knee["found"] or knee["saturated_at"] is not None else None
+    best = max(p["summary"]["output_tok_per_s"] for p in doc["points"])
+    unit = " in flight (a rate sweep: rate x mean latency)" if by_rate else ""
+    doc["plan"] = predicted.compare(prediction, loads, measured, best, unit)
+    if by_rate:  # the steps as the table's rows name them: their rates
+        doc["plan"]["predicted_step"] = doc["points"][loads.index(doc["plan"]["predicted_step"])]["load"]
+        doc["plan"]["measured_knee"] = knee["load"] if measured is not None else None
+
+
+def _in_flight(point: dict[str, Any]) -> float:
+    """Requests in flight at a rate sweep's point (Little's law, rounded up as the recommended gate is)."""
+    return float(math.ceil(point["load"] * (point["summary"]["e2e_s"]["mean"] or 0.0)))
 
 
 async def sweep_doc(http: aiohttp.ClientSession, args: argparse.Namespace, target: Target) -> tuple[Doc, int | None]:
     """The sweep's document (points, knee, goodput, plan) and the gate to write (None: no knee found)."""
-    if args.plan == "auto" and not args.metrics_url:
-        raise ValueError("--plan auto reads the engines' KV capacity: give --metrics-url (kvgate's or the engines')")
     factory = build_factory(args, make_text_maker(args.tokenizer))
+    plan_source = await _plan_source(http, args)
     by_rate = bool(args.rates)
     doc = _new_doc(args, "sweep", target)
     doc["arrival"] = "poisson" if by_rate else "closed"
@@ -312,13 +342,18 @@ async def sweep_doc(http: aiohttp.ClientSession, args: argparse.Namespace, targe
         doc["points"].append(await run_point(http, target, factory, arrival, args, seed, f"{load:g}"))
     gate = _apply_knee(doc, args, by_rate)
     _apply_goodput(doc, args)
-    if args.plan:
-        best = max(p["summary"]["output_tok_per_s"] for p in doc["points"])
-        prediction = await _prediction(http, args, doc)
-        knee = doc["knee"]  # not found: none up to the last load, or (saturated at the lowest) at the lowest
-        measured = knee["load"] if knee["found"] or knee["saturated_at"] is not None else None
-        doc["plan"] = predicted.compare(prediction, [p["load"] for p in doc["points"]], measured, best)
+    if plan_source is not None:
+        _plan_beside(doc, args, plan_source)
     return doc, gate
+
+
+def unreachable(args: argparse.Namespace, rows: list[dict[str, Any]]) -> bool:
+    """Every request failed to connect (says so on stderr): the URL is down or wrong, not the load too high; the
+    same exit status and message as when resolving the model found it so (cli)."""
+    if not rows or any(r["ok"] or r["error_type"] != "connection" for r in rows):
+        return False
+    print(f"kvgate loadgen: cannot reach {args.url}: {rows[0]['error']}", file=sys.stderr)
+    return True
 
 
 def write_gate_from(args: argparse.Namespace, gate: int | None) -> int:
@@ -341,7 +376,7 @@ async def sweep(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession() as http:
         doc, gate = await sweep_doc(http, args, make_target(args, await resolve_model(http, args)))
     _finish(doc, args)
-    if write_gate_from(args, gate):
+    if unreachable(args, [r for p in doc["points"] for r in p["requests"]]) or write_gate_from(args, gate):
         return 1
     return 1 if all(p["summary"]["succeeded"] == 0 for p in doc["points"]) else 0
 
@@ -367,6 +402,8 @@ async def run(args: argparse.Namespace) -> int:
         doc = await run_doc(http, args, make_target(args, await resolve_model(http, args)), run_arrival(args))
     _finish(doc, args)
     summary = doc["points"][0]["summary"]
+    if unreachable(args, doc["points"][0]["requests"]):
+        return 1
     if summary["succeeded"] == 0:
         errors = ", ".join(f"{kind} x{n}" for kind, n in sorted(summary["errors"].items())) or "none sent"
         print(f"kvgate loadgen: no request succeeded ({errors})", file=sys.stderr)
@@ -389,6 +426,7 @@ async def quality(args: argparse.Namespace) -> int:
         doc = await quality_doc(http, args, make_target(args, await resolve_model(http, args)))
     for c in doc["quality"]:
         print(f"{'PASS' if c['passed'] else 'FAIL'}  {c['name']:<20} {c['detail']}")
+    unreachable(args, [c["figures"] for c in doc["quality"] if "error_type" in c["figures"]])
     if args.out:
         out = Path(args.out)
         write_json(doc, out)

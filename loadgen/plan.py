@@ -5,11 +5,12 @@ From a model's HF `config.json`, a dtype, a target context and a device descript
   shared expert are read per token), split over `tp` devices;
 - KV bytes per token = attention layers x 2 (K and V) x KV heads x head dim x KV bytes per element (GQA: KV heads,
   not query heads; MLA: one latent of kv_lora_rank + qk_rope_head_dim per layer instead of K and V); per sequence at
-  the target context (sliding-window layers hold at most their window), split over `tp` when KV heads >= tp;
+  the target context (sliding-window layers hold at most their window), split over min(`tp`, KV heads);
 - hybrid models (`layer_types` / `full_attention_interval` / `layers_block_type` / `hybrid_override_pattern` naming
   linear-attention or Mamba layers): only the attention layers hold KV per token; each linear-attention (Gated
   DeltaNet) or Mamba layer holds a constant state per sequence (its recurrent state plus the convolution's last
-  kernel-1 inputs), which vLLM's hybrid allocator keeps in pages of the same pool: it counts in a sequence's blocks;
+  kernel-1 inputs), which vLLM's hybrid allocator keeps in pages of the same pool: it counts in a sequence's blocks,
+  split over `tp` (vLLM shards the linear-attention and Mamba heads over every rank);
 - KV budget per device = memory x utilization - weights per device - engine reserve; KV blocks = budget / (block
   size x KV bytes per token per device) (what vLLM reports as num_gpu_blocks); sequences that fit = blocks /
   blocks per sequence (vLLM allocates whole blocks: ceil(KV per sequence / block bytes));
@@ -17,8 +18,11 @@ From a model's HF `config.json`, a dtype, a target context and a device descript
   batch B takes (active weight bytes + B x KV bytes per sequence) / bandwidth (per device), B tokens per step;
 - prefill is compute-bound: 2 x active parameters FLOPs per token; tensor parallelism adds two all-reduces of the
   hidden state per layer and token, 2 (tp - 1) / tp of it crossing the interconnect.
-The predicted knee is the concurrency where KV runs out (sequences that fit), and the recommendation is
-`max_num_seqs` = that (at most 256) and `admission.replica_max_concurrency` = that. With `devices` the deployment
+The predicted knee is the concurrency where KV runs out (sequences that fit) or the engine's batch is full (256,
+the largest `max_num_seqs` recommended), whichever comes first, and the recommendation is `max_num_seqs` = that
+and `admission.replica_max_concurrency` = that (a gate above the batch the engine runs would only queue inside it);
+the aggregate decode is at that batch. When not one sequence fits (the weights leave no KV budget, or the context
+needs more than it) there is no plan: a ValueError saying by how much. With `devices` the deployment
 holds devices // tp replicas: the pool's sequences and aggregate decode are the replica's times that. Device
 figures in `DEVICES` are nominal (datasheet memory and bandwidth, dense bf16 TFLOPS) and every one can be
 overridden. Pure arithmetic:
@@ -38,6 +42,7 @@ from typing import Any
 from loadgen.gatecfg import GateConfigError, pool_models, set_gate_text, set_model_key_text, write_config_text
 
 GIB = 1024**3
+MAX_NUM_SEQS = 256  # the largest max_num_seqs recommended (vLLM's default on a GPU)
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 
 
@@ -83,13 +88,15 @@ class Model:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Model:
+        """ValueError naming the key for a config vLLM could not load (a missing, null or non-positive count)."""
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("text_config", {}), dict):
+            raise ValueError("the model config is not a JSON object (a config.json of HF layout)")
         cfg = {**cfg, **cfg.get("text_config", {})}  # multimodal configs keep the language model inside
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        layers = int(cfg["num_hidden_layers"])
-        for key, value in (("num_attention_heads", heads), ("hidden_size", hidden), ("num_hidden_layers", layers)):
-            if value < 1:
-                raise ValueError(f"{key} is {value}: a model has at least one")
+        heads, hidden = _count(cfg, "num_attention_heads"), _count(cfg, "hidden_size")
+        layers = _count(cfg, "num_hidden_layers")
+        kv_heads = _count(cfg, "num_key_value_heads", heads)  # absent or null: HF's default, full multi-head
+        if heads % kv_heads:  # GQA: each KV head serves a whole group of query heads
+            raise ValueError(f"num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         layer_types = cfg.get("layer_types") or []
         sliding = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (layers if window else 0)
@@ -105,10 +112,10 @@ class Model:
             layers=layers,
             hidden=hidden,
             heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            kv_heads=kv_heads,
+            head_dim=_count(cfg, "head_dim", hidden // heads),
             intermediate=int(cfg.get("intermediate_size") or 4 * hidden),
-            vocab=int(cfg["vocab_size"]),
+            vocab=_count(cfg, "vocab_size"),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             experts=experts,
             experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
@@ -147,8 +154,23 @@ class Model:
         per_layer_token = (self.kv_latent if self.kv_latent else 2 * self.kv_heads * self.head_dim) * kv_bytes
         full = self.attention_layers - self.sliding_layers
         windowed = min(context, self.sliding_window or context)
-        state = self.state_layers * self.state_elems * kv_bytes
-        return per_layer_token * (full * context + self.sliding_layers * windowed) + state
+        return per_layer_token * (full * context + self.sliding_layers * windowed) + self.state_bytes(kv_bytes)
+
+    def state_bytes(self, kv_bytes: float) -> float:
+        """The linear-attention and Mamba layers' constant state of one sequence (0 for attention-only models)."""
+        return self.state_layers * self.state_elems * kv_bytes
+
+
+def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """cfg[key] as a positive integer; `default` when absent or null (None: the key is required)."""
+    value = cfg.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ValueError(f"the model config has no {key} (absent or null)")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} is {value!r}: expected a positive integer")
+    return value
 
 
 _ATTENTION = {"full_attention", "attention", "sliding_attention", "*"}
@@ -163,16 +185,19 @@ def _hybrid(cfg: dict[str, Any], layers: int) -> dict[str, int]:
     `layers_block_type` (Granite 4, Jamba) or `hybrid_override_pattern` (Nemotron-H: M, *, - and E per layer)."""
     kinds: list[str] = list(cfg.get("layer_types") or cfg.get("layers_block_type") or "")
     kinds = kinds or list(cfg.get("hybrid_override_pattern") or "")
+    if kinds and len(kinds) != layers:  # a kind per layer, or the layer counts below mean nothing
+        key = next(k for k in ("layer_types", "layers_block_type", "hybrid_override_pattern") if cfg.get(k))
+        raise ValueError(f"{key} names {len(kinds)} layers, num_hidden_layers is {layers}")
     if not kinds and cfg.get("full_attention_interval"):
-        every = int(cfg["full_attention_interval"])
+        every = _count(cfg, "full_attention_interval")
         kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
     linear, mamba = sum(k in _LINEAR for k in kinds), sum(k in _MAMBA for k in kinds)
     if not linear and not mamba:
         return {}
     hidden = int(cfg["hidden_size"])
     if linear:  # Gated DeltaNet: a (value heads x key dim x value dim) state; conv over q, k and v
-        k_heads, v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
-        k_dim, v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+        k_heads, v_heads = _count(cfg, "linear_num_key_heads"), _count(cfg, "linear_num_value_heads")
+        k_dim, v_dim = _count(cfg, "linear_key_head_dim"), _count(cfg, "linear_value_head_dim")
         conv_width = 2 * k_heads * k_dim + v_heads * v_dim
         state = v_heads * k_dim * v_dim + (int(cfg.get("linear_conv_kernel_dim") or 4) - 1) * conv_width
         params = hidden * (conv_width + v_heads * v_dim) + v_heads * v_dim * hidden  # in (q, k, v, z), out
@@ -235,26 +260,32 @@ def plan(
     one replica); `kv_cache_bytes` fixes the KV budget per device (vLLM's --kv-cache-memory-bytes) instead of
     deriving it from memory."""
     _check_layout(model, context=context, tp=tp, utilization=utilization)
-    if devices is not None and devices < tp:
-        raise ValueError(f"{devices} device(s) cannot hold one replica of tensor-parallel size {tp}")
+    _check_sizes(devices=devices, tp=tp, reserve_gib=reserve_gib, block_size=block_size, concurrency=concurrency,
+                 kv_cache_bytes=kv_cache_bytes)  # fmt: skip
     replicas = devices // tp if devices is not None else 1
     wbytes, kbytes = BYTES[dtype], BYTES[kv_dtype or dtype]
     total, active = model.params()
     weights_dev = total * wbytes / tp
     # each device holds its share of the KV heads, one head at least (vLLM replicates them past tp = kv_heads); an
-    # MLA latent is whole on every device
+    # MLA latent is whole on every device; the linear-attention and Mamba state is split over tp, because vLLM
+    # shards those layers' heads over every rank, whatever the attention layers' KV heads
     kv_split = min(tp, model.kv_heads) if not model.kv_latent else 1
     kv_tok = model.kv_bytes_per_token(kbytes) / kv_split
-    kv_seq = model.kv_bytes_per_sequence(context, kbytes) / kv_split
+    state = model.state_bytes(kbytes)
+    kv_seq = (model.kv_bytes_per_sequence(context, kbytes) - state) / kv_split + state / tp
     budget = kv_cache_bytes if kv_cache_bytes is not None else device.memory_gib * GIB * utilization - weights_dev
     budget -= 0 if kv_cache_bytes is not None else reserve_gib * GIB
     blocks = max(0, int(budget // (block_size * kv_tok))) if kv_tok else 0
     blocks_per_seq = math.ceil(kv_seq / (block_size * kv_tok)) if kv_tok else 0
     fit = blocks // blocks_per_seq if blocks_per_seq else 0
+    if fit < 1:
+        weights = None if kv_cache_bytes is not None else weights_dev
+        raise ValueError(_does_not_fit(budget, blocks, blocks_per_seq * block_size * kv_tok, context, weights))
+    batch = min(fit, MAX_NUM_SEQS)  # the engine runs at most max_num_seqs: the gate and the knee stop there too
     bandwidth = device.bandwidth_gbs * 1e9
     active_dev = active * wbytes / tp
-    batch = max(1, concurrency if concurrency is not None else fit)
-    aggregate = batch * bandwidth / (active_dev + batch * kv_seq / 2)  # sequences are half full on average
+    running = concurrency if concurrency is not None else batch
+    aggregate = running * bandwidth / (active_dev + running * kv_seq / 2)  # sequences are half full on average
     allreduce = 2 * model.layers * model.hidden * wbytes * 2 * (tp - 1) / tp
     return Plan(
         context=context,
@@ -271,17 +302,35 @@ def plan(
         decode_tok_s_aggregate=aggregate,
         prefill_tok_s=device.tflops * 1e12 * tp / (2 * active),
         allreduce_ms_per_token=allreduce / (device.interconnect_gbs * 1e9) * 1e3 if device.interconnect_gbs else 0.0,
-        predicted_knee=fit,
-        max_num_seqs=max(1, min(fit, 256)),
-        replica_max_concurrency=max(1, fit),
+        predicted_knee=batch,
+        max_num_seqs=batch,
+        replica_max_concurrency=batch,
         pool_sequences_that_fit=fit * replicas,
         pool_decode_tok_s=aggregate * replicas,
     )
 
 
 def load_model(path: str) -> Model:
+    """The model of a directory or config.json; ValueError (naming the file) when it cannot be read or used."""
     p = Path(path)
-    return Model.from_config(json.loads((p / "config.json" if p.is_dir() else p).read_text()))
+    p = p / "config.json" if p.is_dir() else p
+    try:
+        return Model.from_config(json.loads(p.read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot use the model config {p}: {exc}") from exc
+
+
+def _device(args: argparse.Namespace) -> Device:
+    """The preset with the figures given on the command line (absent: the preset's; zero or negative: an error)."""
+    base = DEVICES[args.device]
+    figures = {"memory_gib": base.memory_gib, "bandwidth_gbs": base.bandwidth_gbs, "tflops": base.tflops,
+               "interconnect_gbs": base.interconnect_gbs}  # fmt: skip
+    for name in figures:
+        value = getattr(args, name)
+        if value is not None and (value < 0 or (value == 0 and name != "interconnect_gbs")):
+            raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be positive")
+        figures[name] = figures[name] if value is None else value
+    return Device(**figures)
 
 
 def table(result: Plan) -> str:
@@ -315,6 +364,38 @@ def _max_context(cfg: dict[str, Any]) -> int | None:
     scaling = cfg.get("rope_scaling") or {}
     factor = scaling.get("factor") if isinstance(scaling, dict) else None
     return int(positions * factor) if isinstance(factor, int | float) and factor > 1 else positions
+
+
+def _check_sizes(
+    *, devices: int | None, tp: int, reserve_gib: float, block_size: int, concurrency: int | None,
+    kv_cache_bytes: int | None,
+) -> None:  # fmt: skip
+    """ValueError for a size no deployment has (the arithmetic would divide by it or go negative)."""
+    if devices is not None and devices < tp:
+        raise ValueError(f"{devices} device(s) cannot hold one replica of tensor-parallel size {tp}")
+    if block_size < 1 or (concurrency is not None and concurrency < 1):
+        raise ValueError("--block-size and --concurrency must be at least 1")
+    if reserve_gib < 0 or (kv_cache_bytes is not None and kv_cache_bytes < 0):
+        raise ValueError("--reserve-gib and --kv-cache-bytes cannot be negative")
+
+
+def _does_not_fit(budget: float, blocks: int, seq_bytes: float, context: int, weights: float | None) -> str:
+    """Why not one sequence fits, and by how much (`weights` None: the budget was given, not derived)."""
+    need = f"one sequence of {context} tokens needs {_size(seq_bytes)} of KV per device"
+    short = f"short by {_size(seq_bytes - budget)}"
+    if budget <= 0 and weights is not None:
+        return (
+            f"the model does not fit: {_size(weights)} of weights per device leave a KV budget of "
+            f"{_size(budget)}, and {need} ({short}; more devices (--tp), a smaller --dtype or a larger device)"
+        )
+    return (
+        f"not one sequence fits: {need}, the KV budget holds {_size(budget)} ({blocks} blocks), {short} "
+        "(a shorter --context, a smaller --kv-dtype or more --tp)"
+    )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if abs(nbytes) >= GIB / 100 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _check_layout(model: Model, *, context: int, tp: int, utilization: float) -> None:
@@ -352,17 +433,11 @@ def main(argv: list[str]) -> int:
                    "in this kvgate YAML")  # fmt: skip
     p.add_argument("--pool-model", help="--write-config: the pool model to set max_num_seqs on (default: the only one)")
     args = p.parse_args(argv)
-    base = DEVICES[args.device]
-    device = Device(
-        args.memory_gib or base.memory_gib,
-        args.bandwidth_gbs or base.bandwidth_gbs,
-        args.tflops or base.tflops,
-        args.interconnect_gbs if args.interconnect_gbs is not None else base.interconnect_gbs,
-    )
     try:
+        device = _device(args)
         model = load_model(args.model)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"kvgate plan: cannot read the model config: {exc!r}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"kvgate plan: {exc}", file=sys.stderr)
         return 2
     try:
         result = plan(

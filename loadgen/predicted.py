@@ -10,7 +10,9 @@ Where the prediction comes from (`--plan`):
   its end = mean prompt + completion tokens of the lowest-load setting's requests. No device figures, so no
   ceiling. Shared prefix blocks are counted once by the engine, so a prefix-sharing workload fits more: check the
   arithmetic on unique prompts (`--workload random`).
-Comparison (`compare`): the measured knee is a tested load; the prediction's step is the largest tested load <=
+Comparison (`compare`), in concurrency (sequences in flight): a rate sweep's loads are req/s, so each of its
+points counts as its rate x mean latency in flight (Little's law, as its gate is derived). The measured knee is a
+tested load; the prediction's step is the largest tested load <=
 the predicted knee (the lowest when the prediction is below all); "within one step" when the two steps' positions
 in the sorted loads differ by at most one. A sweep that found no knee is compared with nothing when the predicted
 knee is past its highest load (within: unknown), else within one step only when the prediction is its last step.
@@ -87,24 +89,34 @@ def from_capacities(caps: Sequence[Capacity], tokens_per_sequence: float) -> Pre
     return Prediction(knee, None, f"engines' KV capacity ({blocks} tokens) at {per_seq} tokens per sequence")
 
 
-def from_plan_file(path: str, replicas: int) -> Prediction:
+def read_plan_file(path: str) -> tuple[int, float, Any]:
+    """(predicted_knee, decode_tok_s_aggregate, context) per replica of a `kvgate plan --json` file; ValueError naming
+    the file when it is not one (read before the sweep, so a bad --plan costs no load)."""
     try:
         doc = json.loads(Path(path).read_text())
         knee, ceiling = int(doc["predicted_knee"]), float(doc["decode_tok_s_aggregate"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"--plan {path}: not the JSON of `kvgate plan --json` ({exc!r})") from exc
-    context = doc.get("context", "?")
+    if knee < 1:  # `kvgate plan` refuses a model of which nothing fits: such a file predicts nothing
+        raise ValueError(f"--plan {path}: its predicted_knee is {knee}, not a concurrency to compare with")
+    return knee, ceiling, doc.get("context", "?")
+
+
+def from_plan_file(path: str, replicas: int, figures: tuple[int, float, Any] | None = None) -> Prediction:
+    """The plan file's prediction times `replicas`; `figures`: what `read_plan_file` read of it already."""
+    knee, ceiling, context = figures or read_plan_file(path)
     return Prediction(knee * replicas, ceiling * replicas, f"{path} (context {context}) x {replicas} replica(s)")
 
 
 def compare(
-    prediction: Prediction, loads: Sequence[float], knee_load: float | None, ceiling_tok_s: float
+    prediction: Prediction, loads: Sequence[float], knee_load: float | None, ceiling_tok_s: float, unit: str = ""
 ) -> dict[str, Any]:
-    """The prediction beside the measured knee (None: the sweep found none) and best throughput (module header)."""
+    """The prediction beside the measured knee (None: the sweep found none) and best throughput (module header);
+    `loads` are concurrencies, as the prediction (`unit` names how they were derived, for the text)."""
     ordered = sorted(loads)
     below = [i for i, x in enumerate(ordered) if x <= prediction.knee]
     predicted_step = below[-1] if below else 0
-    step = f"plan: knee {prediction.knee} (tested step {ordered[predicted_step]:g})"
+    step = f"plan: knee {prediction.knee}{unit} (tested step {ordered[predicted_step]:g})"
     steps: int | None = None
     within: bool | None = None  # unknown: no knee measured, and the plan's is past the sweep
     if knee_load is not None:

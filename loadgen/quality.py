@@ -93,7 +93,7 @@ def _spec(name: str, text: str, max_tokens: int) -> RequestSpec:
 
 def _figures(r: RequestResult) -> dict[str, Any]:
     row = r.to_json()
-    return {k: row[k] for k in ("ok", "status", "error_type", "prompt_tokens", "completion_tokens",
+    return {k: row[k] for k in ("ok", "status", "error_type", "error", "prompt_tokens", "completion_tokens",
                                 "finish_reason", "ttft_s", "e2e_s")}  # fmt: skip
 
 
@@ -133,6 +133,8 @@ async def run_quality(
     detail = (
         "no loop" if loop is None else f"{loop.unit} loop of period {loop.period} x{loop.repeats}: {loop.pattern!r}"
     )
+    if not r.ok:  # a failed generation has no text to judge: say why, not "no loop" beside a FAIL
+        detail = f"not checked: the long generation failed ({r.error_type}: {r.error})"
     checks.append(
         CheckResult("no_repetition_loop", r.ok and loop is None, detail, {"loop": asdict(loop) if loop else None})
     )

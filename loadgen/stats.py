@@ -42,7 +42,8 @@ Goodput (with `--slo ttft=500ms,tpot=50ms,e2e=4s`, any subset): a request is *go
 every bound given; SLO attainment = good / all requests of the setting (failures count against it), goodput =
 good requests / wall time. The knee by goodput (`find_goodput_knee`) is the highest load before the first point
 whose attainment falls below `min_attainment` (default 0.9, DistServe's definition of goodput capacity); when no
-point falls below, it is the highest load tested, `found` False.
+point falls below, it is the highest load tested, `found` False; when the lowest load already falls below, no
+load tested is within targets: `found` False too, `saturated_at` that lowest load (as the knee rule's).
 """
 
 from __future__ import annotations
@@ -280,7 +281,9 @@ def find_goodput_knee(loads_and_attainment: Sequence[tuple[float, float]], min_a
     for i, (load, att) in enumerate(pts):
         if att < min_attainment:
             why = f"SLO attainment {att:.2f} < {min_attainment:g} at {load:g}"
-            return Knee(max(0, i - 1), pts[max(0, i - 1)][0], True, 0.0, load, why)
+            if i == 0:  # no load within targets: no knee, and result.json must not say one was found
+                return Knee(0, load, False, 0.0, load, why)
+            return Knee(i - 1, pts[i - 1][0], True, 0.0, load, why)
     return Knee(len(pts) - 1, pts[-1][0], False, 0.0, None, "every point meets the SLO: sweep higher")
 
 

@@ -5,6 +5,7 @@ engine."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import itertools
@@ -15,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadgen import cli, predicted
+from loadgen import cli, modes, predicted
 from loadgen.capacity import sustained_windows
 from loadgen.client import RequestResult, Target
 from loadgen.datasets import DatasetError, DatasetWorkload, parse_jsonl, parse_sharegpt
@@ -64,9 +65,22 @@ def test_a_request_is_good_when_it_succeeded_within_every_bound() -> None:
 def test_the_goodput_knee_is_the_load_before_attainment_falls_below_the_target() -> None:
     knee = find_goodput_knee([(8, 0.7), (1, 1.0), (4, 0.95), (2, 0.99), (16, 0.95)])
     assert knee.found and knee.load == 4 and knee.saturated_at == 8 and "0.70 < 0.9" in knee.reason
-    assert find_goodput_knee([(1, 0.95), (2, 0.5)], min_attainment=0.99).load == 1  # lowest already misses
+    none = find_goodput_knee([(1, 0.95), (2, 0.5)], min_attainment=0.99)  # the lowest already misses: no knee
+    assert (none.found, none.load, none.saturated_at) == (False, 1, 1)
+    assert none.reason == "SLO attainment 0.95 < 0.99 at 1"
     open_ended = find_goodput_knee([(1, 1.0), (2, 0.92)])
     assert not open_ended.found and open_ended.load == 2
+
+
+def test_when_no_load_meets_the_slo_the_json_and_the_text_agree_there_is_no_goodput_knee() -> None:
+    doc = {"arrival": "closed", "points": [
+        {"load": 1, "verdict": "sweet spot", "summary": {"slo_attainment": 0.5, "goodput_req_per_s": 0.5}},
+        {"load": 2, "verdict": "queueing", "summary": {"slo_attainment": 0.25, "goodput_req_per_s": 0.25}},
+    ]}  # fmt: skip
+    modes._apply_goodput(doc, argparse.Namespace(slo=Slo(ttft_s=0.5), slo_attainment=0.9))
+    knee = doc["goodput"]["knee"]
+    assert (knee["found"], knee["load"], knee["saturated_at"]) == (False, 1, 1)
+    assert doc["goodput"]["text"].startswith("no load tested is within targets (SLO attainment 0.50 < 0.9 at 1;")
 
 
 # --- arrivals ----------------------------------------------------------------------------------------------------
@@ -182,6 +196,46 @@ def test_the_predicted_knee_from_engine_capacities_and_from_a_plan_file(tmp_path
     plan.write_text("{}")
     with pytest.raises(ValueError, match="kvgate plan --json"):
         predicted.from_plan_file(str(plan), 1)
+
+
+def test_a_rate_sweep_compares_the_plan_in_sequences_in_flight(tmp_path: Path) -> None:
+    """The plan's knee is a concurrency; a rate sweep's loads are req/s. At a mean latency of 0.25 s the rates 4, 8,
+    16, 32 and 64 req/s hold 1, 2, 4, 8 and 16 requests in flight (Little's law): a plan of 4 sequences is the
+    16 req/s step, where the sweep's knee is, 0 steps apart (compared with the rates it was 2 steps apart, at 4)."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"predicted_knee": 4, "decode_tok_s_aggregate": 100.0, "context": 2048}))
+    doc = {"arrival": "poisson", "recommendation": {"replicas": 1},
+           "knee": {"index": 2, "load": 16, "found": True, "saturated_at": 32},
+           "points": [{"load": r, "summary": {"e2e_s": {"mean": 0.25}, "output_tok_per_s": 10.0 * r}}
+                      for r in (4, 8, 16, 32, 64)]}  # fmt: skip
+    args = argparse.Namespace(plan=str(plan))
+    modes._plan_beside(doc, args, predicted.read_plan_file(str(plan)))
+    got = doc["plan"]
+    assert (got["predicted_step"], got["measured_knee"], got["steps_apart"], got["within_one_step"]) == (
+        16,
+        16,
+        0,
+        True,
+    )
+    assert got["text"] == ("plan: knee 4 in flight (a rate sweep: rate x mean latency) (tested step 4), measured 4: "
+                           "0 step(s) apart, within one step")  # fmt: skip
+
+
+async def test_a_bad_plan_is_refused_before_any_load_is_sent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "nothing.json").write_text(json.dumps({"predicted_knee": 0, "decode_tok_s_aggregate": 0.0}))
+    async with run_sim_engine(FAST) as server:
+        base = ["sweep", "--url", server.url, "--workload", "random", "-n", "4", "--concurrencies", "1,2"]
+        bad = [["--plan", str(tmp_path / "missing.json")], ["--plan", str(tmp_path / "nothing.json")],
+               ["--plan", "auto", "--metrics-url", "http://127.0.0.1:9/metrics"]]  # fmt: skip
+        for flags in bad:
+            assert await asyncio.to_thread(cli.main, [*base, *flags]) == 2
+        started = server.engine.stats.started
+    err = capsys.readouterr().err
+    assert started == 0  # refused up front: the whole sweep was sent and thrown away before
+    assert "missing.json: not the JSON of `kvgate plan --json`" in err and "its predicted_knee is 0" in err
+    assert "--plan auto: no --metrics-url reports a KV capacity" in err
 
 
 def test_sustained_windows_and_the_steady_verdict() -> None:

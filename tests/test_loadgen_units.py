@@ -7,14 +7,16 @@ import json
 import math
 from pathlib import Path
 
+import aiohttp
 import pytest
 import yaml
 
+from loadgen import cli
 from loadgen import workloads as wl
-from loadgen.client import RequestResult
+from loadgen.client import RequestResult, Target
 from loadgen.gatecfg import GateConfigError, set_gate_text
 from loadgen.promscrape import Scrape, parse_metrics, prefix_cache_report, replica_load
-from loadgen.quality import find_repetition_loop
+from loadgen.quality import find_repetition_loop, run_quality
 from loadgen.report import format_compare, format_table, table_rows
 from loadgen.runner import Tenant, parse_tenant
 from loadgen.stats import (
@@ -440,3 +442,29 @@ def test_a_rate_sweep_finds_its_knee_by_the_time_to_first_token_jump_alone() -> 
 def test_a_point_that_misses_its_targets_is_never_a_sweet_spot() -> None:
     assert slo_verdict("sweet spot", 0.38, 0.9) == "misses targets (38% within)"
     assert slo_verdict("interactive", 0.97, 0.9) == "interactive"
+
+
+# --- an unreachable server ---------------------------------------------------------------------------------------
+
+DOWN = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
+
+
+async def test_quality_against_an_unreachable_server_says_why_each_check_failed() -> None:
+    async with aiohttp.ClientSession() as http:
+        checks = await run_quality(http, Target(DOWN, "m"), CharTextMaker(), headers={}, long_input_tokens=8,
+                                   long_output_tokens=8, identical=2)  # fmt: skip
+    loop = next(c for c in checks if c.name == "no_repetition_loop")
+    assert not loop.passed
+    assert loop.detail.startswith("not checked: the long generation failed (connection: ClientConnectorError")
+
+
+@pytest.mark.parametrize("mode", ["sweep", "run", "quality"])
+@pytest.mark.parametrize("model", [[], ["--model", "m"]])
+def test_an_unreachable_url_exits_1_with_or_without_model(
+    capsys: pytest.CaptureFixture[str], mode: str, model: list[str]
+) -> None:
+    """Not bad usage (2): the server is down or the URL wrong, the same whether or not --model skipped asking it."""
+    load = ["--workload", "random", "-n", "2"] + (["--concurrencies", "1"] if mode == "sweep" else [])
+    argv = [mode, "--url", DOWN, *model, *(load if mode != "quality" else ["--long-input", "8", "--identical", "1"])]
+    assert cli.main(argv) == 1
+    assert f"kvgate loadgen: cannot reach {DOWN}: " in capsys.readouterr().err

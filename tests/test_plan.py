@@ -213,3 +213,91 @@ def test_rope_scaling_extends_the_longest_context(tmp_path: Path, capsys: pytest
     scaled = {**TINY, "max_position_embeddings": 2048, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     (tmp_path / "config.json").write_text(json.dumps(scaled))
     assert main([str(tmp_path), "--context", "8192", "--device", "cpu", "--json"]) == 0
+
+
+def test_a_model_that_does_not_fit_is_refused_not_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Mixtral-8x7B in bf16 is 87 GiB of weights: on one 80 GiB device at 90 % nothing is left for KV."""
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text("server:\n  port: 9000\n")
+    assert main([str(tmp_path), "--device", "h100-sxm", "--write-config", str(cfg)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and cfg.read_text() == "server:\n  port: 9000\n"  # no recommendation, no gate written
+    assert "does not fit" in captured.err and "KV budget of -15.99 GiB" in captured.err
+    # a context longer than the whole KV budget, on a config without max_position_embeddings: 1 GiB a sequence
+    # at 8,192 tokens, so 100 x 8,192 tokens need 100 GiB against the 56.04 GiB budget
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    assert main([str(tmp_path), "--context", "819200"]) == 2
+    assert "not one sequence fits" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"short by 43\.96 GiB"):
+        plan(Model.from_config(LLAMA3_8B), DEVICES["h100-sxm"], context=819200)
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "says"),
+    [
+        ({**TINY, "num_key_value_heads": 0}, [], "num_key_value_heads is 0"),
+        ({**TINY, "num_key_value_heads": -2}, [], "num_key_value_heads is -2"),
+        ({**TINY, "num_key_value_heads": 3}, [], "num_key_value_heads 3 does not divide num_attention_heads 4"),
+        ({**TINY, "layer_types": ["full_attention"]}, [], "layer_types names 1 layers, num_hidden_layers is 2"),
+        ({**TINY, "hidden_size": None}, [], "no hidden_size"),
+        ({**TINY, "vocab_size": "big"}, [], "vocab_size is 'big'"),
+        ({k: v for k, v in TINY.items() if k != "vocab_size"}, [], "has no vocab_size"),
+        ([TINY], [], "not a JSON object"),
+        (TINY, ["--block-size", "-16"], "--block-size"),
+        (TINY, ["--block-size", "0"], "--block-size"),
+        (TINY, ["--memory-gib", "0"], "--memory-gib 0: must be positive"),
+        (TINY, ["--bandwidth-gbs", "0"], "--bandwidth-gbs 0: must be positive"),
+        (TINY, ["--reserve-gib", "-50"], "--reserve-gib"),
+        (TINY, ["--kv-cache-bytes", "0"], "not one sequence fits"),
+    ],
+)
+def test_odd_model_configs_and_flags_are_clear_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: object, flags: list[str], says: str
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main([str(tmp_path), "--device", "cpu", "--context", "64", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and "KeyError" not in err
+
+
+def test_absent_device_figures_are_the_presets_and_a_null_kv_heads_is_full_attention(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_key_value_heads": None}))
+    assert main([str(tmp_path), "--device", "cpu", "--context", "64", "--interconnect-gbs", "0", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["kv_bytes_per_token"] == 2 * 2 * 4 * 32 * 2  # 4 KV heads, as many as the query heads (HF's default)
+    # embeddings 2 x 2048 x 128, attention 2 x (128 x 4 x 32 x 2 x 2), MLP 2 x 3 x 128 x 256: 851,968 bf16 weights
+    assert got["weights_gib_per_device"] == 851_968 * 2 / GIB
+    assert got["kv_budget_gib_per_device"] == pytest.approx(24 * 0.9 - 851_968 * 2 / GIB - 1.0)  # the cpu preset
+
+
+def test_the_gate_never_exceeds_the_batch_the_engine_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 3 8B at 512 tokens on one H100: 28,694 blocks of 16 tokens, 32 a sequence, so 896 fit; vLLM runs at
+    most max_num_seqs 256 of them, so the gate, the knee and the aggregate decode stop at 256 too."""
+    p = plan(Model.from_config(LLAMA3_8B), DEVICES["h100-sxm"], context=512)
+    assert (p.kv_blocks, p.sequences_that_fit) == (28694, 896)
+    assert p.max_num_seqs == p.replica_max_concurrency == p.predicted_knee == 256
+    kv_seq = 512 * 131072  # bytes; half of it read per step on average
+    assert p.decode_tok_s_aggregate == pytest.approx(256 * 3350e9 / (8_029_995_008 * 2 + 256 * kv_seq / 2))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text("pool:\n  models:\n  - name: only\n    kind: vllm\n")
+    assert main([str(tmp_path), "--context", "512", "--write-config", str(cfg)]) == 0
+    data = yaml.safe_load(cfg.read_text())
+    assert data["admission"] == {"replica_max_concurrency": 256} and data["pool"]["models"][0]["max_num_seqs"] == 256
+
+
+def test_a_hybrid_models_linear_attention_state_is_split_over_every_tensor_parallel_rank() -> None:
+    """Qwen3-Next at tp 4: its 2 KV heads split 2 ways (a head per device at most), but vLLM shards the Gated
+    DeltaNet heads (16 key, 32 value) over all 4 ranks, so each device holds a quarter of the state."""
+    p = plan(Model.from_config(QWEN3_NEXT_80B), DEVICES["h200"], context=4096, tp=4, kv_cache_bytes=8 * GIB)
+    kv_token = 12 * 2 * 2 * 256 * 2 // 2  # 12,288 bytes per device
+    state = 39_518_208 // 4  # 9,879,552 bytes per device, not half of the 39.5 MB
+    per_sequence = kv_token * 4096 + state
+    assert p.kv_bytes_per_token == kv_token == 12288 and per_sequence == 60_211_200
+    assert p.kv_gib_per_sequence == pytest.approx(per_sequence / GIB)
+    block = 16 * kv_token  # 196,608 bytes: 43,690 of them in 8 GiB, 307 a sequence
+    assert p.kv_blocks == 8 * GIB // block == 43690 and -(-per_sequence // block) == 307
+    assert p.sequences_that_fit == 43690 // 307 == 142
