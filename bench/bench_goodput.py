@@ -87,6 +87,8 @@ def configs(args: argparse.Namespace) -> dict[str, tuple[str, dict[str, Any], di
     out["targets"] = ("cache-aware", {"targets": targets}, {})
     # the same, cache-aware's cost in token equivalents instead of predicted seconds (the previous default)
     out["targets-tokens"] = ("cache-aware", {"targets": targets}, {"unit": "tokens"})
+    for gate in args.target_gates:  # a static gate beside the targets: admission's queue then has work to do
+        out[f"targets + gate {gate}"] = ("cache-aware", {"targets": targets, "replica_max_concurrency": gate}, {})
     return out
 
 
@@ -224,6 +226,7 @@ def _line(row: dict[str, Any]) -> str:
 def table(doc: dict[str, Any], gates: list[int]) -> str:
     """Medians over the repeats: goodput (req/s) and attainment per rate and configuration."""
     names = ["round-robin", "least-load", "cache-aware", "best static gate", "targets", "targets-tokens"]
+    names += sorted({n for by_name in doc["rates"].values() for n in by_name if n.startswith("targets + gate")})
     lines = ["| rate | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for rate, by_name in doc["rates"].items():
         cells = []
@@ -239,7 +242,7 @@ def table(doc: dict[str, Any], gates: list[int]) -> str:
         shift = doc["shift"]
         gated = [shift[f"gate {g}"] for g in gates if f"gate {g}" in shift]
         best = _cell(max(gated, key=lambda rs: statistics.median(_g(rs)))) if gated else "-"
-        targets = [_cell(shift[n]) if n in shift else "-" for n in ("targets", "targets-tokens")]
+        targets = [_cell(shift[n]) if n in shift else "-" for n in names[4:]]
         lines.append(f"| context shift | - | - | - | {best} | {' | '.join(targets)} |")
     if doc.get("oracle"):
         lines.append(f"\nper-phase oracle gate (context shift): {statistics.median(_g(doc['oracle'])):.2f} req/s")
@@ -271,6 +274,7 @@ def main() -> None:
     p.add_argument("--scales", type=float, nargs="*", default=[0.5, 1.0, 2.0, 3.0], help="rates x capacity")
     p.add_argument("--shift-rate", type=float, default=1.0, help="context-shift run's rate x capacity")
     p.add_argument("--gates", type=int, nargs="+", default=[4, 8, 12])
+    p.add_argument("--target-gates", type=int, nargs="*", default=[], help="also the targets beside these gates")
     p.add_argument("--requests", type=int, default=150, help="requests per rate")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", default=None, help="write the results here")
