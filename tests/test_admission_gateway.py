@@ -301,7 +301,8 @@ async def test_with_latency_targets_a_flood_of_streams_leaves_the_light_tenant_i
     gateway's own fair queue grants are not the latency model's lateness, so the light tenant's queued streams keep
     their budget and are served first. When those waits were learned as lateness, the margin grew to the target,
     queued requests timed out at once, and the light tenant was refused (503 queue_timeout) while the flood got in by
-    volume. Every request the queue refuses counts as a refused one of its targets."""
+    volume. Every request the queue refuses counts as a refused one of its targets, and the flood's backlog is
+    refused at once (`queue_wait`: its wait predicted past its budget) rather than after waiting for it."""
     tenants = {"flood": {"keys": [hash_key("sk-flood")]}, "light": {"keys": [hash_key("sk-light")]}}
     admission = {
         "auth": True,
@@ -318,6 +319,8 @@ async def test_with_latency_targets_a_flood_of_streams_leaves_the_light_tenant_i
         async def flooder() -> None:
             while flooding:
                 flood_status.append((await post(session, gw.url, chat(max_tokens=10, stream=True), key="sk-flood"))[0])
+                if flood_status[-1] != 200:
+                    await asyncio.sleep(0.05)  # a client that tries again soon
 
         async def light() -> None:
             nonlocal flooding
@@ -333,6 +336,13 @@ async def test_with_latency_targets_a_flood_of_streams_leaves_the_light_tenant_i
         refused = flood_status.count(503)
         slo = {"model": MODEL, "priority": "interactive", "tenant": "flood", "outcome": "refused"}
         assert (reg.get_sample_value("kvgate_slo_requests_total", slo) or 0.0) == refused
+        # the flood's backlog is refused at once (its wait predicted past its budget), not after waiting for it
+        by_reason = {
+            reason: reg.get_sample_value("kvgate_admission_rejections_total", {"tenant": "flood", "reason": reason})
+            or 0.0
+            for reason in ("queue_wait", "queue_timeout")
+        }
+        assert by_reason["queue_wait"] > 2 * by_reason["queue_timeout"], by_reason
 
 
 @pytest.mark.parametrize("access", ["auto", "public"])

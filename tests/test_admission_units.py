@@ -108,6 +108,23 @@ async def test_fair_queue_weights_and_priority() -> None:
     assert Counter(got) == Counter({"heavy": 15, "one": 5})  # 3:1 share while both are backlogged
 
 
+async def test_a_new_requests_place_in_the_fair_queue_is_what_dispatches_before_it() -> None:
+    """`ahead` counts the requests that would leave before one pushed now: behind a flood of 50 a light tenant's
+    first is second in line, the flood's next is behind all of its own, a higher class is first; removed requests
+    no longer count. Checked against the order the queue then pops."""
+    q = FairQueue()
+    flood = [q.push("flood", 1.0, 1) for _ in range(50)]
+    assert q.ahead("light", 1.0, 1) == 1  # the flood's head (tagged at the same virtual time, pushed earlier)
+    assert q.ahead("flood", 1.0, 1) == 50 and q.queued_for("flood", 1) == 50
+    assert q.ahead("vip", 1.0, 0) == 0
+    light = q.push("light", 1.0, 1)
+    order = [q.pop() for _ in range(3)]
+    assert order[1] is light  # where `ahead` placed it
+    for entry in flood[10:]:
+        q.remove(entry)
+    assert q.ahead("flood", 1.0, 1) == len(q) == 8
+
+
 async def test_fair_queue_lazy_removal_keeps_counts_and_heap_bounded() -> None:
     q = FairQueue()
     entries = [q.push(f"t{i % 3}", 1.0, 0) for i in range(300)]

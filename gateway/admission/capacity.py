@@ -7,7 +7,11 @@ replica is below its gate (so the router can place it). Counting admitted reques
 counts) means a request granted but not yet sent still holds its slot, so a burst of releases never over-admits.
 `acquire_slot` passes at once when nothing of the model is queued and a slot is free; otherwise the request waits in
 the model's fair queue (gateway.admission.queue): 503 at once when the queue is full (in all or for the tenant) or
-no replica is ready, 503 after its longest wait (Retry-After from the measured drain rate). Queued requests are
+no replica is ready, or when its wait is predicted past its longest (`queue_wait`: the requests the fair queue
+would dispatch before it, plus one, times the model's mean slot holding time over its slots; a slot's holding time
+is learned as each ends, an exponential mean), else 503 after its longest wait (Retry-After from the measured drain
+rate). So a request that would time out in the queue is told so at once, and the fair queue's order decides which:
+a light tenant's request is ahead of a flood's backlog and waits, the flood's are refused. Queued requests are
 dispatched on a release (`give_back`), on any replica-set change and every `queue.tick_s` (engine saturation
 changes without notice).
 Default gates (a replica-set listener): a replica configured without `max_concurrency` gets
@@ -34,6 +38,7 @@ from gateway.errors import Overloaded
 from policies.saturation import saturated
 
 _UNBOUNDED = 1 << 30
+_HOLD_WEIGHT = 0.1  # of each slot's holding time in the mean (about the last 10 slots)
 
 
 class CapacityGate:
@@ -48,6 +53,7 @@ class CapacityGate:
         self._active: dict[str, int] = {}  # model -> admitted requests holding a slot
         self._defaulted: set[str] = set()  # replicas whose gate this gate set
         self.drain = DrainRate()
+        self._hold: dict[str, float] = {}  # model -> mean seconds a slot is held (learned as slots are given back)
         self._tasks: list[asyncio.Task[None]] = []
         replicas.add_listener(self)
 
@@ -189,6 +195,16 @@ class CapacityGate:
                 code=reason,
             )
         queue = self._queues.setdefault(model, FairQueue())
+        wait = self._predicted_wait(model, queue, identity, weight, max_wait_s)
+        if wait is not None and wait > max_wait_s:
+            if not len(queue):
+                del self._queues[model]
+            self.metrics.rejections.labels(tenant, "queue_wait").inc()
+            raise Overloaded(
+                f"no capacity for model {model!r} within {max_wait_s:.1f} s (a slot predicted in {wait:.1f} s)",
+                retry_after_s=wait,
+                code="queue_wait",
+            )
         entry = queue.push(tenant, weight, identity.priority, attained_s)
         started = time.monotonic()
         try:
@@ -219,8 +235,26 @@ class CapacityGate:
         self._active[model] = self._active.get(model, 0) + 1
         self.drain.record()
 
-    def give_back(self, model: str) -> None:
-        """Release a slot of the model, dispatching the next queued request."""
+    def _predicted_wait(
+        self, model: str, queue: FairQueue, identity: Identity, weight: float, max_wait_s: float
+    ) -> float | None:
+        """Seconds until a slot is predicted free for the request, queued now (None: not known yet, no gate bounds
+        the model, or certainly within `max_wait_s`). The fair queue's order is counted only where the bounds do not
+        decide: its own class's backlog alone (a flood's) already too long, or the whole queue short enough."""
+        hold, slots = self._hold.get(model), self.capacity(model)[0]
+        if hold is None or not 0 < slots < _UNBOUNDED:
+            return None
+        per = hold / slots  # seconds between releases, the slots held in turn
+        own = (queue.queued_for(identity.tenant, identity.priority) + 1) * per  # at least: its class's backlog first
+        if own > max_wait_s or (len(queue) + 1) * per <= max_wait_s:
+            return own  # decided without the order: too long already, or within it wherever it lands
+        return (queue.ahead(identity.tenant, weight, identity.priority) + 1) * per
+
+    def give_back(self, model: str, held_s: float | None = None) -> None:
+        """Release a slot of the model (held for `held_s`: learned), dispatching the next queued request."""
+        if held_s is not None:
+            mean = self._hold.get(model)
+            self._hold[model] = held_s if mean is None else mean + _HOLD_WEIGHT * (held_s - mean)
         left = self._active.get(model, 0) - 1
         if left > 0:
             self._active[model] = left

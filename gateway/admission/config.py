@@ -174,8 +174,9 @@ class QueueConfig(_Strict):
     max_wait_s: float = Field(
         30.0,
         gt=0,
-        description="seconds a request may wait in the queue before 503 queue_timeout; with a time-to-first-token "
-        "target (admission.targets, on by default: 2 s) at most what the target leaves after the predicted TTFT",
+        description="seconds a request may wait in the queue before 503 queue_timeout (one whose wait is predicted "
+        "longer is refused at once: queue_wait); with a time-to-first-token target (admission.targets, on by default: "
+        "2 s) at most what the target leaves after the predicted TTFT",
     )
     tick_s: float = Field(
         0.05,

@@ -222,9 +222,10 @@ class AdmissionController:
         (shielded: a cancelled request still gives its lease back)."""
         if ticket.holds_slot:
             ticket.holds_slot = False
-            self.capacity_gate.give_back(ticket.model)
-            if ticket.session is not None and ctx.admitted_at is not None:
-                self.attained.add(ticket.session, time.monotonic() - ctx.admitted_at)
+            held = time.monotonic() - ctx.admitted_at if ctx.admitted_at is not None else None
+            self.capacity_gate.give_back(ticket.model, held)
+            if ticket.session is not None and held is not None:
+                self.attained.add(ticket.session, held)
         if ticket.targets is not None or ctx.held_on is not None:
             self.latency.finish(ctx, ticket.identity, ticket.targets)
             ticket.targets = None

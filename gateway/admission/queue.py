@@ -15,6 +15,7 @@ programs), then the earliest: a short program is not stuck behind the tenth turn
 without a session count as programs just begun. With every `attained` equal this is arrival order.
 
 Bounds: a global bound and a per-tenant bound (checked by `can_push`, before anything is allocated).
+`ahead`: how many queued requests a new one would wait behind (its place in that order), O(queued).
 Complexity: push O(log n), pop O(log n) amortised, remove O(1) (lazy: the request is marked and skipped, and a slot
 left over by a removed request dispatches the tenant's next one; the heaps are rebuilt in O(n) when they hold more
 than twice the live requests).
@@ -89,6 +90,20 @@ class FairQueue:
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
         self._live += 1
         return entry
+
+    def queued_for(self, tenant: str, priority: int) -> int:
+        """The tenant's requests queued in the class: a new one of the same would wait behind all of them."""
+        return self._live_by_key.get((tenant, priority), 0)
+
+    def ahead(self, tenant: str, weight: float, priority: int) -> int:
+        """How many queued requests a request of `tenant` pushed now would dispatch after: the live slots tagged no
+        later than its own would be (a key's slots beyond its live requests are void). O(queued)."""
+        finish = max(self._virtual, self._last_finish.get(tenant, 0.0)) + 1.0 / weight
+        below: dict[tuple[str, int], int] = {}
+        for slot in self._slots:
+            if (slot.priority, slot.finish) <= (priority, finish) and self._generation.get(slot.key) == slot.generation:
+                below[slot.key] = below.get(slot.key, 0) + 1
+        return sum(min(n, self._live_by_key.get(key, 0)) for key, n in below.items())
 
     def _head(self) -> tuple[_Slot, QueueEntry] | None:
         """The next slot and the request it dispatches; void slots and dead requests dropped on the way."""
