@@ -58,8 +58,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
 
 
 def logged(gw: Gateway, endpoint: str) -> list[dict[str, Any]]:
-    marker = "kvgate.access: "
-    lines = [line.split(marker, 1)[1] for line in gw.log.read_text().splitlines() if marker in line]
+    """The JSON access log's records (each line on its own: the object alone) of the endpoint's requests."""
+    lines = [line for line in gw.log.read_text().splitlines() if line.startswith('{"time":')]
     return [c for c in map(json.loads, lines) if c["endpoint"] == endpoint]
 
 

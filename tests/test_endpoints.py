@@ -94,16 +94,17 @@ async def test_other_endpoints_get_auth_retries_and_the_access_log(
     admission = {"auth": True, "tenants": {"acme": {"keys": [hash_key("sk-acme")]}}}
     async with gateway_over_sims([broken, SIM], admission=admission, server={"access_log": "plain"}) as (gw, _):
         body = {"model": "sim", "input": "hello"}
-        async with http.post(gw.url + "/v1/embeddings", json=body) as resp:
-            assert resp.status == 401
         with caplog.at_level(logging.INFO, logger="kvgate.access"):
+            async with http.post(gw.url + "/v1/embeddings", json=body) as resp:
+                assert resp.status == 401
             for _ in range(4):  # the broken replica answers 500 for all: retried on the good one
                 async with http.post(
                     gw.url + "/v1/embeddings", json=body, headers={"Authorization": "Bearer sk-acme"}
                 ) as resp:
                     assert resp.status == 200
         lines = [r.getMessage() for r in caplog.records if r.name == "kvgate.access"]
-        assert len(lines) == 4 and all("endpoint=embeddings" in x and "tenant=acme" in x for x in lines)
+        assert len(lines) == 5 and all("endpoint=embeddings" in x for x in lines)
+        assert " status=401 " in lines[0] and all("tenant=acme" in x and " status=200 " in x for x in lines[1:])
 
 
 async def test_version_reports_the_engine_and_kvgate(http: aiohttp.ClientSession) -> None:
