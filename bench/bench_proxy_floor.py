@@ -53,7 +53,7 @@ class _MinimalProxy(asyncio.Protocol):
             "POST", "/v1/completions", body, {"Content-Type": "application/json"}, connect_timeout_s=5
         )
         await resp.headers_ready
-        data = await resp.read()
+        data = await resp.read(1 << 28)  # the gateway's default server.max_answer_bytes
         resp.release()
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data)
         self.transport.write(head + data)  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from engine_pool.http_client import UpstreamClient, UpstreamPool
 
+_MAX_ANSWER = 256 * 1024 * 1024  # the gateway's default server.max_answer_bytes
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -37,7 +38,7 @@ def app(engines: list[str]) -> web.Application:
         resp = await next(turn).request("POST", request.path, body, _JSON, connect_timeout_s=5.0)
         await resp.headers_ready
         if b'"stream": true' not in body and b'"stream":true' not in body:
-            data = await resp.read()
+            data = await resp.read(_MAX_ANSWER)
             resp.release()
             return web.Response(body=data, status=resp.status, headers=_JSON)
         out = web.StreamResponse(status=resp.status, headers={"Content-Type": "text/event-stream"})
