@@ -115,7 +115,7 @@ async def test_a_new_requests_place_in_the_fair_queue_is_what_dispatches_before_
     q = FairQueue()
     flood = [q.push("flood", 1.0, 1) for _ in range(50)]
     assert q.ahead("light", 1.0, 1) == 1  # the flood's head (tagged at the same virtual time, pushed earlier)
-    assert q.ahead("flood", 1.0, 1) == 50 and q.queued_for("flood", 1) == 50
+    assert q.ahead("flood", 1.0, 1) == 50 and q.class_len("flood", 1) == 50
     assert q.ahead("vip", 1.0, 0) == 0
     light = q.push("light", 1.0, 1)
     order = [q.pop() for _ in range(3)]

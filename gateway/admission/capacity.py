@@ -245,7 +245,7 @@ class CapacityGate:
         if hold is None or not 0 < slots < _UNBOUNDED:
             return None
         per = hold / slots  # seconds between releases, the slots held in turn
-        own = (queue.queued_for(identity.tenant, identity.priority) + 1) * per  # at least: its class's backlog first
+        own = (queue.class_len(identity.tenant, identity.priority) + 1) * per  # at least: its class's backlog first
         if own > max_wait_s or (len(queue) + 1) * per <= max_wait_s:
             return own  # decided without the order: too long already, or within it wherever it lands
         return (queue.ahead(identity.tenant, weight, identity.priority) + 1) * per

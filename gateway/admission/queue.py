@@ -91,7 +91,7 @@ class FairQueue:
         self._live += 1
         return entry
 
-    def queued_for(self, tenant: str, priority: int) -> int:
+    def class_len(self, tenant: str, priority: int) -> int:
         """The tenant's requests queued in the class: a new one of the same would wait behind all of them."""
         return self._live_by_key.get((tenant, priority), 0)
 
