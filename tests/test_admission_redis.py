@@ -15,9 +15,12 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
 from engine_pool.launcher import free_port
-from gateway.admission.config import hash_key
+from gateway.admission.config import LimitsConfig, RedisConfig, hash_key
+from gateway.admission.metrics import AdmissionMetrics
+from gateway.admission.quota import Lease
 from gateway.admission.redis_store import RedisQuotaStore
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import ADMISSION, REGISTRY
@@ -348,6 +351,25 @@ async def test_a_client_that_leaves_during_the_quota_check_leaves_no_slot_behind
             redis_server.proc.send_signal(signal.SIGCONT)
         held = await hold_two_slots(session, gws)  # both slots free for the tenant (its give-back ran first)
         assert [(await t)[0] for t in held] == [200, 200]
+
+
+async def test_a_release_run_before_its_check_leaves_no_slot_behind(redis_server: RedisProcess) -> None:
+    """A client that left while Redis was frozen: its check and its give-back travel on two connections, and Redis
+    may run the give-back first. The check that then runs grants nothing (it granted a slot held for lease_s, the
+    tenant locked out at max_concurrency meanwhile: seen once in CI as the test above failing)."""
+    await redis_server.start()
+    store = RedisQuotaStore(RedisConfig(url=redis_server.url), AdmissionMetrics(CollectorRegistry()))
+    limits = LimitsConfig(max_concurrency=1)
+    try:
+        await store.release(Lease("acme", "gone-1", 0, store.name), 0)  # the give-back, run first
+        assert not (await store.check("acme", limits, 1, "gone-1")).allowed
+        granted = await store.check("acme", limits, 1, "next-1")  # the tenant's one slot is free
+        assert granted.allowed and granted.lease is not None
+        assert not (await store.check("acme", limits, 1, "next-2")).allowed  # and the limit still holds
+        await store.release(granted.lease, 1)
+        assert (await store.check("acme", limits, 1, "next-3")).allowed
+    finally:
+        await store.close()
 
 
 async def test_requests_that_finished_while_redis_was_frozen_are_counted_there(redis_server: RedisProcess) -> None:

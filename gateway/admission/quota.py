@@ -35,7 +35,8 @@ class Lease:
 @dataclass(frozen=True, slots=True)
 class QuotaResult:
     allowed: bool
-    reason: str | None = None  # concurrency | requests | tokens | daily_tokens | store_unavailable
+    reason: str | None = None  # concurrency | requests | tokens | daily_tokens | store_unavailable | gone (a check
+    # run after its own release: its client has left)
     retry_after_s: float = 0.0
     lease: Lease | None = None
     limit_requests: int | None = None

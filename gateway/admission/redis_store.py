@@ -5,6 +5,9 @@ Keys (a tenant's under its `{tenant}` hash tag, so they share a cluster slot):
                            live ones renewed every lease_s/3 by the gateway that holds them, so a crashed gateway's
                            slots come back after at most lease_s; added back by it if Redis lost them (restarted
                            without persistence: found by the gateway's mark key missing, within lease_s/3)
+  <prefix>:{t}:gone:<id>   a lease released before its check ran (the check's client left while Redis was slow,
+                           and the release, on another connection, was run first): the check then grants nothing
+                           and deletes it (expires after two leases)
   <prefix>:gateway:<id>    a gateway's mark, set with each renewal (expires after two leases)
   <prefix>:{t}:req:<min>   requests in the clock minute (expires after 2 min)
   <prefix>:{t}:tok:<min>   tokens charged in the clock minute (expires after 2 min)
@@ -59,6 +62,7 @@ local base = ARGV[1] .. ':{' .. ARGV[2] .. '}:'
 local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
 local max_conc, rpm, tpm, tpd = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local tokens, lease_ms = tonumber(ARGV[7]), tonumber(ARGV[9])
+if redis.call('DEL', base .. 'gone:' .. ARGV[8]) == 1 then return {'gone', 0, 0, 0, 0, 0, 0} end
 redis.call('ZREMRANGEBYSCORE', ck, '-inf', now)
 local conc = redis.call('ZCARD', ck)
 local reqs = tonumber(redis.call('GET', rk) or '0')
@@ -88,9 +92,12 @@ _RELEASE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
-for i = 2, #ARGV, 3 do
+local lease_ms = tonumber(ARGV[2])
+for i = 3, #ARGV, 3 do
   local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
-  redis.call('ZREM', base .. 'conc', ARGV[i + 1])
+  if redis.call('ZREM', base .. 'conc', ARGV[i + 1]) == 0 then
+    redis.call('SET', base .. 'gone:' .. ARGV[i + 1], 1, 'PX', lease_ms * 2)
+  end
   local delta = tonumber(ARGV[i + 2])
   if delta ~= 0 then
     for _, key in ipairs({base .. 'tok:' .. minute, base .. 'day:' .. day}) do
@@ -248,6 +255,10 @@ class RedisQuotaStore:
             reset_tokens_s=reset_tokens,
         )
 
+    def _release_head(self) -> list[str | int]:
+        """The release script's first arguments: the key prefix and the lease in ms (a tombstone's lifetime)."""
+        return [self.config.key_prefix, round(self.config.lease_s * 1000)]
+
     def _give_back(self, tenant: str, lease_id: str) -> None:
         """Release a lease the check may have granted to a request that is gone (in a task of its own: the request's
         is cancelled); while Redis is down, recorded for the recovery."""
@@ -255,7 +266,7 @@ class RedisQuotaStore:
         async def release() -> None:
             try:
                 async with asyncio.timeout(self._call_timeout_s):
-                    await self._release(args=[self.config.key_prefix, tenant, lease_id, 0])
+                    await self._release(args=[*self._release_head(), tenant, lease_id, 0])
             except REDIS_ERRORS as exc:
                 self._unreleased[lease_id] = (tenant, 0)
                 self._mark_down(exc)
@@ -284,7 +295,7 @@ class RedisQuotaStore:
             return
         try:
             async with asyncio.timeout(self._call_timeout_s):
-                await self._release(args=[self.config.key_prefix, lease.tenant, lease.lease_id, delta])
+                await self._release(args=[*self._release_head(), lease.tenant, lease.lease_id, delta])
         except REDIS_ERRORS as exc:
             self._unreleased[lease.lease_id] = (lease.tenant, delta)
             self._mark_down(exc)
@@ -295,7 +306,7 @@ class RedisQuotaStore:
         (what it did not apply stays recorded)."""
         releases = list(self._unreleased.items())
         if releases:
-            args: list[str | int] = [self.config.key_prefix]
+            args = self._release_head()
             for lease_id, (tenant, delta) in releases:
                 args += [tenant, lease_id, delta]
             async with asyncio.timeout(self._call_timeout_s):
