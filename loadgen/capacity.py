@@ -89,6 +89,9 @@ async def report(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession() as http:
         target = modes.make_target(args, await modes.resolve_model(http, args))
         sweep, gate = await modes.sweep_doc(http, args, target)
+        if modes.nothing_succeeded(args, sweep):  # no sustained run or quality checks against what cannot serve
+            print(format_table(sweep))
+            return 1
         knee = sweep["knee"]["load"]
         by_rate = sweep["arrival"] == "poisson"
         arrival = Arrival("poisson", rate=knee, burstiness=args.burstiness, max_inflight=args.max_inflight) \

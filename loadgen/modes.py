@@ -356,6 +356,20 @@ def unreachable(args: argparse.Namespace, rows: list[dict[str, Any]]) -> bool:
     return True
 
 
+def nothing_succeeded(args: argparse.Namespace, doc: Doc) -> bool:
+    """No request of any point succeeded: says why on stderr (the URL unreachable, else the errors by kind)."""
+    if any(p["summary"]["succeeded"] for p in doc["points"]):
+        return False
+    if not unreachable(args, [r for p in doc["points"] for r in p["requests"]]):
+        errors: dict[str, int] = {}
+        for p in doc["points"]:
+            for kind, n in p["summary"]["errors"].items():
+                errors[kind] = errors.get(kind, 0) + n
+        listed = ", ".join(f"{kind} x{n}" for kind, n in sorted(errors.items())) or "none sent"
+        print(f"kvgate loadgen: no request succeeded ({listed})", file=sys.stderr)
+    return True
+
+
 def write_gate_from(args: argparse.Namespace, gate: int | None) -> int:
     """`--write-gate`: 0 written or nothing to do, 1 the file could not be written."""
     if not args.write_gate:
@@ -376,9 +390,9 @@ async def sweep(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession() as http:
         doc, gate = await sweep_doc(http, args, make_target(args, await resolve_model(http, args)))
     _finish(doc, args)
-    if unreachable(args, [r for p in doc["points"] for r in p["requests"]]) or write_gate_from(args, gate):
+    if nothing_succeeded(args, doc) or write_gate_from(args, gate):
         return 1
-    return 1 if all(p["summary"]["succeeded"] == 0 for p in doc["points"]) else 0
+    return 0
 
 
 def run_arrival(args: argparse.Namespace) -> Arrival:
@@ -401,14 +415,7 @@ async def run(args: argparse.Namespace) -> int:
     async with aiohttp.ClientSession() as http:
         doc = await run_doc(http, args, make_target(args, await resolve_model(http, args)), run_arrival(args))
     _finish(doc, args)
-    summary = doc["points"][0]["summary"]
-    if unreachable(args, doc["points"][0]["requests"]):
-        return 1
-    if summary["succeeded"] == 0:
-        errors = ", ".join(f"{kind} x{n}" for kind, n in sorted(summary["errors"].items())) or "none sent"
-        print(f"kvgate loadgen: no request succeeded ({errors})", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if nothing_succeeded(args, doc) else 0
 
 
 async def quality_doc(http: aiohttp.ClientSession, args: argparse.Namespace, target: Target) -> Doc:

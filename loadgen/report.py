@@ -32,6 +32,17 @@ def _load_name(doc: Doc) -> str:
     return "rate" if doc.get("arrival") == "poisson" else "conc"
 
 
+def plan_marker(doc: Doc) -> tuple[float, str] | None:
+    """Where the load chart marks the plan's knee, and its label: a concurrency on a concurrency axis; on a rate
+    sweep's axis the step (a rate) whose requests in flight it predicts, since the plan counts sequences."""
+    plan = doc.get("plan")
+    if not plan:
+        return None
+    if _load_name(doc) == "rate":
+        return float(plan["predicted_step"]), f"plan {plan['knee']:g} in flight (at {plan['predicted_step']:g} req/s)"
+    return float(plan["knee"]), f"plan {plan['knee']:g}"
+
+
 def _load_head(doc: Doc) -> str:
     return "rate req/s" if _load_name(doc) == "rate" else "conc"
 
@@ -200,11 +211,11 @@ def plot_load_chart(docs: Sequence[tuple[str, Doc]], path: Path) -> Path:
                 ax.axvline(knee, color="red", linestyle=":", linewidth=1)
             ax1.annotate(f"knee {knee:g}", (knee, 0), xycoords=("data", "axes fraction"), textcoords="offset points",
                          xytext=(4, 6), color="red")  # fmt: skip
-        planned = (d.get("plan") or {}).get("knee")
+        planned = plan_marker(d)
         if planned is not None:
             for ax in (ax1, ax2):
-                ax.axvline(planned, color="green", linestyle="--", linewidth=1)
-            ax1.annotate(f"plan {planned:g}", (planned, 0), xycoords=("data", "axes fraction"),
+                ax.axvline(planned[0], color="green", linestyle="--", linewidth=1)
+            ax1.annotate(planned[1], (planned[0], 0), xycoords=("data", "axes fraction"),
                          textcoords="offset points", xytext=(4, 20), color="green")  # fmt: skip
     xlabel = "request rate (req/s)" if docs and _load_name(docs[0][1]) == "rate" else "concurrency"
     ax1.set(xlabel=xlabel, ylabel="output tokens / s", title="Throughput")

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadgen import cli, modes, predicted
+from loadgen import cli, modes, predicted, report
 from loadgen.capacity import sustained_windows
 from loadgen.client import RequestResult, Target
 from loadgen.datasets import DatasetError, DatasetWorkload, parse_jsonl, parse_sharegpt
@@ -219,6 +219,9 @@ def test_a_rate_sweep_compares_the_plan_in_sequences_in_flight(tmp_path: Path) -
     )
     assert got["text"] == ("plan: knee 4 in flight (a rate sweep: rate x mean latency) (tested step 4), measured 4: "
                            "0 step(s) apart, within one step")  # fmt: skip
+    # the chart's rate axis marks the plan at the 16 req/s step, not at 4 req/s (its knee read as a rate)
+    assert report.plan_marker(doc) == (16.0, "plan 4 in flight (at 16 req/s)")
+    assert report.plan_marker({**doc, "arrival": "closed"}) == (4.0, "plan 4")
 
 
 async def test_a_bad_plan_is_refused_before_any_load_is_sent(
