@@ -149,7 +149,11 @@ class CompletionService:
         self._running.add(task)
         try:
             headers = request.headers
-            identity = admission.identify(headers, x_api_key=endpoint.api == "anthropic")  # 401 first when auth is on
+            try:
+                identity = admission.identify(headers, x_api_key=endpoint.api == "anthropic")  # 401 first (auth on)
+            except GatewayError:
+                ctx.refused_at = time.monotonic()  # where its trace's admission span ends
+                raise
             ctx.tenant = identity.tenant
             raw, parsed, holder = await self._read(request, endpoint)
             named = parsed.body.get("request_id")  # vLLM names the request by the header, else by this
@@ -205,7 +209,6 @@ class CompletionService:
                     tokens = info.prompt_tokens or len(raw) // 4
                 try:
                     async with admission.slot(identity, model, tokens, ctx, demand):
-                        ctx.admitted_at = time.monotonic()
                         ctx.status = await self.proxy.forward(
                             self._exchange(out, request, endpoint, parsed, info, ctx, raw, salted, holder)
                         )

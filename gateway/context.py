@@ -66,6 +66,7 @@ class RequestContext:
     client_traceparent: str | None = None  # not traced here (off, or not sampled): the client's, passed on as it came
     client_tracestate: str | None = None  # the client's, passed on with either traceparent
     admitted_at: float | None = None
+    refused_at: float | None = None  # admission refused it (authentication, quota, latency targets, the queue)
     route_started: float | None = None
     routed_at: float | None = None
     sent_at: float | None = None

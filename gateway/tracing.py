@@ -13,7 +13,8 @@ exporter work runs on the event loop. The tree, one trace per request (the clien
 `traceparent`, else a new one sampled at `sample_ratio`):
 
     kvgate.request     SERVER: endpoint, model, tenant, status, replica, tokens
-      kvgate.admission   authentication, quota and the fair queue's wait
+      kvgate.admission   authentication, quota and the fair queue's wait; a refused request's ends at its refusal,
+                         `kvgate.refused` its error code
       kvgate.route       the decision: replica, reason, predicted cached tokens
       kvgate.upstream    CLIENT: sent until the first byte; the engine gets `traceparent` naming this span, so
                          vLLM's own spans (`--otlp-traces-endpoint`) join the trace under it
@@ -111,9 +112,13 @@ class Tracer:
              ctx.started, end, request_attrs),
         ]  # fmt: skip
         first_byte = ctx.started + ctx.ttft_s if ctx.ttft_s is not None else None
-        if ctx.admitted_at is not None:
+        admission_end = ctx.admitted_at if ctx.admitted_at is not None else ctx.refused_at
+        if admission_end is not None:
+            admission_attrs: dict[str, Any] = {"kvgate.queue_wait_ms": ctx.queue_wait_s * 1000}
+            if ctx.admitted_at is None:
+                admission_attrs["kvgate.refused"] = ctx.error or ""
             spans.append(("kvgate.admission", context(rng.getrandbits(64) or 1), root, SpanKind.INTERNAL,
-                          ctx.started, ctx.admitted_at, {"kvgate.queue_wait_ms": ctx.queue_wait_s * 1000}))  # fmt: skip
+                          ctx.started, admission_end, admission_attrs))  # fmt: skip
         if ctx.routed_at is not None and ctx.route_started is not None:
             route_attrs: dict[str, Any] = {"kvgate.replica": ctx.replica, "kvgate.route_reason": ctx.route_reason}
             if ctx.predicted_cached_tokens is not None:

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.admission.config import hash_key
 from simengine import SimConfig
 from tests.conftest import gateway_over_sims, wait_for
 
@@ -94,6 +95,33 @@ async def test_a_traced_request_yields_a_span_per_stage_in_the_clients_trace(htt
         # request's tracestate with its traceparent
         assert len(sims[0].engine.traceparents) == 3 and sims[0].engine.traceparents[2] == unsampled
         assert list(sims[0].engine.tracestates) == ["v=1", "v=2"]
+
+
+async def test_a_refused_request_has_an_admission_span_ending_at_its_refusal(http: aiohttp.ClientSession) -> None:
+    """A wrong key (401) and a tenant over its request rate (429): each request's trace has its admission span,
+    naming the refusal, and no route or upstream span (the engine never saw them)."""
+    admission = {"auth": True, "tenants": {"acme": {"keys": [hash_key("sk-acme")],
+                                                    "limits": {"requests_per_minute": 1}}}}  # fmt: skip
+    traces = {"wrong key": "1" * 32, "first": "2" * 32, "over the rate": "3" * 32}
+    async with otlp_receiver() as (endpoint, spans):
+        tracing = {"otlp_endpoint": endpoint}
+        async with gateway_over_sims([SimConfig()], tracing=tracing, admission=admission) as (gw, _):
+            for what, key, status in (("wrong key", "sk-nobody", 401), ("first", "sk-acme", 200),
+                                      ("over the rate", "sk-acme", 429)):  # fmt: skip
+                headers = {"traceparent": f"00-{traces[what]}-{CLIENT_SPAN}-01", "Authorization": f"Bearer {key}"}
+                body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                async with http.post(f"{gw.url}/v1/chat/completions", json=body, headers=headers) as resp:
+                    assert resp.status == status, await resp.text()
+    for what, code in (("wrong key", "invalid_api_key"), ("over the rate", "rate_limit_exceeded")):
+        by_name = {s.name: s for s in spans if s.trace_id.hex() == traces[what]}
+        assert sorted(by_name) == ["kvgate.admission", "kvgate.request"], what
+        refused = {a.key: a.value.string_value for a in by_name["kvgate.admission"].attributes}["kvgate.refused"]
+        assert refused == code
+        assert by_name["kvgate.admission"].end_time_unix_nano <= by_name["kvgate.request"].end_time_unix_nano
+    admitted = {s.name: s for s in spans if s.trace_id.hex() == traces["first"]}
+    assert sorted(admitted) == sorted(STAGES) and "kvgate.refused" not in {
+        a.key for a in admitted["kvgate.admission"].attributes
+    }
 
 
 async def test_with_tracing_off_the_clients_trace_context_reaches_the_engine(http: aiohttp.ClientSession) -> None:

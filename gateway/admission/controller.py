@@ -37,7 +37,7 @@ from gateway.admission.queue import AttainedService
 from gateway.admission.quota import Lease, QuotaResult, QuotaStore, token_cost
 from gateway.admission.targets import LatencyGate
 from gateway.context import RequestContext
-from gateway.errors import BadRequest, Overloaded, RateLimited
+from gateway.errors import BadRequest, GatewayError, Overloaded, RateLimited
 from gateway.ids import IdSource
 from gateway.router import Router
 from policies.base import RequestInfo
@@ -95,7 +95,14 @@ class AdmissionSlot:
         self.ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self.ticket = await self.controller.admit(self.identity, self.model, self.prompt_tokens, self.ctx, self.demand)
+        try:
+            self.ticket = await self.controller.admit(
+                self.identity, self.model, self.prompt_tokens, self.ctx, self.demand
+            )
+        except GatewayError:
+            self.ctx.refused_at = time.monotonic()
+            raise
+        self.ctx.admitted_at = time.monotonic()
         return self.ticket
 
     async def __aexit__(self, *exc_info: object) -> None:
