@@ -2,11 +2,12 @@
 
 Steps: (1) the sweep of `loadgen sweep` (verdicts, knee, recommended gate; the goodput knee with `--slo`; the
 plan beside the measurement with `--plan`); (2) a sustained run of `--duration` seconds at the knee (closed loop
-at the knee concurrency, or open loop at the knee rate) on new prompts (seed + 1; `--num-requests` caps only the
-sweep's settings); its output throughput in windows of time (10 s, shorter for runs under a minute:
-at least six) over the time requests were sent (not the drain after it) says whether the knee holds over time:
-*steady* when every full window is within 20 % of the windows' mean, and that mean is the sustained throughput
-(`sustained_windows`); (3) the quality checks (`--no-quality` skips them).
+at the knee concurrency, or open loop at the knee rate; with `--slo`, at the goodput knee where it is the lower)
+on new prompts (seed + 1; `--num-requests` caps only the sweep's settings); its output throughput in windows of
+time (10 s, shorter for runs under a minute: at least six) over the time requests were sent (not the drain after
+it) says whether the knee holds over time: *steady* when every full window is within 20 % of the windows' mean,
+and that mean is the sustained throughput (`sustained_windows`); (3) the quality checks (`--no-quality` skips
+them).
 Output: the tables on the terminal, and with `--out DIR` one result.json holding the three documents and one
 self-contained report.html (headline, the three sections, charts embedded). Exit status 1 when no request of
 the sweep succeeded, a quality check failed, or the gate could not be written.
@@ -92,7 +93,7 @@ async def report(args: argparse.Namespace) -> int:
         if modes.nothing_succeeded(args, sweep):  # no sustained run or quality checks against what cannot serve
             print(format_table(sweep))
             return 1
-        knee = sweep["knee"]["load"]
+        knee = sweep["recommendation"]["load"] or sweep["knee"]["load"]  # with --slo, the SLO's where it is lower
         by_rate = sweep["arrival"] == "poisson"
         arrival = Arrival("poisson", rate=knee, burstiness=args.burstiness, max_inflight=args.max_inflight) \
             if by_rate else Arrival("closed", concurrency=int(knee))  # fmt: skip

@@ -3,9 +3,9 @@ one-command capacity report, which chains sweep, run and quality, is `loadgen.ca
 
 sweep: one setting per concurrency (closed loop) or rate (gamma arrivals, Poisson by default), each with a fresh
 workload (seed + 1000 * i, so settings do not reuse each other's prompts unless `--same-prompts`), metrics scraped
-before and after each; then the knee rule and the recommended per-replica gate (`loadgen.stats`), optionally
-written to a config; with `--slo` the goodput knee, with `--plan` the prediction beside the measurement
-(`loadgen.predicted`). run: one setting for N requests or a duration. quality: `loadgen.quality` checks. compare:
+before and after each; then what the points say (`loadgen.knees`): the knee and the recommended per-replica gate,
+optionally written to a config; with `--slo` the goodput knee, with `--plan` the prediction beside the
+measurement. run: one setting for N requests or a duration. quality: `loadgen.quality` checks. compare:
 side-by-side of result files. Every mode prints the table, and with `--out DIR` writes result.json, charts and
 report.html.
 Warm-up (`--warmup N`): before each setting, N requests of the same arrival from another seed (so they do not
@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from loadgen import predicted
+from loadgen import knees, predicted
 from loadgen import workloads as wl
 from loadgen.client import RequestSpec, Target, fetch_model
 from loadgen.datasets import DatasetWorkload, load_dataset
@@ -36,16 +34,9 @@ from loadgen.quality import run_quality
 from loadgen.report import Doc, format_compare, format_table, write_charts, write_html, write_json
 from loadgen.runner import Arrival, Progress, SettingResult, Tenant, WorkloadFactory, run_setting
 from loadgen.stats import (
-    KneeRule,
     Slo,
-    SweepPoint,
-    find_goodput_knee,
-    find_knee,
     percentile,
-    recommend_gate,
-    slo_verdict,
     summarize,
-    verdict,
 )
 from loadgen.text import TextMaker, make_text_maker
 
@@ -225,68 +216,6 @@ def _finish(doc: Doc, args: argparse.Namespace) -> None:
     print(f"wrote {path}, {out / 'report.html'}" + (f" and {len(charts)} charts" if charts else ""))
 
 
-def _answered(summary: dict[str, Any]) -> float:
-    """The knee rule's success rate: the share answered, successes and refusals with Retry-After alike."""
-    requests = summary["requests"]
-    return (summary["succeeded"] + summary.get("refused", 0)) / requests if requests else 0.0
-
-
-def _refused(summary: dict[str, Any]) -> float:
-    requests = summary["requests"]
-    return summary.get("refused", 0) / requests if requests else 0.0
-
-
-def _apply_knee(doc: Doc, args: argparse.Namespace, by_rate: bool) -> int | None:
-    pts = [
-        SweepPoint(p["load"], p["summary"]["ttft_s"]["p50"] or 0.0, p["summary"]["output_tok_per_s"],
-                   _answered(p["summary"]), p["summary"]["e2e_s"]["mean"] or 0.0, _refused(p["summary"]))
-        for p in doc["points"]
-    ]  # fmt: skip
-    rule = KneeRule(ttft_factor=args.knee_ttft_factor, min_gain=args.knee_min_gain, min_success=args.min_success)
-    knee = find_knee(pts, rule, open_loop=by_rate)
-    for p, sp in zip(doc["points"], pts, strict=True):
-        p["verdict"] = verdict(sp, knee, rule)
-    replicas_seen = {r for p in doc["points"] for r in p["replica_load"] if r != "-"}
-    replicas = args.replicas or max(1, len(replicas_seen))
-    gate = recommend_gate(knee, pts[knee.index], replicas=replicas, by_rate=by_rate)
-    unit = "req/s" if by_rate else "concurrency"
-    if knee.found:
-        text = (f"knee at {unit} {knee.load:g} ({knee.reason} at {knee.saturated_at:g}); recommended "
-                f"admission.replica_max_concurrency: {gate} for {replicas} replica(s)")  # fmt: skip
-    elif knee.saturated_at is not None:  # the lowest load already fails: nothing to recommend
-        text = (f"no knee: at the lowest {unit} tested ({knee.load:g}) requests already fail or are refused; "
-                "nothing recommended (check the target, or sweep lower)")  # fmt: skip
-    elif by_rate:
-        text = f"no knee up to {unit} {knee.load:g}: time to first token did not jump (sweep higher rates)"
-    else:
-        text = f"no knee up to {unit} {knee.load:g}: the gate is at least {gate} per replica (sweep higher)"
-    doc["knee"] = knee.to_json()
-    doc["recommendation"] = {"replica_max_concurrency": gate, "replicas": replicas, "found": knee.found, "text": text}
-    return gate if knee.found else None
-
-
-def _apply_goodput(doc: Doc, args: argparse.Namespace) -> None:
-    if args.slo is None:
-        return
-    knee = find_goodput_knee([(p["load"], p["summary"]["slo_attainment"]) for p in doc["points"]], args.slo_attainment)
-    for p in doc["points"]:
-        if "verdict" in p:
-            p["verdict"] = slo_verdict(p["verdict"], p["summary"]["slo_attainment"], args.slo_attainment)
-    unit = "req/s" if doc["arrival"] == "poisson" else "concurrency"
-    best = max(doc["points"], key=lambda p: p["summary"]["goodput_req_per_s"])
-    if not knee.found and knee.saturated_at is not None:
-        head = "no load tested is within targets"
-    elif unit == "req/s":
-        head = f"the highest rate within targets: {unit} {knee.load:g}"
-    else:
-        head = f"goodput knee at {unit} {knee.load:g}"
-    text = (f"{head} ({knee.reason}; SLO {args.slo.describe()}, "
-            f"attainment >= {args.slo_attainment:g}); most goodput {best['summary']['goodput_req_per_s']:.2f} req/s "
-            f"at {best['load']:g}")  # fmt: skip
-    doc["goodput"] = {"slo": asdict(args.slo), "min_attainment": args.slo_attainment, "knee": knee.to_json(),
-                      "text": text}  # fmt: skip
-
-
 async def _plan_source(
     http: aiohttp.ClientSession, args: argparse.Namespace
 ) -> tuple[int, float, Any] | list[predicted.Capacity] | None:
@@ -299,31 +228,6 @@ async def _plan_source(
     if not args.metrics_url:
         raise ValueError("--plan auto reads the engines' KV capacity: give --metrics-url (kvgate's or the engines')")
     return await predicted.scrape_capacities(http, args.metrics_url)
-
-
-def _plan_beside(doc: Doc, args: argparse.Namespace, source: tuple[int, float, Any] | list[predicted.Capacity]) -> None:
-    """doc["plan"]: the prediction beside the measured knee, in concurrency (a rate sweep's by Little's law)."""
-    if isinstance(source, list):  # the engines' capacity, at the tokens a sequence held in the lowest-load setting
-        first = doc["points"][0]["summary"]
-        per_seq = (first["prompt_tokens"] + first["completion_tokens"]) / max(1, first["succeeded"])
-        prediction = predicted.from_capacities(source, per_seq)
-    else:
-        prediction = predicted.from_plan_file(args.plan, doc["recommendation"]["replicas"], source)
-    by_rate = doc["arrival"] == "poisson"
-    loads = [_in_flight(p) if by_rate else p["load"] for p in doc["points"]]
-    knee = doc["knee"]  # not found: none up to the last load, or (saturated at the lowest) at the lowest
-    measured = loads[knee["index"]] if knee["found"] or knee["saturated_at"] is not None else None
-    best = max(p["summary"]["output_tok_per_s"] for p in doc["points"])
-    unit = " in flight (a rate sweep: rate x mean latency)" if by_rate else ""
-    doc["plan"] = predicted.compare(prediction, loads, measured, best, unit)
-    if by_rate:  # the steps as the table's rows name them: their rates
-        doc["plan"]["predicted_step"] = doc["points"][loads.index(doc["plan"]["predicted_step"])]["load"]
-        doc["plan"]["measured_knee"] = knee["load"] if measured is not None else None
-
-
-def _in_flight(point: dict[str, Any]) -> float:
-    """Requests in flight at a rate sweep's point (Little's law, rounded up as the recommended gate is)."""
-    return float(math.ceil(point["load"] * (point["summary"]["e2e_s"]["mean"] or 0.0)))
 
 
 async def sweep_doc(http: aiohttp.ClientSession, args: argparse.Namespace, target: Target) -> tuple[Doc, int | None]:
@@ -340,10 +244,9 @@ async def sweep_doc(http: aiohttp.ClientSession, args: argparse.Namespace, targe
             arrival = Arrival("closed", concurrency=int(load))
         seed = args.seed if args.same_prompts else args.seed + 1000 * i
         doc["points"].append(await run_point(http, target, factory, arrival, args, seed, f"{load:g}"))
-    gate = _apply_knee(doc, args, by_rate)
-    _apply_goodput(doc, args)
+    gate = knees.apply_goodput(doc, args, knees.apply_knee(doc, args, by_rate))
     if plan_source is not None:
-        _plan_beside(doc, args, plan_source)
+        knees.plan_beside(doc, args, plan_source)
     return doc, gate
 
 

@@ -12,11 +12,12 @@ import itertools
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
-from loadgen import cli, modes, predicted, report
+from loadgen import cli, knees, predicted, report
 from loadgen.capacity import sustained_windows
 from loadgen.client import RequestResult, Target
 from loadgen.datasets import DatasetError, DatasetWorkload, parse_jsonl, parse_sharegpt
@@ -77,10 +78,54 @@ def test_when_no_load_meets_the_slo_the_json_and_the_text_agree_there_is_no_good
         {"load": 1, "verdict": "sweet spot", "summary": {"slo_attainment": 0.5, "goodput_req_per_s": 0.5}},
         {"load": 2, "verdict": "queueing", "summary": {"slo_attainment": 0.25, "goodput_req_per_s": 0.25}},
     ]}  # fmt: skip
-    modes._apply_goodput(doc, argparse.Namespace(slo=Slo(ttft_s=0.5), slo_attainment=0.9))
+    doc["recommendation"] = {"replica_max_concurrency": 2, "replicas": 1, "found": True, "load": 2, "text": "gate 2"}
+    assert knees.apply_goodput(doc, argparse.Namespace(slo=Slo(ttft_s=0.5), slo_attainment=0.9), 2) is None
     knee = doc["goodput"]["knee"]
     assert (knee["found"], knee["load"], knee["saturated_at"]) == (False, 1, 1)
     assert doc["goodput"]["text"].startswith("no load tested is within targets (SLO attainment 0.50 < 0.9 at 1;")
+    assert not doc["recommendation"]["found"] and "nothing recommended" in doc["recommendation"]["text"]
+
+
+def sweep_point(load: float, ttft_p50_s: float, tok_s: float, attainment: float, e2e_s: float = 1.0) -> dict[str, Any]:
+    summary = {
+        "requests": 10,
+        "succeeded": 10,
+        "refused": 0,
+        "ttft_s": {"p50": ttft_p50_s},
+        "e2e_s": {"mean": e2e_s},
+        "output_tok_per_s": tok_s,
+        "slo_attainment": attainment,
+        "goodput_req_per_s": attainment * load,
+    }
+    return {"load": load, "summary": summary, "replica_load": {"r0": 1, "r1": 1}}  # fmt: skip
+
+
+def sweep_args(**slo: Any) -> argparse.Namespace:
+    return argparse.Namespace(knee_ttft_factor=3.0, knee_min_gain=0.1, min_success=0.99, replicas=None,
+                              slo=Slo(**slo) if slo else None, slo_attainment=0.9)  # fmt: skip
+
+
+def test_with_an_slo_the_recommended_gate_is_the_goodput_knees_where_that_is_lower() -> None:
+    """Throughput saturates past 8 (TTFT p50 jumps at 16), but from 4 on fewer than 90% of requests meet a 50 ms
+    TTFT target: the gate to write keeps the SLO (2 in flight over 2 replicas: 1 each), not the knee's 8 (4 each)."""
+
+    def points(*attainment: float) -> list[dict[str, Any]]:
+        shape = [(1, 0.02, 100), (2, 0.03, 190), (4, 0.04, 370), (8, 0.05, 700), (16, 0.9, 710)]
+        return [sweep_point(*p, att) for p, att in zip(shape, attainment, strict=True)]
+
+    missed = (1.0, 0.95, 0.8, 0.6, 0.1)  # within a 50 ms target
+    plain = {"arrival": "closed", "points": points(*missed)}
+    assert knees.apply_goodput(plain, sweep_args(), knees.apply_knee(plain, sweep_args(), False)) == 4
+    doc = {"arrival": "closed", "points": points(*missed)}
+    args = sweep_args(ttft_s=0.05)
+    assert knees.apply_goodput(doc, args, knees.apply_knee(doc, args, False)) == 1
+    rec = doc["recommendation"]
+    assert (rec["replica_max_concurrency"], rec["load"], rec["found"]) == (1, 2, True)
+    assert rec["text"].startswith("SLO met up to concurrency 2 (the throughput knee at 8)")
+    assert doc["knee"]["load"] == 8  # the throughput knee itself is still reported as measured
+    lenient = {"arrival": "closed", "points": points(1.0, 1.0, 1.0, 0.95, 0.1)}  # a 1 s target: met up to 8
+    args = sweep_args(ttft_s=1.0)  # the throughput knee's gate stands
+    assert knees.apply_goodput(lenient, args, knees.apply_knee(lenient, args, False)) == 4
 
 
 # --- arrivals ----------------------------------------------------------------------------------------------------
@@ -209,7 +254,7 @@ def test_a_rate_sweep_compares_the_plan_in_sequences_in_flight(tmp_path: Path) -
            "points": [{"load": r, "summary": {"e2e_s": {"mean": 0.25}, "output_tok_per_s": 10.0 * r}}
                       for r in (4, 8, 16, 32, 64)]}  # fmt: skip
     args = argparse.Namespace(plan=str(plan))
-    modes._plan_beside(doc, args, predicted.read_plan_file(str(plan)))
+    knees.plan_beside(doc, args, predicted.read_plan_file(str(plan)))
     got = doc["plan"]
     assert (got["predicted_step"], got["measured_knee"], got["steps_apart"], got["within_one_step"]) == (
         16,
