@@ -48,7 +48,8 @@ from cacheindex.kv_events import BlockStoredEvent, KvEvent, decode_kv_event_batc
 from cacheindex.kv_index import KvIndex, StoredBlocks
 from cacheindex.tokenizers import HfPromptTokenizer
 from engine_pool.tiny_model import corpus_text
-from loadgen.plan import DEVICES, load_model, plan
+from loadgen.model_shape import load_model
+from loadgen.plan import DEVICES, plan
 from tests.vllm_gateway import Gateway, pool_gateway
 
 pytestmark = [

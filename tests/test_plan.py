@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadgen.plan import DEVICES, GIB, Device, Model, main, plan
+from loadgen.model_shape import Model
+from loadgen.plan import DEVICES, GIB, Device, main, plan
 
 LLAMA3_8B = {
     "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
