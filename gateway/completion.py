@@ -46,7 +46,7 @@ log = logging.getLogger("kvgate.gateway")
 # a model's 503s that send its requests on to a fallback (models.fallbacks); others (quota store down, the tenant's
 # own queue bound) would refuse the fallback too
 _NO_CAPACITY = frozenset(
-    {"no_ready_replica", "queue_full", "queue_timeout", "engines_not_discovered", "latency_target"}
+    {"no_ready_replica", "queue_full", "queue_wait", "queue_timeout", "engines_not_discovered", "latency_target"}
 )
 HELD_MAX = 100_000  # stored responses remembered (id -> replica), least recently used dropped first
 

@@ -177,8 +177,9 @@ class ModelsConfig(StrictModel):
     )
     fallbacks: dict[str, list[str]] = Field(
         default_factory=dict,
-        description="model -> models to try in order when it has no capacity now (no ready replica, its queue "
-        "full or timed out: a 503), e.g. {big: [small]}; counted in kvgate_model_fallbacks_total and named in "
+        description="model -> models to try in order when it has no capacity now (a 503 for no ready replica, its "
+        "queue full, a queue wait predicted or found past the request's budget, or its latency targets out of reach "
+        "on every replica), e.g. {big: [small]}; counted in kvgate_model_fallbacks_total and named in "
         "the x-kvgate-fallback response header; the last one's 503 (with Retry-After) is the answer",
     )
     dynamic_lora: bool = Field(

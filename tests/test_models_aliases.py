@@ -4,6 +4,7 @@ model has no capacity ends in 503 with Retry-After."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -11,10 +12,10 @@ import openai
 import pytest
 
 from gateway.config import load_config
-from gateway.embedded import RunningGateway
+from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REGISTRY, REPLICAS
-from simengine import SimConfig
-from tests.conftest import gateway_over_sims, wait_for
+from simengine import SimConfig, run_sim_engine
+from tests.conftest import gateway_config, gateway_over_sims, wait_for
 
 BIG, SMALL, TINY = SimConfig(model="big"), SimConfig(model="small"), SimConfig(model="tiny")
 MODELS = {"aliases": {"gpt-4o-mini": "small"}, "fallbacks": {"big": ["small", "tiny"]}}
@@ -66,6 +67,32 @@ async def test_a_model_without_capacity_falls_back_in_order_then_answers_503(htt
         registry = gw.app[REGISTRY]
         assert registry.get_sample_value("kvgate_model_fallbacks_total", {"model": "big", "fallback": "small"}) == 3
         assert registry.get_sample_value("kvgate_model_fallbacks_total", {"model": "big", "fallback": "tiny"}) == 2
+
+
+async def test_a_request_refused_for_its_predicted_queue_wait_falls_back(http: aiohttp.ClientSession) -> None:
+    """big has one slot held ~1 s a request; once the gateway has learned that, a request that would queue for it
+    past max_wait_s is refused at once (queue_wait) and, as for any 503 of capacity, served by the fallback."""
+    slow = SimConfig(model="big", decode_ms=100.0)
+    async with run_sim_engine(slow) as big, run_sim_engine(SMALL) as small:
+        engines = [{"url": big.url, "model": "big", "max_concurrency": 1}, {"url": small.url, "model": "small"}]
+        admission = {"targets": {"enabled": False}, "queue": {"max_wait_s": 0.2}}
+        config = gateway_config([], engines=engines, admission=admission, models={"fallbacks": {"big": ["small"]}})
+        async with running_gateway(config) as gw:
+            await wait_for(lambda: _ready(gw, "big") and _ready(gw, "small"), what="both ready")
+            body = {"model": "big", "prompt": "hi", "max_tokens": 10, "ignore_eos": True}
+
+            async def ask() -> tuple[int, str | None]:
+                async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.status, resp.headers.get("x-kvgate-fallback")
+
+            assert await ask() == (200, None)  # the slot's holding time learned
+            got = sorted(await asyncio.gather(ask(), ask()), key=lambda answer: answer[1] or "")
+            assert got == [(200, None), (200, "big -> small")]
+            rejected = gw.app[REGISTRY].get_sample_value(
+                "kvgate_admission_rejections_total", {"tenant": "anonymous", "reason": "queue_wait"}
+            )
+            assert rejected == 1  # refused for its wait, not after waiting it out
 
 
 def _ready(gw: RunningGateway, model: str) -> bool:
