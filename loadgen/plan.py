@@ -283,13 +283,14 @@ def main(argv: list[str]) -> int:
 
 
 def _configured(text: str, result: Plan, model: str | None) -> str:
-    """The config with the recommended gate, and max_num_seqs on the named pool model (or the only one)."""
+    """The config with the recommended gate, and max_num_seqs on the named pool model (or the only one);
+    GateConfigError for a pool of several models and no name."""
     text = set_gate_text(text, result.replica_max_concurrency)
     names = pool_models(text)
     if model is None and len(names) == 1:
         model = names[0]
     if model is None:
-        if names:
-            print(f"kvgate plan: the pool has models {names}: give --pool-model to set max_num_seqs", file=sys.stderr)
+        if names:  # the plan is one model's: which of them is not guessed, and nothing is written
+            raise GateConfigError(f"the pool has models {names}: give --pool-model (the one this plan is for)")
         return text
     return set_model_key_text(text, model, "max_num_seqs", result.max_num_seqs)

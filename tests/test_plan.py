@@ -163,6 +163,9 @@ def test_write_config_sets_the_gate_and_the_pool_models_max_num_seqs(tmp_path: P
     assert main([*argv, "--write-config", str(cfg), "--pool-model", "small"]) == 0
     assert [m.get("max_num_seqs") for m in yaml.safe_load(cfg.read_text())["pool"]["models"]] == [64, 64]
     assert main([*argv, "--write-config", str(cfg), "--pool-model", "missing"]) == 1
+    before = cfg.read_text()
+    assert main([*argv, "--write-config", str(cfg)]) == 1  # two models and none named: which one is not guessed
+    assert cfg.read_text() == before  # and nothing is written (the gate alone was, pool-wide)
     one = tmp_path / "one.yaml"
     one.write_text("pool:\n  models:\n  - name: only\n    kind: sim\n")  # the only model needs no name
     assert main([*argv, "--write-config", str(one)]) == 0
