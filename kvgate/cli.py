@@ -79,7 +79,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "sim-engine": Subcommand(_sim_engine, "run a simulated vLLM engine (tests, benchmarks)"),
     "make-tiny-model": Subcommand(_make_tiny_model, "build the tiny random-weight Llama offline"),
     "make-tiny-lora": Subcommand(_make_tiny_lora, "build a tiny LoRA adapter for the tiny model offline"),
-    "loadgen": Subcommand(_loadgen, "load generator: sweep, run, quality, compare"),
+    "loadgen": Subcommand(_loadgen, "load generator: sweep, run, quality, report, compare"),
     "plan": Subcommand(_plan, "capacity plan from a model's config.json and a device: KV fit, decode ceiling"),
     "admin": Subcommand(_admin, "drain / rolling-restart / scale a running gateway"),
     "hash-key": Subcommand(_hash_key, "print the stored form of API keys (admission.tenants.*.keys)"),

@@ -235,8 +235,9 @@ class RedisConfig(_Strict):
 class AdmissionConfig(_Strict):
     auth: bool = Field(
         False,
-        description="every request needs `Authorization: Bearer` with a configured tenant key (else 401); "
-        "off = every request is anonymous_tenant",
+        description="every request needs a configured tenant key (else 401): `Authorization: Bearer`, or "
+        "Anthropic's `x-api-key` on the Messages routes and GET /v1/models (the two SDKs' headers); off = every "
+        "request is anonymous_tenant",
     )
     anonymous_tenant: str = Field(
         ANONYMOUS, description="tenant of every request while auth is off (its limits come from tenants.<name>)"
