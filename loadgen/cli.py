@@ -12,7 +12,7 @@ Examples:
 Exit status: 0 done, 1 nothing succeeded (an unreachable URL included, with or without --model) / a quality check
 failed / the gate could not be written, 2 bad usage (including an unreadable dataset, trace or plan file, and a
 --plan auto whose metrics pages report no KV capacity: both checked before any load is sent), 130 interrupted
-(Ctrl-C; nothing is written: the knee, gate and plan comparison need the whole sweep).
+(Ctrl-C; a sweep writes the settings that finished, with no knee, gate or plan comparison).
 """
 
 from __future__ import annotations

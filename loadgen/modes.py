@@ -15,6 +15,7 @@ pre-cache the measured prompts), sent before the metrics are scraped and left ou
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import sys
@@ -237,13 +238,21 @@ async def sweep_doc(http: aiohttp.ClientSession, args: argparse.Namespace, targe
     by_rate = bool(args.rates)
     doc = _new_doc(args, "sweep", target)
     doc["arrival"] = "poisson" if by_rate else "closed"
-    for i, load in enumerate(sorted(args.rates or args.concurrencies)):
-        if by_rate:
-            arrival = Arrival("poisson", rate=load, burstiness=args.burstiness)
-        else:
-            arrival = Arrival("closed", concurrency=int(load))
-        seed = args.seed if args.same_prompts else args.seed + 1000 * i
-        doc["points"].append(await run_point(http, target, factory, arrival, args, seed, f"{load:g}"))
+    loads = sorted(args.rates or args.concurrencies)
+    try:
+        for i, load in enumerate(loads):
+            if by_rate:
+                arrival = Arrival("poisson", rate=load, burstiness=args.burstiness)
+            else:
+                arrival = Arrival("closed", concurrency=int(load))
+            seed = args.seed if args.same_prompts else args.seed + 1000 * i
+            doc["points"].append(await run_point(http, target, factory, arrival, args, seed, f"{load:g}"))
+    except asyncio.CancelledError:  # Ctrl-C: the settings that finished are kept, with no knee (it needs them all)
+        if doc["points"]:
+            doc["interrupted"] = f"after {len(doc['points'])} of {len(loads)} settings: no knee, gate or plan"
+            print(f"kvgate loadgen: interrupted {doc['interrupted']}", file=sys.stderr)
+            _finish(doc, args)
+        raise
     gate = knees.apply_goodput(doc, args, knees.apply_knee(doc, args, by_rate))
     if plan_source is not None:
         knees.plan_beside(doc, args, plan_source)

@@ -26,6 +26,7 @@ from loadgen.stats import summarize
 from loadgen.text import CharTextMaker
 from simengine import SimConfig, SimServer, run_sim_engine
 from simengine.tokenize import tokenize_chat
+from tests.conftest import wait_for
 
 M = CharTextMaker()
 FAST = SimConfig(block_size=16, overhead_ms=0.5, prefill_us_per_token=2.0, decode_ms=0.5, decode_ms_per_seq=0.0)
@@ -370,6 +371,30 @@ async def test_completions_endpoint(sim: SimServer) -> None:
                                                                             input_tokens=(8, 8), output_tokens=(3, 3)),
                                 Arrival("closed", concurrency=3))  # fmt: skip
     assert all(r.ok and r.completion_tokens == 3 and r.text for r in res.results)
+
+
+async def test_an_interrupted_sweep_keeps_the_settings_that_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during the second of three settings (the sweep's task cancelled, as asyncio.run does on SIGINT): the
+    first setting is written, marked interrupted, with no knee or gate; the cancellation still ends the command."""
+    out = tmp_path / "sweep"
+    slow = FAST.model_copy(update={"decode_ms": 20.0})  # 16 tokens: about 0.3 s a request
+    async with run_sim_engine(slow) as server:
+        argv = ["sweep", "--url", server.url, "--workload", "random", "--input-len", "32:32", "--random-output-len",
+                "16:16", "-n", "4", "--concurrencies", "1,2,4", "--out", str(out), "--no-charts"]  # fmt: skip
+        task = asyncio.create_task(cli.amain(argv))
+        # the first setting's 4 requests, then one of the second's: the first is in the document by then
+        await wait_for(lambda: server.engine.stats.completed >= 5 or task.done(), 60.0, "a request of the second")
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    doc = json.loads((out / "result.json").read_text())
+    assert [p["load"] for p in doc["points"]] == [1]
+    assert doc["interrupted"] == "after 1 of 3 settings: no knee, gate or plan"
+    assert doc["knee"] is None and doc["recommendation"] is None
+    assert "kvgate loadgen: interrupted after 1 of 3 settings" in capsys.readouterr().err
 
 
 async def test_rate_sweep_open_loop(tmp_path: Path) -> None:
