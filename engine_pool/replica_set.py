@@ -272,7 +272,7 @@ class ReplicaSet:
         try:
             status, _ = await self._client.fetch("GET", f"{replica.url}/health", timeout_s=self.timeout_s)
         except (ConnectionError, TimeoutError, ValueError) as exc:
-            return f"GET /health failed: {exc or type(exc).__name__}"
+            return f"GET /health failed: {str(exc) or type(exc).__name__}"
         if status == LOOP_DETECTED:
             return "its address answers as this gateway (508, loop detected): it leads back here"
         if status != 200:
@@ -281,7 +281,7 @@ class ReplicaSet:
             await self._discover_model(replica)
         except (ConnectionError, TimeoutError) as exc:
             if replica.model is None:  # nothing to route to yet; a model already known stays routable
-                return f"GET /v1/models failed: {exc or type(exc).__name__}"
+                return f"GET /v1/models failed: {str(exc) or type(exc).__name__}"
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             return f"GET /v1/models is not an OpenAI model list: {exc}"
         return None if replica.model is not None else "GET /v1/models lists no model"

@@ -53,6 +53,10 @@ async def upstream_error(upstream: UpstreamResponse) -> UpstreamError:
             }
         }
         return UpstreamError(str(body["message"]), status=upstream.status, upstream_body=wrapped)
+    if isinstance(body, dict) and "detail" in body:  # FastAPI's own errors (an unserved route's 404, a form's 422)
+        detail = body["detail"]
+        message = detail if isinstance(detail, str) else orjson.dumps(detail).decode()
+        return UpstreamError(message[:1024], status=upstream.status)
     return UpstreamError(f"engine answered HTTP {upstream.status}", status=upstream.status)
 
 

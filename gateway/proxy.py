@@ -41,6 +41,7 @@ from gateway.errors import (
     GatewayError,
     Migration,
     Retryable,
+    UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
     error_event,
@@ -50,7 +51,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.migration import CHAT_PATH, continuation
 from gateway.relay import ClientEvents, SseSplitter, sequence_number
 from gateway.router import Router
-from gateway.upstream_send import read_answer, response_headers, send
+from gateway.upstream_send import content_type, framed_as_json, read_answer, response_headers, send
 from policies.base import Decision
 
 T = TypeVar("T")
@@ -162,8 +163,17 @@ class UpstreamProxy:
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         ex.ctx.batch_mark = replica.batch_mark()
         try:
-            upstream = await send(self.client, self.settings.timeouts, replica, ex)
             try:
+                upstream = await send(self.client, self.settings.timeouts, replica, ex)
+            except UpstreamTimeout:  # a whole answer past the total deadline: not retried, but the replica's doing
+                self.metrics.upstream_errors.labels(replica.id, "timeout_total").inc()
+                self.count_failure(replica)
+                raise
+            try:
+                if not 200 <= upstream.status <= 599 or 300 <= upstream.status < 400:  # no answer of an engine's API
+                    raise Retryable("bad_status", UpstreamError(
+                        f"replica {replica.id} answered HTTP {upstream.status}, not an answer of the API"
+                    )) from None  # fmt: skip
                 if upstream.status >= 500:
                     raise Retryable(f"http_{upstream.status}", await upstream_error(upstream)) from None
                 if upstream.status >= 400:
@@ -212,13 +222,14 @@ class UpstreamProxy:
         if ex.stream:
             return await self._relay_stream(ex, upstream, replica, decision)
         raw = await read_answer(upstream, replica, ex.deadline, self.settings.max_answer_bytes)
+        kind = content_type(upstream)
+        if kind.startswith("application/json") and not framed_as_json(raw):  # HTML, SSE text, a body cut short
+            raise Retryable("not_json", UpstreamError(f"replica {replica.id}'s answer is not the JSON it says it is"))
         ctx = ex.ctx
         ctx.ttft_s = time.monotonic() - ctx.started
         try:
             await ex.out.send(
-                upstream.status,
-                {**self._headers(ex, replica, decision, upstream), "Content-Type": "application/json"},
-                raw,
+                upstream.status, {**self._headers(ex, replica, decision, upstream), "Content-Type": kind}, raw
             )
         finally:
             ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
@@ -273,17 +284,22 @@ class UpstreamProxy:
             if not started:
                 raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
             failure = self._stalled(ex, replica, idle=loop.time() < end_at)
-        except UpstreamConnectionError as exc:  # the engine failed mid-stream
+        except UpstreamConnectionError as exc:  # the engine failed mid-stream (after its end: not a failure)
             if not started:
                 raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
-            ex.ctx.error = "upstream_reset"
-            failure = UpstreamUnavailable(f"replica {replica.id} failed mid-stream: {exc}", code="upstream_reset")
-            self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
-            self.count_failure(replica)
+            if not client.done:
+                ex.ctx.error = "upstream_reset"
+                failure = UpstreamUnavailable(f"replica {replica.id} failed mid-stream: {exc}", code="upstream_reset")
+                self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
+                self.count_failure(replica)
         if not started:
             raise Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
         if held := client.flush():  # cut with a finish event held back: it is the client's
             await client.write(held, first=False)
+        if client.failed:  # the engine's own error event ended it (then `[DONE]`): relayed as it came, not retried
+            ex.ctx.error = "upstream_error_event"
+            await ex.out.end()
+            return 502
         if not client.done and (closing := client.closing()) is not None:  # whole but for its last event
             await ex.out.write(closing)
             client.done = ex.ctx.answered = True
@@ -291,13 +307,11 @@ class UpstreamProxy:
             failure = ex.ctx.error = None
         elif failure is None and client.end is None:  # a stream without an end event ends with the body
             ex.ctx.answered = True
-        elif failure is None and client.failed:  # the engine's own error event ended it: relayed as it came
-            ex.ctx.error = "upstream_error_event"
-            await ex.out.end()
-            return 502
         elif failure is None and not client.done:  # cut short without its end event ([DONE], message_stop)
             ex.ctx.error = "upstream_truncated"
             failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
+        if failure is None:  # a stream that starts and then stalls or breaks is no success: the breaker can open
+            replica.record_success()
         if failure is not None and self._may_migrate(ex):
             raise Migration(failure)
         return await self._end_stream(ex, failure, client.last)
@@ -308,12 +322,12 @@ class UpstreamProxy:
         """The client's stream starts with the first events the engine sent."""
         await client.start(upstream.status, self._headers(ex, replica, decision, upstream))
         ex.ctx.batch_mark = replica.batch_mark()  # its decode begins
-        replica.record_success()
 
     def _stalled(self, ex: Exchange, replica: Replica, *, idle: bool) -> GatewayError:
         timeouts = self.settings.timeouts
         ex.ctx.error = "stream_idle_timeout" if idle else "total_timeout"
         if idle:
+            self.metrics.upstream_errors.labels(replica.id, "stall_mid_stream").inc()
             self.count_failure(replica)
             return UpstreamTimeout(
                 f"replica {replica.id} sent nothing for {timeouts.stream_idle_s:g} s", code=ex.ctx.error

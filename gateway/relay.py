@@ -6,8 +6,9 @@ a stored response's id, the end of the answer) and, for a stream that may contin
 (`gateway.migration.Relayed`). A continuation's events go into the client's started stream without the assistant
 role the client already has, its usage told as the whole answer's; a Messages stream's continuation (chat events)
 is told in Anthropic's shape (`gateway.migration.MessagesSeam`). A stream is complete with its API's last event
-(`end_marker`): `data: [DONE]` for chat and completions, `message_stop` for the Messages API (whose `error` event
-from the engine ends it too, as failed); other streams end with their body. A stream cut when only that last event
+(`end_marker`): `data: [DONE]` for chat and completions, `message_stop` for the Messages API; an error event of
+the engine's (vLLM's `data: {"error": ...}` before its `[DONE]`, the Messages API's `error`) ends it as failed;
+other streams end with their body. A stream cut when only that last event
 was missing (the engine died as it finished) gets it from the gateway (`ClientEvents.closing`).
 
 Cost per event: one `bytes.find` for its end; one substring check for usage (and, on a stream that may migrate,
@@ -33,6 +34,7 @@ from gateway.migration import Relayed, split_usage, whole_usage, without_role
 from gateway.request_parse import ParsedRequest, as_int
 
 DONE = b"data: [DONE]"
+_OPENAI_ERROR = b'data: {"error"'  # an error event of a chat or completions stream (vLLM's, mid-stream)
 MESSAGE_STOP = b"event: message_stop"
 # the Responses API's terminal events: after one the answer is whole (a client may leave before the body's end)
 RESPONSE_END = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
@@ -200,7 +202,7 @@ class ClientEvents:
         if not self._continuing:
             ex.ctx.leading_events = _leading_events(parsed)
         self.done = False  # the answer's end reached the client (`end`); it may leave before the terminator
-        self.failed = False  # the engine ended the stream with its own error event (the Messages API's)
+        self.failed = False  # the engine ended the stream with its own error event
         self.last = b""  # the last event the client got
 
     def take(self, events: list[bytes]) -> list[bytes]:
@@ -297,6 +299,8 @@ class ClientEvents:
         if self._ex.relayed is not None:
             self._ex.relayed.add(events, len(data))
         await self._ex.out.write(data)
+        if self.end is DONE and _OPENAI_ERROR in data:  # vLLM's own error event (then `[DONE]`); a JSON string
+            self.failed = True  # escapes its quotes, so only an event can hold these bytes
         if ends:
             self.done = self._ex.ctx.answered = True
         elif self.end is MESSAGE_STOP and last.startswith(ANTHROPIC_ERROR):

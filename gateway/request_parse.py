@@ -88,18 +88,26 @@ def _check_messages(messages: Any) -> None:
             raise BadRequest(f"messages[{i}].content must be a string or an array", param=f"messages[{i}].content")
 
 
-def _check_prompt(prompt: Any) -> None:
+def _token_ids(items: list[Any]) -> list[int] | None:
+    """`items` as token ids the way vLLM's prompt field reads them (pydantic's lax int: 5, 5.0, true; strings are a
+    batch of text prompts), else None."""
+    ids = [None if isinstance(t, str) else as_int(t) for t in items]
+    return None if any(t is None for t in ids) else ids  # type: ignore[return-value]
+
+
+def _prompt(prompt: Any) -> Any:
+    """The prompt as vLLM reads it: a string, a batch of strings, token ids or a batch of them (as ints); 400 else."""
     if isinstance(prompt, str):
-        return
+        return prompt
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            return
-        if all(
-            isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt
-        ):
-            return
+            return prompt
+        if (ids := _token_ids(prompt)) is not None:
+            return ids
+        if all(isinstance(p, list) and p for p in prompt):
+            batch = [_token_ids(p) for p in prompt]
+            if all(b is not None for b in batch):
+                return batch
     raise BadRequest("'prompt' must be a string, an array of strings, or an array of token ids", param="prompt")
 
 
@@ -234,10 +242,13 @@ def parse_request(kind: BodyKind, raw: bytes, *, max_depth: int, model_optional:
         return ParsedRequest(kind, body, model, _stream(body), True, None, stdlib)
     if kind == "chat":
         _check_messages(body.get("messages"))
+    elif body.get("prompt") is None and body.get("prompt_embeds") is not None:
+        pass  # embeddings for a prompt (vLLM's --enable-prompt-embeds): the engine reads them; no prefix to route by
     else:
         if "prompt" not in body:
             raise BadRequest("'prompt' is required", param="prompt")
-        _check_prompt(body["prompt"])
+        if (prompt := _prompt(body["prompt"])) is not body["prompt"]:
+            body["prompt"] = prompt  # its token ids as ints, for the gateway's reading (the engine gets the bytes)
     stream = _stream(body)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):

@@ -7,7 +7,8 @@ waited for: a stream's come with its first event (waited for `first_byte_s`, the
 another replica), a whole answer's only when the generation is done (waited for until the total deadline; a timeout
 then is not retried). A kept-alive connection that turns out stale is replaced once; connect failures are
 `Retryable`; a cancelled wait (the client left) aborts the engine request. `read_answer`: a whole answer's body,
-within the deadline and `server.max_answer_bytes`. `response_headers`: the engine's headers the client gets, less
+within the deadline and `server.max_answer_bytes`; `content_type` and `framed_as_json` what it says it is and whether
+it looks so. `response_headers`: the engine's headers the client gets, less
 the hop-by-hop ones and those the gateway writes itself (`_NOT_RELAYED`, `x-kvgate-*`), plus the request id, what
 admission adds and the route headers. Cost: one engine round trip per `send`; O(headers) for the header sets.
 """
@@ -51,6 +52,22 @@ def response_headers(
         headers["x-kvgate-replica"] = replica.id
         headers["x-kvgate-route-reason"] = decision.reason
     return headers
+
+
+def content_type(upstream: UpstreamResponse) -> str:
+    """The engine's Content-Type (a binary embedding's `application/octet-stream`, a transcription's text), else
+    JSON, what vLLM's answers are."""
+    for name, value in upstream.headers:
+        if name.lower() == b"content-type":
+            return value.decode("latin-1")
+    return "application/json"
+
+
+def framed_as_json(raw: bytes) -> bool:
+    """An answer that says it is JSON looks like one: an object or array, closed (O(1): the first and last non-blank
+    bytes; what an HTML page, SSE text or a body cut short is not). The client parses it; the gateway does not."""
+    body = raw.strip()
+    return len(body) >= 2 and (body[:1], body[-1:]) in ((b"{", b"}"), (b"[", b"]"))
 
 
 def _ask_headers(ex: Exchange) -> dict[str, str]:

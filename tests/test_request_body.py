@@ -306,3 +306,33 @@ async def test_a_body_its_content_encoding_does_not_decode_is_a_400() -> None:
             assert resp.status == 400 and (await resp.json())["error"]["code"] == "invalid_http_request"
         async with http.post(gw.url + "/v1/completions", data=body) as resp:  # the connection still serves
             assert resp.status == 200
+
+
+@pytest.mark.parametrize(
+    ("prompt", "read"),
+    [
+        ([0.0, 5.0, 17.0], [0, 5, 17]),  # token ids as vLLM's request model reads them (pydantic's lax int)
+        ([[0.0, 5.0], [17]], [[0, 5], [17]]),
+        ([True, 5, 17], [1, 5, 17]),
+        (["5", "17"], ["5", "17"]),  # strings: a batch of text prompts
+    ],
+)
+def test_a_prompt_vllm_accepts_is_accepted_and_read_as_vllm_reads_it(prompt: Any, read: Any) -> None:
+    raw = json.dumps({"model": "m", "prompt": prompt}).encode()
+    parsed = parse_request("completions", raw, max_depth=DEPTH)
+    assert parsed.body["prompt"] == read and engine_body(parsed, raw, salted=False) is raw  # the engine's bytes
+
+
+@pytest.mark.parametrize("prompt", [[0.5, 5], [[1], []], [], [None], {"a": 1}])
+def test_a_prompt_vllm_refuses_is_refused(prompt: Any) -> None:
+    with pytest.raises(BadRequest, match="'prompt' must be"):
+        parse_request("completions", json.dumps({"model": "m", "prompt": prompt}).encode(), max_depth=DEPTH)
+
+
+@pytest.mark.parametrize("prompt", [{}, {"prompt": None}])
+def test_prompt_embeds_need_no_prompt(prompt: dict[str, Any]) -> None:
+    """vLLM's --enable-prompt-embeds: embeddings instead of a prompt; the engine reads them (and says when off)."""
+    raw = json.dumps({"model": "m", "prompt_embeds": "AAAA", **prompt}).encode()
+    assert parse_request("completions", raw, max_depth=DEPTH).body["prompt_embeds"] == "AAAA"
+    with pytest.raises(BadRequest, match="'prompt' is required"):
+        parse_request("completions", json.dumps({"model": "m"}).encode(), max_depth=DEPTH)

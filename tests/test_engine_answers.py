@@ -1,0 +1,169 @@
+"""What an engine answers, as the client gets it through the gateway, for answers a healthy vLLM gives rarely or an
+unhealthy engine gives: a binary answer keeps its type, a body that is not the JSON it claims and a status no API
+answers with are the replica's failure (retried elsewhere, 502 when none is left), a stream that breaks after it
+started counts against its replica, vLLM's own error event in a stream is recorded as a failed request, and
+FastAPI's `{"detail": ...}` errors keep their message. The misbehaving engine is a small aiohttp app of the test
+(it speaks the routes a gateway needs: /health, /v1/models, /v1/completions), beside the simulated engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.embedded import RunningGateway, running_gateway
+from gateway.keys import REGISTRY, REPLICAS
+from simengine import Faults, SimConfig, run_sim_engine
+from tests.conftest import gateway_config, gateway_over_sims, scrape, wait_for
+
+MODEL = "sim"
+Answer = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def fake_engine(answer: Answer) -> AsyncIterator[tuple[str, list[int]]]:
+    """An engine serving MODEL whose completions are `answer`'s; yields its URL and the count of completions."""
+    calls = [0]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        calls[0] += 1
+        await request.read()
+        return await answer(request)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", calls
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def gateway_over(urls: list[str], **overrides: Any) -> AsyncIterator[RunningGateway]:
+    engines = [{"url": url, "model": MODEL} for url in urls]
+    config = gateway_config([], engines=engines, routing={"policy": "round-robin"}, **overrides)
+    async with running_gateway(config) as gw:
+        replicas = gw.app[REPLICAS]
+        await wait_for(lambda: all(r.routable(time.monotonic()) for r in replicas), what="replicas ready")
+        yield gw
+
+
+async def upstream_errors(http: aiohttp.ClientSession, gw: RunningGateway, kind: str) -> float:
+    samples = await scrape(http, gw.url)
+    return sum(s.value for s in samples if s.name == "kvgate_upstream_errors_total" and s.labels["kind"] == kind)
+
+
+async def complete(http: aiohttp.ClientSession, gw: RunningGateway) -> tuple[int, aiohttp.typedefs.LooseHeaders, bytes]:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+    async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+        return resp.status, resp.headers, await resp.read()
+
+
+async def html(_: web.Request) -> web.StreamResponse:
+    return web.Response(text="<html><body>502 Bad Gateway</body></html>", content_type="application/json")
+
+
+async def redirect(_: web.Request) -> web.StreamResponse:
+    return web.Response(status=302, headers={"Location": "http://evil.example/"}, content_type="application/json")
+
+
+@pytest.mark.parametrize("answer", [html, redirect], ids=["html-as-json", "302"])
+async def test_an_answer_that_is_no_api_answer_is_retried_elsewhere_then_502(
+    answer: Answer, http: aiohttp.ClientSession
+) -> None:
+    async with fake_engine(answer) as (bad, calls), run_sim_engine(SimConfig(model=MODEL, instant=True)) as good:
+        async with gateway_over([bad, good.url]) as gw:
+            for _ in range(2):  # round-robin: one of them goes to the bad engine first, then to the good one
+                status, headers, raw = await complete(http, gw)
+                assert status == 200 and b'"choices"' in raw and "Location" not in headers
+            kind = "not_json" if answer is html else "bad_status"
+            assert await upstream_errors(http, gw, kind) == calls[0] >= 1  # each answer it gave counted against it
+        async with gateway_over([bad]) as gw:  # nothing else to ask: the client's 502, never the engine's page
+            status, headers, raw = await complete(http, gw)
+            assert status == 502 and "Location" not in headers
+            assert b"upstream_error" in raw and b"<html>" not in raw
+
+
+async def test_a_binary_answer_keeps_its_content_type(http: aiohttp.ClientSession) -> None:
+    """vLLM's embeddings with encoding_format bytes answer application/octet-stream: the client gets that type."""
+    floats = bytes(range(16))
+
+    async def octets(_: web.Request) -> web.StreamResponse:
+        return web.Response(body=floats, content_type="application/octet-stream", headers={"metadata": "{}"})
+
+    async with fake_engine(octets) as (url, _), gateway_over([url]) as gw:
+        status, headers, raw = await complete(http, gw)
+    assert (status, headers["Content-Type"], raw, headers["metadata"]) == (
+        200,
+        "application/octet-stream",
+        floats,
+        "{}",
+    )
+
+
+async def test_fastapis_detail_errors_keep_their_message(http: aiohttp.ClientSession) -> None:
+    async def not_found(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+    async with fake_engine(not_found) as (url, _), gateway_over([url]) as gw:
+        status, _, raw = await complete(http, gw)
+    assert status == 404 and b'"message":"Not Found"' in raw
+
+
+async def test_vllms_own_error_event_in_a_stream_is_a_failed_request(http: aiohttp.ClientSession) -> None:
+    """vLLM ends a stream that failed on the way with an error event, then `[DONE]`: relayed as it came (the SDK
+    raises it), and the request is recorded as failed, not as a 200."""
+
+    async def error_event(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"a"}]}\n\n')
+        await resp.write(b'data: {"error": {"object": "error", "message": "grammar failed", "code": 400}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async with fake_engine(error_event) as (url, _), gateway_over([url]) as gw:
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=4, stream=True)
+            with pytest.raises(openai.APIError, match="grammar failed"):
+                async for _ in stream:
+                    pass
+        (replica,) = list(gw.app[REPLICAS])
+        labels = {"model": MODEL, "replica": replica.id, "endpoint": "completions", "status": "502"}
+        assert gw.app[REGISTRY].get_sample_value("kvgate_requests_total", labels) == 1
+
+
+async def test_a_replica_whose_streams_stall_after_they_start_is_taken_out(http: aiohttp.ClientSession) -> None:
+    """Each stream of the stalling replica starts, then goes silent: that is its failure each time (a started stream
+    was counted a success, so the breaker never opened and every other stream waited stream_idle_s there)."""
+    stalling = SimConfig(model=MODEL, decode_ms=2, faults=Faults(stall_after_tokens=2, stall_s=60))
+    good = SimConfig(model=MODEL, decode_ms=2)
+    retry = {"breaker_failures": 2, "breaker_cooldown_s": 600}
+    async with gateway_over_sims(
+        [stalling, good], routing={"policy": "round-robin"}, timeouts={"stream_idle_s": 0.3}, retry=retry
+    ) as (gw, sims):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            for _ in range(8):
+                stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=8, stream=True)
+                async for _ in stream:  # each one whole: a stalled one continues on the good replica
+                    pass
+        assert sims[0].engine.stats.started == 2  # two stalls opened its breaker: no stream went there after
