@@ -82,7 +82,11 @@ class GatewayMetrics:
             LATENCY_BUCKETS,
         )
         self.upstream_errors = FastCounter(
-            "kvgate_upstream_errors", "Failed upstream attempts by replica and kind.", ["replica", "kind"], r
+            "kvgate_upstream_errors",
+            "Failed upstream attempts by replica and kind (connect, timeout, reset, empty, http_<status>, bad_status, "
+            "not_json, timeout_total, reset_mid_stream, stall_mid_stream; prefill_ before a prefill step's).",
+            ["replica", "kind"],
+            r,
         )
         self.retries = FastCounter("kvgate_retries", "Attempts retried on another replica.", ["model"], r)
         self.migrations = FastCounter(
