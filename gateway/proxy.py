@@ -174,12 +174,12 @@ class UpstreamProxy:
                     raise Retryable("bad_status", UpstreamError(
                         f"replica {replica.id} answered HTTP {upstream.status}, not an answer of the API"
                     )) from None  # fmt: skip
-                if upstream.status >= 500:
-                    raise Retryable(f"http_{upstream.status}", await upstream_error(upstream)) from None
-                if upstream.status >= 400:
-                    replica.record_success()  # the engine works; the request was bad
+                if upstream.status >= 400:  # the engine's error, with its headers (Retry-After) and the route's
                     err = await upstream_error(upstream)
                     err.headers.update(self._headers(ex, replica, decision, upstream))
+                    if upstream.status >= 500:
+                        raise Retryable(f"http_{upstream.status}", err) from None
+                    replica.record_success()  # the engine works; the request was bad
                     raise err
                 return await relay(ex, upstream, replica, decision)
             except BaseException:

@@ -167,3 +167,14 @@ async def test_a_replica_whose_streams_stall_after_they_start_is_taken_out(http:
                 async for _ in stream:  # each one whole: a stalled one continues on the good replica
                     pass
         assert sims[0].engine.stats.started == 2  # two stalls opened its breaker: no stream went there after
+
+
+async def test_an_engines_5xx_reaches_the_client_with_its_retry_after(http: aiohttp.ClientSession) -> None:
+    async def busy(_: web.Request) -> web.StreamResponse:
+        body = {"error": {"message": "engine sleeping", "type": "ServiceUnavailable", "code": 503}}
+        return web.json_response(body, status=503, headers={"Retry-After": "7"})
+
+    async with fake_engine(busy) as (url, _), gateway_over([url]) as gw:
+        status, headers, raw = await complete(http, gw)
+    assert (status, headers["Retry-After"], "x-kvgate-replica" in headers) == (503, "7", True)
+    assert b"engine sleeping" in raw
