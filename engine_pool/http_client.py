@@ -14,6 +14,24 @@ request). Flow control: a response holds at most about `READ_HIGH_WATER` bytes i
 the connection stops reading the socket until the reader catches up, so a slow client backs up into the engine's
 socket instead of the gateway's memory. Costs per request: one transport.write, one parser feed per received
 segment; no per-request allocations beyond the response object and its list of header pairs (bytes, not decoded).
+
+Framing (RFC 9110 §15.2, RFC 9112 §6.3): a response is the engine's final answer; the interim 1xx ones before it
+(100 Continue, 103 Early Hints: llhttp completes a message for each) are parsed and dropped, so the connection goes
+back to the pool only after the final answer's end. A 101 (switching protocols) fails the request: nothing kvgate
+asks for is upgraded. Bytes that begin a message when no request waits on one (after the final answer, or on an
+idle pooled connection) fail the connection: they would otherwise be read as the next request's answer. A body
+with neither Content-Length nor chunked coding ends where the engine closes the connection (HTTP/1.0, or 1.1
+without framing): that close is its normal end, not a failure; such a connection is never reused.
+
+Bound on a head: the bytes before the final answer's headers end (its status line and headers, any interim 1xx
+answers before it) are at most `MAX_HEAD_BYTES` per request, counted as they are fed to the parser; past that the
+request fails (`UpstreamProtocolError`) and the connection is aborted. Why: httptools gathers a header value by
+concatenating each received piece of it onto the rest (quadratic in its length), so an engine's endless header
+line would otherwise cost the gateway's one event loop unbounded CPU and memory, and a huge header would be relayed
+to clients. vLLM's heads are a few hundred bytes; 64 KiB is far above any real one. The cost: one comparison per
+segment received while a head is read (and one of a name's length per header, for the framing above); before the
+failure at most `MAX_HEAD_BYTES` are parsed and the concatenation copies at most MAX_HEAD_BYTES² / (bytes per
+segment), whatever the engine sends and however long it goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +51,11 @@ class UpstreamConnectionError(ConnectionError):
     """Could not connect, or the connection broke before the response was complete."""
 
 
+class UpstreamProtocolError(UpstreamConnectionError):
+    """The engine broke HTTP/1.1's framing (a malformed or oversized head, a 101, an answer nobody asked for); the
+    connection was aborted."""
+
+
 class ResponseTooLarge(UpstreamConnectionError):
     """A whole body read past its bound (`UpstreamResponse.read`'s `limit`); the connection was aborted."""
 
@@ -47,6 +70,7 @@ _NO_HEADERS: Mapping[str, str] = {}
 VIA = "x-kvgate-via"
 READ_HIGH_WATER = 256 * 1024  # bytes received and not yet taken by the reader before the socket stops being read
 MAX_HEADERS = 64  # response headers kept per response (the rest are parsed and dropped)
+MAX_HEAD_BYTES = 64 * 1024  # bytes of a response's head, interim 1xx answers included (see "Bound on a head" above)
 FETCH_MAX_BYTES = 64 * 1024 * 1024  # `UpstreamClient.fetch`'s bound on a body (a scrape, a probe's answer)
 
 
@@ -65,6 +89,15 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.reused = False
+        self.reading_head = False  # the response's final headers have not ended yet (interim 1xx ones may have)
+        self.head_left = 0  # bytes the response's head may still take before it fails (`MAX_HEAD_BYTES` in all)
+        self.interim = False  # the message being parsed is an interim 1xx answer: dropped, not the response
+
+    def expect(self, resp: UpstreamResponse) -> None:
+        """`resp` is the answer to the request about to be sent on this connection."""
+        self.response = resp
+        self.reading_head = True
+        self.head_left = MAX_HEAD_BYTES
 
     # --- asyncio.Protocol ------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -72,30 +105,52 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamConnectionError(f"bad response from upstream: {exc}"))
+            if self.reading_head:
+                self._feed_head(data)
+            else:
+                self.parser.feed_data(data)
+        except (httptools.HttpParserError, UpstreamProtocolError) as exc:
+            self._fail(_protocol_error(exc))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         resp = self.response
-        if resp is not None and not resp.complete:
+        if resp is None or resp.complete:
+            return
+        if exc is None and self._ends_at_close(resp):
+            self.on_message_complete()  # a body delimited by the close (RFC 9112 §6.3 rule 8): whole
+        else:
             self._fail(UpstreamConnectionError(f"upstream closed the connection: {exc or 'EOF'}"))
 
     # --- httptools callbacks ------------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        resp = self.response
+        if resp is None or resp.complete:
+            raise UpstreamProtocolError("upstream sent an answer to no request")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         resp = self.response
-        if resp is not None and len(resp.headers) < MAX_HEADERS:
+        if resp is None:
+            return
+        if len(resp.headers) < MAX_HEADERS:
             resp.headers.append((name, value))
+        if _is_framing(name, value):
+            resp.framed = True
 
     def on_headers_complete(self) -> None:
         resp = self.response
-        if resp is not None:
-            resp.status = self.parser.get_status_code()
-            resp.keep_alive = self.parser.should_keep_alive()
-            if not resp.headers_ready.done():
-                resp.headers_ready.set_result(None)
+        if resp is None:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            self._interim(resp, status)
+            return
+        self.reading_head = False
+        resp.status = status
+        resp.keep_alive = self.parser.should_keep_alive()
+        if not resp.headers_ready.done():
+            resp.headers_ready.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         resp = self.response
@@ -109,12 +164,42 @@ class _Conn(asyncio.Protocol):
             resp.wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:  # an interim 1xx answer's end: the final answer follows
+            self.interim = False
+            return
         resp = self.response
         if resp is not None:
             resp.complete = True
             resp.wake()
 
     # --- helpers ----------------------------------------------------------------------------------------------------
+    def _feed_head(self, data: bytes) -> None:
+        """Feed what arrived while the head is read: at most `head_left` bytes of it, and the rest only when the
+        head ended within those (what follows a head's end is its body). O(len(data)) whatever the engine sends."""
+        left = self.head_left
+        self.head_left = left - len(data)
+        if len(data) <= left:
+            self.parser.feed_data(data)
+            return
+        view = memoryview(data)
+        self.parser.feed_data(view[:left])
+        if self.reading_head:
+            raise UpstreamProtocolError(f"the response head is longer than {MAX_HEAD_BYTES} bytes")
+        self.parser.feed_data(view[left:])
+
+    def _interim(self, resp: UpstreamResponse, status: int) -> None:
+        """An interim 1xx answer's head: dropped (its headers too), the final answer awaited; a 101 fails."""
+        if status == 101:
+            raise UpstreamProtocolError("upstream switched protocols (101)")
+        self.interim = True
+        resp.headers.clear()
+        resp.framed = False
+
+    def _ends_at_close(self, resp: UpstreamResponse) -> bool:
+        """Whether the engine's close is the response's normal end: its head came whole, with neither a length nor
+        chunked coding (then llhttp reads its body to the close, and said the connection is not kept alive)."""
+        return not self.reading_head and not resp.framed and not resp.keep_alive and resp.error is None
+
     def _fail(self, exc: Exception) -> None:
         resp = self.response
         if resp is None:
@@ -136,6 +221,25 @@ class _Conn(asyncio.Protocol):
             self.transport.abort()
 
 
+def _is_framing(name: bytes, value: bytes) -> bool:
+    """A Content-Length, or a Transfer-Encoding that names chunked anywhere (conservative: such a body is never taken
+    as ending at the close, so a truncated one fails rather than passing as whole)."""
+    size = len(name)
+    if size == 14:
+        return name.lower() == b"content-length"
+    return size == 17 and name.lower() == b"transfer-encoding" and b"chunked" in value.lower()
+
+
+def _protocol_error(exc: Exception) -> UpstreamProtocolError:
+    """A parse failure as the request's error: ours as raised from a parser callback, else llhttp's."""
+    if isinstance(exc, UpstreamProtocolError):
+        return exc
+    cause = exc.__context__
+    if isinstance(cause, UpstreamProtocolError):
+        return cause
+    return UpstreamProtocolError(f"bad response from upstream: {exc}")
+
+
 class UpstreamResponse:
     def __init__(self, conn: _Conn, *, reused: bool = False) -> None:
         self._conn = conn
@@ -143,6 +247,7 @@ class UpstreamResponse:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []  # as received, the first MAX_HEADERS of them
         self.keep_alive = False
+        self.framed = False  # a Content-Length or chunked coding was announced: a close before the end truncates
         self.complete = False
         self.error: Exception | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
@@ -345,7 +450,7 @@ class UpstreamPool:
         if conn is None:
             conn = await self._connect(connect_timeout_s)
         resp = UpstreamResponse(conn, reused=conn.reused)
-        conn.response = resp
+        conn.expect(resp)
         assert conn.transport is not None
         conn.transport.write(data)
         return resp

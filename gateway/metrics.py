@@ -83,8 +83,9 @@ class GatewayMetrics:
         )
         self.upstream_errors = FastCounter(
             "kvgate_upstream_errors",
-            "Failed upstream attempts by replica and kind (connect, timeout, reset, empty, http_<status>, bad_status, "
-            "not_json, timeout_total, reset_mid_stream, stall_mid_stream; prefill_ before a prefill step's).",
+            "Failed upstream attempts by replica and kind (connect, protocol, timeout, reset, empty, http_<status>, "
+            "bad_status, not_json, timeout_total, reset_mid_stream, stall_mid_stream; prefill_ before a prefill "
+            "step's).",
             ["replica", "kind"],
             r,
         )

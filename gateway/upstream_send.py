@@ -6,7 +6,8 @@ with the request's forwarded headers, its `x-request-id` and its trace context; 
 waited for: a stream's come with its first event (waited for `first_byte_s`, then `Retryable`: the proxy tries
 another replica), a whole answer's only when the generation is done (waited for until the total deadline; a timeout
 then is not retried). A kept-alive connection that turns out stale is replaced once; connect failures are
-`Retryable`; a cancelled wait (the client left) aborts the engine request. `read_answer`: a whole answer's body,
+`Retryable`, and so is an answer that breaks HTTP (without that second try: a fresh connection would get the same);
+a cancelled wait (the client left) aborts the engine request. `read_answer`: a whole answer's body,
 within the deadline and `server.max_answer_bytes`; `content_type` and `framed_as_json` what it says it is and whether
 it looks so. `response_headers`: the engine's headers the client gets, less
 the hop-by-hop ones and those the gateway writes itself (`_NOT_RELAYED`, `x-kvgate-*`), plus the request id, what
@@ -17,7 +18,13 @@ from __future__ import annotations
 
 import time
 
-from engine_pool.http_client import ResponseTooLarge, UpstreamClient, UpstreamConnectionError, UpstreamResponse
+from engine_pool.http_client import (
+    ResponseTooLarge,
+    UpstreamClient,
+    UpstreamConnectionError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+)
 from engine_pool.replica import Replica, rank_headers
 from gateway.config import TimeoutConfig
 from gateway.errors import Retryable, UpstreamError, UpstreamTimeout, UpstreamUnavailable
@@ -110,6 +117,10 @@ async def send(client: UpstreamClient, timeouts: TimeoutConfig, replica: Replica
             if not ex.stream:
                 raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
             raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
+        except UpstreamProtocolError as exc:  # it answered, but not in HTTP: no fresh connection would do better
+            if upstream is not None:
+                upstream.close()
+            raise Retryable("protocol", UpstreamUnavailable(f"replica {replica.id} broke HTTP: {exc}")) from None
         except UpstreamConnectionError as exc:
             if upstream is not None:
                 upstream.close()

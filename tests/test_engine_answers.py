@@ -178,3 +178,17 @@ async def test_an_engines_5xx_reaches_the_client_with_its_retry_after(http: aioh
         status, headers, raw = await complete(http, gw)
     assert (status, headers["Retry-After"], "x-kvgate-replica" in headers) == (503, "7", True)
     assert b"engine sleeping" in raw
+
+
+async def test_an_answer_that_breaks_http_is_a_502_sent_once(http: aiohttp.ClientSession) -> None:
+    """A head past the client's bound (engine_pool.http_client): 502, counted as the replica's `protocol` failure,
+    and the engine asked once per request (no second try on a fresh connection, which would get the same)."""
+
+    async def huge_head(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"choices": []}, headers={"X-Big": "a" * 100_000})
+
+    async with fake_engine(huge_head) as (url, calls), gateway_over([url]) as gw:
+        for _ in range(3):
+            status, _, raw = await complete(http, gw)
+            assert status == 502 and b"a" * 1000 not in raw
+        assert calls[0] == 3 and await upstream_errors(http, gw, "protocol") == 3
