@@ -72,9 +72,17 @@ def content_type(upstream: UpstreamResponse) -> str:
 
 def framed_as_json(raw: bytes) -> bool:
     """An answer that says it is JSON looks like one: an object or array, closed (O(1): the first and last non-blank
-    bytes; what an HTML page, SSE text or a body cut short is not). The client parses it; the gateway does not."""
-    body = raw.strip()
-    return len(body) >= 2 and (body[:1], body[-1:]) in ((b"{", b"}"), (b"[", b"]"))
+    bytes, no copy; what an HTML page, SSE text or a body cut short is not). The client parses it, not the gateway."""
+    start, end = 0, len(raw)
+    while start < end and raw[start] in _BLANK:
+        start += 1
+    while end > start and raw[end - 1] in _BLANK:
+        end -= 1
+    return end - start >= 2 and (raw[start], raw[end - 1]) in _JSON_ENDS
+
+
+_BLANK = b" \t\r\n"  # JSON's whitespace
+_JSON_ENDS = ((ord("{"), ord("}")), (ord("["), ord("]")))
 
 
 def _ask_headers(ex: Exchange) -> dict[str, str]:
