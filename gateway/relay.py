@@ -11,10 +11,11 @@ the engine's (vLLM's `data: {"error": ...}` before its `[DONE]`, the Messages AP
 other streams end with their body. A stream cut when only that last event
 was missing (the engine died as it finished) gets it from the gateway (`ClientEvents.closing`).
 
-Cost per event: one `bytes.find` for its end; one substring check for usage, one per write for an error event (and, on a stream that may migrate,
-one `rfind` that moves the engine's continuous usage out of the event, and a continuation's one `replace` that gives
-its events the stream's chunk id); where the client did not ask for usage, one substring check for a finish
-reason (that event waits for the usage event's `system_fingerprint`); events that carry a final usage object are
+Cost per event: one `bytes.find` for its end; one substring check for usage, one a write for an error event
+(and, on a stream that may migrate, one `rfind` that moves the engine's continuous usage out of the event, and a
+continuation's one `replace` that gives its events the stream's chunk id); where the client did not ask for usage,
+one substring check for a finish reason (that event waits for the usage event's `system_fingerprint`); events that
+carry a final usage object are
 parsed. No event is copied beyond the one join per write.
 """
 
