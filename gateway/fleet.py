@@ -19,9 +19,13 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
 - Apply: one task (started with the prefix-cache state as its `SharedDecisionSink`) reads the stream
   (`XREAD BLOCK`, from its start when the gateway starts, then from the last entry
   read, so an outage shorter than the history loses nothing) and hands the other gateways' decisions to
-  `CacheAwareState.apply_shared` (O(prompt blocks) each); its own are skipped.
+  `CacheAwareState.apply_shared` (O(prompt blocks) each); its own are skipped. The history is applied in slices of
+  about `_SLICE_S` of CPU, the event loop served between them (a decision of a long prompt into a full replica
+  costs milliseconds: a fixed count of entries blocked the loop for seconds); `kvgate_fleet_catching_up` is 1 until
+  the history is applied.
 - Stored responses: `publish_response` buffers `SET <prefix>:response:<id> replica EX response_ttl_s`, sent with
-  the decisions; a gateway asked about a response it did not record looks it up (`GET`, bounded by `timeout_s`).
+  the decisions; a gateway asked about a response it did not record looks it up (`GET`, bounded by `timeout_s`),
+  and once more after `flush_ms` and a round trip when it is not there yet (its client asked at once).
 - Cold placement (`claim`): the stream tells the others about a decision a few milliseconds late, so a burst of
   one new prefix through several gateways would be placed by each on its own choice. A gateway about to place a
   prefix no replica holds first claims its first block (`SET <prefix>:claim:<hash> replica NX GET PX claim_ms`):
@@ -30,6 +34,7 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
 - Sessions older than the history: while the gateway has not been reading for a whole session TTL, a local miss asks
   Redis (`GET`, bounded by `timeout_s`); after that every live binding came through the stream and a miss costs
   nothing.
+- Close: what is still buffered (the last requests of a drain) is sent, within `timeout_s`.
 - Failure: Redis errors never fail a request. Decisions that cannot be sent are dropped and counted; both tasks
   retry with exponential backoff up to `reconnect_max_s`.
 Memory: the buffer (`max_pending` decisions) here; about `history` decisions in Redis.
@@ -38,6 +43,7 @@ Memory: the buffer (`max_pending` decisions) here; about `history` decisions in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -59,7 +65,9 @@ log = logging.getLogger("kvgate.fleet")
 _MIN_BACKOFF_S = 0.05
 _READ_BLOCK_MS = 1000
 _MAX_RESPONSE_ID = 256
-_READ_COUNT = 512  # stream entries per XREAD: a long history is applied in slices, between requests
+_READ_COUNT = 512  # stream entries per XREAD
+_SLICE_S = 0.005  # the history is applied in slices of about this much CPU, the loop served between them
+_PUBLISH_RTT_S = 0.02  # a record's way to Redis after its batch is sent (a lookup's second try waits it out)
 
 
 _FAILURES_OFF = 2  # lookups failed in a row that turn the lookups off (`_lookups_off`) ...
@@ -77,6 +85,10 @@ class FleetMetrics:
         )
         self.connected = FastGauge("kvgate_fleet_connected", "1 while reading the shared routing stream", [], registry)
         self.connected.labels().set(0)
+        self.catching_up = FastGauge(
+            "kvgate_fleet_catching_up", "1 while applying the decisions made before this gateway read the stream", [],
+            registry,
+        )  # fmt: skip
         self.claims = FastCounter(
             "kvgate_fleet_claims",
             "Cold placements claimed in Redis: won (this gateway's choice stands), joined (another gateway's claim "
@@ -141,6 +153,10 @@ class RoutingShare:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        if self._pending or self._responses:  # what the last requests (a drain's) recorded: sent, within timeout_s
+            with contextlib.suppress(TimeoutError, *REDIS_ERRORS):
+                async with asyncio.timeout(self.config.timeout_s):
+                    await self._flush()
         await self._client.aclose()
         await self._reader.aclose()
 
@@ -162,10 +178,17 @@ class RoutingShare:
         self._wake.set()
 
     async def response_replica(self, response_id: str) -> str | None:
-        """The replica another gateway recorded as holding the stored response, or None."""
+        """The replica another gateway recorded as holding the stored response, or None. A miss is asked again once
+        a record published as its client got the answer has had time to arrive (`flush_ms` and a round trip): a
+        client that asks another gateway at once must not find nothing."""
         if len(response_id) > _MAX_RESPONSE_ID:  # a client's path: no engine makes ids that long
             return None
-        return await self._get(self._response_key(response_id))
+        key = self._response_key(response_id)
+        found = await self._get(key)
+        if found is None and not self._lookups_off():
+            await asyncio.sleep(self.config.flush_ms / 1000 + _PUBLISH_RTT_S)
+            found = await self._get(key)
+        return found
 
     async def _get(self, key: str) -> str | None:
         if self._lookups_off():
@@ -202,7 +225,7 @@ class RoutingShare:
             self.metrics.claims.labels("skipped").inc()
             return replica
         try:
-            prior = await self._client.set(key, replica, nx=True, get=True, px=int(self.config.claim_ms))
+            prior = await self._client.set(key, replica, nx=True, get=True, px=max(1, round(self.config.claim_ms)))
         except REDIS_ERRORS:
             self._lookup_failed()
             self.metrics.claims.labels("error").inc()
@@ -240,34 +263,42 @@ class RoutingShare:
             if cfg.flush_ms:
                 await asyncio.sleep(cfg.flush_ms / 1000)
             self._wake.clear()
-            batch, responses = list(self._pending), list(self._responses)
-            self._pending.clear()
-            self._responses.clear()
             try:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    for response_id, replica in responses:
-                        pipe.set(self._response_key(response_id), replica, ex=round(cfg.response_ttl_s))
-                    for replica, hashes, session, awaited in batch:
-                        fields: dict[str, bytes | str] = {
-                            "g": self.gateway_id, "r": replica, "h": array("Q", hashes).tobytes()
-                        }  # fmt: skip
-                        if awaited is not None:
-                            fields["w"] = str(awaited)
-                        if session is not None:
-                            fields["s"] = session
-                            if awaited is None:
-                                pipe.set(self._session_key(session), replica, ex=self._session_ttl)
-                        pipe.xadd(cfg.channel, fields, maxlen=cfg.history, approximate=False)  # type: ignore[arg-type]
-                    await pipe.execute()
+                await self._flush()
             except REDIS_ERRORS as exc:
-                self.metrics.decisions.labels("dropped").inc(len(batch))
                 if not backoff.attempts:
                     log.warning("could not publish routing decisions to the other gateways: %r", exc)
                 await asyncio.sleep(backoff.next())
                 continue
             backoff.reset()
-            if batch:
-                self.metrics.decisions.labels("published").inc(len(batch))
+
+    async def _flush(self) -> None:
+        """Send what is buffered in one pipeline; what fails to go is dropped (counted) and the error raised."""
+        cfg = self.config
+        batch, responses = list(self._pending), list(self._responses)
+        self._pending.clear()
+        self._responses.clear()
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for response_id, replica in responses:
+                    pipe.set(self._response_key(response_id), replica, ex=round(cfg.response_ttl_s))
+                for replica, hashes, session, awaited in batch:
+                    fields: dict[str, bytes | str] = {
+                        "g": self.gateway_id, "r": replica, "h": array("Q", hashes).tobytes()
+                    }  # fmt: skip
+                    if awaited is not None:
+                        fields["w"] = str(awaited)
+                    if session is not None:
+                        fields["s"] = session
+                        if awaited is None:
+                            pipe.set(self._session_key(session), replica, ex=self._session_ttl)
+                    pipe.xadd(cfg.channel, fields, maxlen=cfg.history, approximate=False)  # type: ignore[arg-type]
+                await pipe.execute()
+        except BaseException:
+            self.metrics.decisions.labels("dropped").inc(len(batch))
+            raise
+        if batch:
+            self.metrics.decisions.labels("published").inc(len(batch))
 
     async def _read_loop(self, sink: SharedDecisionSink) -> None:
         last_id = b"0"  # from the start of the retained history
@@ -291,12 +322,19 @@ class RoutingShare:
                 self.metrics.connected.labels().set(1)
             backoff.reset()
             read = 0
+            self.metrics.catching_up.labels().set(1 if catching_up else 0)
+            slice_end = time.monotonic() + _SLICE_S
             for _, entries in reply:
                 read += len(entries)
                 for entry_id, fields in entries:
                     last_id = entry_id
                     self._apply(sink, fields, catching_up)
+                    if time.monotonic() > slice_end:  # a long prompt's decision costs ms: requests go between
+                        await asyncio.sleep(0)
+                        slice_end = time.monotonic() + _SLICE_S
             catching_up = catching_up and read == _READ_COUNT
+            if not catching_up:
+                self.metrics.catching_up.labels().set(0)
 
     def _apply(self, sink: SharedDecisionSink, fields: dict[bytes, bytes], past: bool) -> None:
         if fields.get(b"g") == self.gateway_id:

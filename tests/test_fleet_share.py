@@ -273,3 +273,34 @@ async def test_an_agent_awaited_through_one_gateway_is_spared_by_the_others_cold
         assert await chat(http, b, task, session="agent-1", system=system) == (home, "session")
         assert metric(b, "kvgate_sessions_awaited") == 0
         await wait_for(lambda: metric(a, "kvgate_sessions_awaited") == 0, what="a heard the agent came back")
+
+
+async def test_a_stored_response_is_found_through_another_gateway_at_once_and_after_a_drain(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    """A client that retrieves (or continues) its response through another gateway right after the answer finds it,
+    though the record reaches Redis a few ms after the answer (it got 404, and a `previous_response_id` went to the
+    wrong replica); so does one whose response was answered as its gateway shut down (the buffered record was
+    dropped at close)."""
+    await redis_server.start()
+    async with sims(3) as servers:
+        cfg = gateway_config([s.url for s in servers], fleet={"redis_url": redis_server.url})
+        async with running_gateway(cfg) as b:
+            async with running_gateway(cfg) as a:
+                for gw in (a, b):
+                    await wait_ready(http, gw.url)
+                for i in range(6):
+                    async with http.post(f"{a.url}/v1/responses", json={"model": MODEL, "input": f"hi {i}"}) as resp:
+                        assert resp.status == 200, await resp.text()
+                        response_id, replica = (await resp.json())["id"], resp.headers["x-kvgate-replica"]
+                    async with http.get(f"{b.url}/v1/responses/{response_id}") as resp:  # at once
+                        assert resp.status == 200, await resp.text()
+                        assert resp.headers["x-kvgate-replica"] == replica
+                async with http.post(f"{a.url}/v1/responses", json={"model": MODEL, "input": "last"}) as resp:
+                    assert resp.status == 200
+                    last, replica = (await resp.json())["id"], resp.headers["x-kvgate-replica"]
+            # a is shut down (the answer's record still in its buffer when it began to close)
+            async with http.get(f"{b.url}/v1/responses/{last}") as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-kvgate-replica"] == replica
