@@ -132,8 +132,8 @@ class CacheAwareParams(PolicyParams):
         "capacity is not known; else the predicted wait for KV room)",
     )  # fmt: skip
     session_max_gap: int = Field(
-        4, ge=0, description="a session stays on its replica unless that one has this many more requests than the "
-        "least loaded AND session_max_ratio times its load",
+        4, ge=0, description="a session stays on its replica unless that one has more than this many requests more "
+        "than the least loaded AND more than session_max_ratio times its load",
     )  # fmt: skip
     session_max_ratio: float = Field(1.5, ge=1, description="see session_max_gap")
     eviction_cost: float = Field(1.0, ge=0, description="future misses counted per hot block a placement evicts")
