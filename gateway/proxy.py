@@ -234,7 +234,7 @@ class UpstreamProxy:
         finally:
             ctx.set_usage(usage_of(raw))  # the engine did the work, whether or not the client is still there
             ctx.tool_call = ex.info.session_key is not None and ends_in_tool_call(raw)
-            if ex.parsed.records_id:
+            if ex.parsed.stores_answer:
                 ctx.answer_id = answer_id(raw)
         ctx.answered = True
         return upstream.status

@@ -244,7 +244,7 @@ class ClientEvents:
                     event = usage_event(event, ex.ctx, not ex.parsed.include_usage, before)
             if self._continuing and b'"role"' in event:
                 event = without_role(event)
-            if ex.parsed.records_id and ex.ctx.answer_id is None and b'"response"' in event:
+            if ex.parsed.stores_answer and ex.ctx.answer_id is None and b'"response"' in event:
                 ex.ctx.answer_id = answer_id(event[event.find(b"{") :])
                 if ex.ctx.answer_id is not None and ex.on_answer_id is not None:
                     ex.on_answer_id(ex.ctx.answer_id)

@@ -37,6 +37,12 @@ class ParsedRequest:
     records_id: bool = False  # remember which replica answered the answer's `id` (gateway.endpoints)
     api: ApiShape = "openai"  # the shape of the route's answers, errors and stream events (gateway.endpoints)
 
+    @property
+    def stores_answer(self) -> bool:
+        """The answer's `id` names state its replica keeps: a stored response (`store` is true unless false), whose
+        replica is remembered (and shared with the fleet); one with `store: false` is kept nowhere."""
+        return self.records_id and self.body.get("store") is not False
+
 
 _INT_BOUND = 2**31 - 1  # what the gateway counts of an integer field at most (no context is longer)
 _INT, _BOOL = TypeAdapter(int), TypeAdapter(bool)

@@ -304,3 +304,32 @@ async def test_a_stored_response_is_found_through_another_gateway_at_once_and_af
             async with http.get(f"{b.url}/v1/responses/{last}") as resp:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-kvgate-replica"] == replica
+
+
+async def test_a_response_not_stored_leaves_no_record(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    """`store: false` (what Codex sends): the engine keeps nothing, so no gateway records a holder, in Redis or here
+    (a record a request for 24 h grew Redis with the request rate)."""
+    await redis_server.start()
+    async with sims(2) as servers:
+        cfg = gateway_config([s.url for s in servers], fleet={"redis_url": redis_server.url})
+        async with running_gateway(cfg) as a:
+            await wait_ready(http, a.url)
+            ids = []
+            for store in (False, True):
+                body = {"model": MODEL, "input": "hello", "store": store}
+                async with http.post(f"{a.url}/v1/responses", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    ids.append((await resp.json())["id"])
+            redis = aioredis.Redis.from_url(redis_server.url)
+            try:  # the stored one's record arrives within flush_ms: then the other's would have too
+                async with asyncio.timeout(10):
+                    while True:
+                        if await redis.exists(f"kvgate:response:{ids[1]}"):
+                            break
+                        await asyncio.sleep(0.01)
+                assert not await redis.exists(f"kvgate:response:{ids[0]}")
+            finally:
+                await redis.aclose()
