@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry
 from cacheindex.shared import SharedDecisionSink
 from gateway.admission.redis_store import REDIS_ERRORS
 from gateway.config import FleetConfig
+from gateway.errors import Overloaded
 from kvcommon.backoff import Backoff
 from kvcommon.fastmetrics import FastCounter, FastGauge
 
@@ -180,26 +181,31 @@ class RoutingShare:
     async def response_replica(self, response_id: str) -> str | None:
         """The replica another gateway recorded as holding the stored response, or None. A miss is asked again once
         a record published as its client got the answer has had time to arrive (`flush_ms` and a round trip): a
-        client that asks another gateway at once must not find nothing."""
+        client that asks another gateway at once must not find nothing. Redis not answering is a 503 to retry
+        (`fleet_unavailable`), not a 404 that says the response does not exist."""
         if len(response_id) > _MAX_RESPONSE_ID:  # a client's path: no engine makes ids that long
             return None
         key = self._response_key(response_id)
         found = await self._get(key)
-        if found is None and not self._lookups_off():
+        if found is None:
             await asyncio.sleep(self.config.flush_ms / 1000 + _PUBLISH_RTT_S)
             found = await self._get(key)
         return found
 
     async def _get(self, key: str) -> str | None:
-        if self._lookups_off():
-            return None
-        try:
-            value = await self._client.get(key)
-        except REDIS_ERRORS:
-            self._lookup_failed()
-            return None
-        self._lookup_answered()
-        return value.decode() if isinstance(value, bytes) else value
+        if not self._lookups_off():
+            try:
+                value = await self._client.get(key)
+            except REDIS_ERRORS:
+                self._lookup_failed()
+            else:
+                self._lookup_answered()
+                return value.decode() if isinstance(value, bytes) else value
+        raise Overloaded(
+            "the record of which replica holds this response is in Redis, which does not answer: retry",
+            retry_after_s=self.config.reconnect_max_s,
+            code="fleet_unavailable",
+        )
 
     def _lookups_off(self) -> bool:
         """Whether lookups failed `_FAILURES_OFF` times in a row within the last `_OFF_S`: then none is tried (each

@@ -333,3 +333,19 @@ async def test_a_response_not_stored_leaves_no_record(
                 assert not await redis.exists(f"kvgate:response:{ids[0]}")
             finally:
                 await redis.aclose()
+
+
+async def test_a_stored_response_asked_for_while_redis_is_down_is_a_503_to_retry(
+    redis_server: RedisProcess,  # noqa: F811
+    http: aiohttp.ClientSession,
+) -> None:
+    """Another gateway's record cannot be read: 503 with Retry-After (retry), not 404 (it does not exist)."""
+    await redis_server.start()
+    async with sims(2) as servers:
+        cfg = gateway_config([s.url for s in servers], fleet={"redis_url": redis_server.url})
+        async with running_gateway(cfg) as b:
+            await wait_ready(http, b.url)
+            await redis_server.stop()
+            async with http.get(f"{b.url}/v1/responses/resp-made-elsewhere") as resp:
+                assert resp.status == 503 and "Retry-After" in resp.headers
+                assert (await resp.json())["error"]["code"] == "fleet_unavailable"
