@@ -326,6 +326,8 @@ class RoutingShare:
             if self._reading_since is None:
                 self._reading_since = time.monotonic()
                 self.metrics.connected.labels().set(1)
+                if backoff.attempts:  # its loss was logged: so is its return
+                    log.info("reading the shared routing stream again")
             backoff.reset()
             read = 0
             self.metrics.catching_up.labels().set(1 if catching_up else 0)

@@ -5,6 +5,7 @@ sessions bound before it, and losing Redis fails no request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import signal
 from collections.abc import AsyncIterator
@@ -129,7 +130,9 @@ async def test_a_gateway_started_after_the_history_finds_sessions_in_redis(
 async def test_losing_redis_fails_no_request_and_sharing_resumes(
     redis_server: RedisProcess,  # noqa: F811
     http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.fleet")
     await redis_server.start()
     async with sims(2) as servers, running_gateway(config(servers, redis_server.url)) as a:
         async with running_gateway(config(servers, redis_server.url)) as b:
@@ -147,6 +150,9 @@ async def test_losing_redis_fails_no_request_and_sharing_resumes(
             await redis_server.start()
             for gw in (a, b):
                 await wait_for(lambda gw=gw: metric(gw, "kvgate_fleet_connected") == 1, 15.0, "subscribed again")
+            messages = [r.getMessage() for r in caplog.records if r.name == "kvgate.fleet"]
+            assert "lost the shared routing stream" in " ".join(messages)  # the loss and the return, both logged
+            assert messages.count("reading the shared routing stream again") >= 2  # a and b
             applied = metric(b, "kvgate_fleet_decisions_total", outcome="applied")
             replica, _ = await chat(http, a, "after the outage", session="late")
             await wait_for(
