@@ -37,7 +37,7 @@ is also the history a gateway that starts (or comes back after losing Redis) reb
 - Close: what is still buffered (the last requests of a drain) is sent, within `timeout_s`.
 - Failure: Redis errors never fail a request. Decisions that cannot be sent are dropped and counted; both tasks
   retry with exponential backoff up to `reconnect_max_s`.
-Memory: the buffer (`max_pending` decisions) here; about `history` decisions in Redis.
+Memory: the buffer (`max_pending` decisions) here; about `history` decisions in Redis, 8 bytes a prompt block each.
 """
 
 from __future__ import annotations
