@@ -222,9 +222,12 @@ class UpstreamProxy:
         if ex.stream:
             return await self._relay_stream(ex, upstream, replica, decision)
         raw = await read_answer(upstream, replica, ex.deadline, self.settings.max_answer_bytes)
-        kind = content_type(upstream)
-        if kind.startswith("application/json") and not framed_as_json(raw):  # HTML, SSE text, a body cut short
-            raise Retryable("not_json", UpstreamError(f"replica {replica.id}'s answer is not the JSON it says it is"))
+        said = content_type(upstream)
+        # chat's and completions' answers are JSON whatever the engine says; another route's when it says so
+        json_answer = ex.parsed.kind in ("chat", "completions") or (said or "").startswith("application/json")
+        if json_answer and not framed_as_json(raw):  # an HTML page, SSE text, a body cut short
+            raise Retryable("not_json", UpstreamError(f"replica {replica.id}'s answer is not the JSON it must be"))
+        kind = said or "application/json"  # what vLLM's answers are
         ctx = ex.ctx
         ctx.ttft_s = time.monotonic() - ctx.started
         try:

@@ -61,13 +61,13 @@ def response_headers(
     return headers
 
 
-def content_type(upstream: UpstreamResponse) -> str:
-    """The engine's Content-Type (a binary embedding's `application/octet-stream`, a transcription's text), else
-    JSON, what vLLM's answers are."""
+def content_type(upstream: UpstreamResponse) -> str | None:
+    """The engine's Content-Type (a binary embedding's `application/octet-stream`, a transcription's text); None
+    when it names none."""
     for name, value in upstream.headers:
         if name.lower() == b"content-type":
             return value.decode("latin-1")
-    return "application/json"
+    return None
 
 
 def framed_as_json(raw: bytes) -> bool:

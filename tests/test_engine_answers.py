@@ -46,6 +46,7 @@ async def fake_engine(answer: Answer) -> AsyncIterator[tuple[str, list[int]]]:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", completions)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -72,9 +73,15 @@ async def upstream_errors(http: aiohttp.ClientSession, gw: RunningGateway, kind:
     return sum(s.value for s in samples if s.name == "kvgate_upstream_errors_total" and s.labels["kind"] == kind)
 
 
-async def complete(http: aiohttp.ClientSession, gw: RunningGateway) -> tuple[int, aiohttp.typedefs.LooseHeaders, bytes]:
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
-    async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+async def complete(
+    http: aiohttp.ClientSession, gw: RunningGateway, route: str = "completions"
+) -> tuple[int, aiohttp.typedefs.LooseHeaders, bytes]:
+    body = (
+        {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+        if route == "completions"
+        else {"model": MODEL, "input": "hi"}
+    )
+    async with http.post(f"{gw.url}/v1/{route}", json=body) as resp:
         return resp.status, resp.headers, await resp.read()
 
 
@@ -82,11 +89,15 @@ async def html(_: web.Request) -> web.StreamResponse:
     return web.Response(text="<html><body>502 Bad Gateway</body></html>", content_type="application/json")
 
 
+async def html_page(_: web.Request) -> web.StreamResponse:  # said to be HTML: a completion must be JSON anyway
+    return web.Response(text="<html><body>maintenance</body></html>", content_type="text/html")
+
+
 async def redirect(_: web.Request) -> web.StreamResponse:
     return web.Response(status=302, headers={"Location": "http://evil.example/"}, content_type="application/json")
 
 
-@pytest.mark.parametrize("answer", [html, redirect], ids=["html-as-json", "302"])
+@pytest.mark.parametrize("answer", [html, html_page, redirect], ids=["html-as-json", "html", "302"])
 async def test_an_answer_that_is_no_api_answer_is_retried_elsewhere_then_502(
     answer: Answer, http: aiohttp.ClientSession
 ) -> None:
@@ -95,7 +106,7 @@ async def test_an_answer_that_is_no_api_answer_is_retried_elsewhere_then_502(
             for _ in range(2):  # round-robin: one of them goes to the bad engine first, then to the good one
                 status, headers, raw = await complete(http, gw)
                 assert status == 200 and b'"choices"' in raw and "Location" not in headers
-            kind = "not_json" if answer is html else "bad_status"
+            kind = "bad_status" if answer is redirect else "not_json"
             assert await upstream_errors(http, gw, kind) == calls[0] >= 1  # each answer it gave counted against it
         async with gateway_over([bad]) as gw:  # nothing else to ask: the client's 502, never the engine's page
             status, headers, raw = await complete(http, gw)
@@ -111,7 +122,7 @@ async def test_a_binary_answer_keeps_its_content_type(http: aiohttp.ClientSessio
         return web.Response(body=floats, content_type="application/octet-stream", headers={"metadata": "{}"})
 
     async with fake_engine(octets) as (url, _), gateway_over([url]) as gw:
-        status, headers, raw = await complete(http, gw)
+        status, headers, raw = await complete(http, gw, "embeddings")
     assert (status, headers["Content-Type"], raw, headers["metadata"]) == (
         200,
         "application/octet-stream",
