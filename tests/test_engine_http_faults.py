@@ -1,5 +1,5 @@
-"""The engine client's framing against an engine that controls every byte (engine_pool.http_client): an interim 1xx
-answer is skipped and the final one awaited (never taken as the answer, so never read as the next request's); a
+"""The engine client's framing against an engine that controls every byte (engine_pool.http_exchange): an interim
+1xx answer is skipped and the final one awaited (never taken as the answer, so never read as the next request's); a
 101 fails; bytes after an answer or on an idle connection fail that connection instead of answering the next
 request; a response head over `MAX_HEAD_BYTES` fails after at most that many bytes, whatever the engine sends; a
 body delimited by the connection's close ends there normally, while a framed body cut by a close still fails.
@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from engine_pool import http_client
+from engine_pool import http_exchange
 from engine_pool.http_client import UpstreamClient, UpstreamConnectionError
 
 HANG_GUARD_S = 10  # only a hang ends here; every wait below is on a condition
@@ -103,13 +103,13 @@ async def client() -> AsyncIterator[UpstreamClient]:
 @pytest.fixture
 def received(monkeypatch: pytest.MonkeyPatch) -> Received:
     seen = Received()
-    feed = http_client._Conn.data_received
+    feed = http_exchange.EngineConnection.data_received
 
-    def counted(conn: http_client._Conn, data: bytes) -> None:
+    def counted(conn: http_exchange.EngineConnection, data: bytes) -> None:
         seen.add(len(data))
         feed(conn, data)
 
-    monkeypatch.setattr(http_client._Conn, "data_received", counted)
+    monkeypatch.setattr(http_exchange.EngineConnection, "data_received", counted)
     return seen
 
 
@@ -238,7 +238,7 @@ async def test_an_endless_header_fails_within_the_heads_bound(received: Received
     async with engine(respond) as (fake, url):
         with pytest.raises(UpstreamConnectionError, match="head"):
             await fetch(client, url + "/alice")
-        assert received.total <= http_client.MAX_HEAD_BYTES + 256 * 1024  # the bound, and at most one read more
+        assert received.total <= http_exchange.MAX_HEAD_BYTES + 256 * 1024  # the bound, and at most one read more
         assert await fetch(client, url + "/bob") == (200, b"answer-for-bob")
         assert fake.connections == 2
 
@@ -279,7 +279,7 @@ async def test_a_head_at_the_bound_passes_and_one_byte_more_fails(over: int, cli
     """The bound is on the head's bytes alone: a head of exactly `MAX_HEAD_BYTES` with a large body in the same
     write is read whole."""
     start = b"HTTP/1.1 200 OK\r\nContent-Length: 300000\r\nX-Pad: "
-    pad = b"p" * (http_client.MAX_HEAD_BYTES - len(start) - len(b"\r\n\r\n") + over)
+    pad = b"p" * (http_exchange.MAX_HEAD_BYTES - len(start) - len(b"\r\n\r\n") + over)
     body = b"z" * 300_000
 
     async def respond(writer: asyncio.StreamWriter, path: str) -> bool:
