@@ -51,14 +51,21 @@ class MessagesSeam:
     index: int  # the client's open text block
     stop_reason: str | None = None
     completion: int = 0  # the continuation's own output tokens (its usage)
+    cached: int | None = None  # the continuation's cached prompt tokens (its usage), when the engine reports them
 
-    def translate(self, event: bytes, tokens_before: int) -> tuple[list[bytes], dict[str, Any] | None]:
-        """The Anthropic events for one chat event, and the usage it carried (None if none)."""
+    def translate(
+        self, event: bytes, tokens_before: int, prompt_tokens: int | None = None
+    ) -> tuple[list[bytes], dict[str, Any] | None]:
+        """The Anthropic events for one chat event, and the usage it carried (None if none). `prompt_tokens`: the
+        client's prompt as its message_start counted it; the closing message_delta then splits it into uncached and
+        cached as vLLM's does (the cached tokens the continuation's, at most the prompt: `whole_usage`), so the
+        client's usage is the one the gateway records."""
         if event.startswith(b"data: [DONE]"):
-            end = {
-                "delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None},
-                "usage": {"output_tokens": tokens_before + self.completion},
-            }
+            totals = {"output_tokens": tokens_before + self.completion}
+            if prompt_tokens is not None and self.cached is not None:
+                cached = min(self.cached, prompt_tokens)
+                totals = {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached, **totals}
+            end = {"delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None}, "usage": totals}
             stop = _sse("content_block_stop", {"index": self.index})
             return [stop, _sse("message_delta", end), _sse("message_stop", {})], None
         try:
@@ -77,6 +84,9 @@ class MessagesSeam:
                 self.stop_reason = _STOP_REASONS.get(choice["finish_reason"], "end_turn")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.completion = usage["completion_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.cached = details["cached_tokens"]
             return out, usage
         return out, None
 

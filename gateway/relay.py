@@ -273,7 +273,7 @@ class ClientEvents:
         cut = split_usage(event)
         if cut is not None:  # the running count: what a further migration starts from
             event, relayed.usage = cut
-        translated, usage = relayed.seam.translate(event, relayed.tokens_before)
+        translated, usage = relayed.seam.translate(event, relayed.tokens_before, self._ex.ctx.prompt_tokens)
         if usage is not None:
             self._ex.ctx.set_usage(whole_usage(usage, relayed.tokens_before, self._ex.ctx.prompt_tokens))
         return translated

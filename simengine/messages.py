@@ -6,7 +6,8 @@ template does not render, `tool_result` in a user message as a `tool` message be
 simulator has no vision and its template renders text only) and tokenized with the simulator's chat template, so a
 Messages prompt caches as the chat prompt it stands for. Answers in Anthropic's shape, as vLLM writes them: usage
 with `input_tokens` the uncached prompt tokens and `cache_read_input_tokens` the cached ones; a stream is
-`message_start` (the prompt's usage), `content_block_start`, one `content_block_delta` per token,
+`message_start` (the prompt's usage without its cache split: vLLM builds it from the first chunk's usage, which
+has no prompt details yet), `content_block_start`, one `content_block_delta` per token,
 `content_block_stop`, `message_delta` (stop reason and usage), `message_stop`. With `tool_choice` `{"type": "any"}`
 (the first of `tools`) or `{"type": "tool", "name": ...}` the answer is that tool's call instead of text, as vLLM's
 guided tool choice makes it: a `tool_use` block whose input is `{"input": "<the generated text>"}` (streamed as
@@ -216,7 +217,8 @@ async def create(request: web.Request, engine: SimEngine) -> web.StreamResponse:
         if not resp.prepared:
             await resp.prepare(request)
             message: dict[str, Any] = {"id": rid, "type": "message", "role": "assistant", "content": [], "model": model,
-                       "stop_reason": None, "stop_sequence": None, "usage": _usage(len(tokens), 0, cached)}  # fmt: skip
+                       "stop_reason": None, "stop_sequence": None,
+                       "usage": {"input_tokens": len(tokens), "output_tokens": 0}}  # fmt: skip
             out.append(_event("message_start", {"message": message}))
             out.append(_event("content_block_start", {"index": 0, "content_block": _block(tool, call_id, None)}))
             if tool is not None:

@@ -172,6 +172,10 @@ async def test_a_messages_stream_whose_engine_fails_continues_through_chat(http:
         assert (await tokens(http, gw.url))["prompt"] == 2 * prompt
     assert text == reference  # token for token the undisturbed answer
     assert final.usage.output_tokens == TOKENS and final.stop_reason == undisturbed.stop_reason == "max_tokens"
+    # the prompt split into uncached and cached as the undisturbed answer's (the SDK kept message_start's whole count
+    # with no cache fields: the prompt looked uncached)
+    assert final.usage.cache_read_input_tokens is not None
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
 
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
