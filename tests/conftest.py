@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 import uvloop
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -57,6 +58,19 @@ async def gateway_over_sims(
         replicas = gw.app[REPLICAS]
         await wait_for(lambda: all(r.routable(time.monotonic()) for r in replicas), what="replicas ready")
         yield gw, servers
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """`app` served on a free loopback port for the block: yields its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 TEARDOWN_GRACE_S = 10.0

@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REGISTRY, REPLICAS
 from simengine import Faults, SimConfig, run_sim_engine
-from tests.conftest import gateway_config, gateway_over_sims, scrape, wait_for
+from tests.conftest import gateway_config, gateway_over_sims, scrape, serving, wait_for
 
 MODEL = "sim"
 Answer = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -47,15 +47,8 @@ async def fake_engine(answer: Answer) -> AsyncIterator[tuple[str, list[int]]]:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}", calls
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, calls
 
 
 @asynccontextmanager

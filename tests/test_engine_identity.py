@@ -16,7 +16,7 @@ from engine_pool.launcher import free_port
 from gateway.embedded import running_gateway
 from gateway.keys import REPLICAS
 from simengine import SimConfig, run_sim_engine
-from tests.conftest import gateway_config, wait_for
+from tests.conftest import gateway_config, serving, wait_for
 
 SIM = SimConfig(model="sim", instant=True)
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -31,14 +31,8 @@ async def not_an_engine() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", page)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def test_engines_that_are_not_engines_are_named_and_never_routed_to(caplog: pytest.LogCaptureFixture) -> None:

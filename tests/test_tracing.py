@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway.admission.config import hash_key
 from simengine import SimConfig
-from tests.conftest import gateway_over_sims, wait_for
+from tests.conftest import gateway_over_sims, serving, wait_for
 
 trace_service_pb2 = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
@@ -41,15 +41,8 @@ async def otlp_receiver() -> AsyncIterator[tuple[str, list[Any]]]:
 
     app = web.Application()
     app.router.add_post("/v1/traces", traces)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/v1/traces", spans
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield f"{url}/v1/traces", spans
 
 
 async def chat(http: aiohttp.ClientSession, url: str, headers: dict[str, str], stream: bool) -> None:
