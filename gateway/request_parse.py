@@ -53,6 +53,8 @@ def as_int(value: object) -> int | None:
     they would refuse it. The gateway is no stricter than the engine it fronts."""
     if type(value) is int:
         return value
+    if type(value) is float and value.is_integer() and abs(value) < 2**63:  # pydantic's reading, without its
+        return int(value)  # call (token ids are read an item at a time)
     try:
         return _INT.validate_python(value)
     except ValidationError:
@@ -96,9 +98,15 @@ def _check_messages(messages: Any) -> None:
 
 def _token_ids(items: list[Any]) -> list[int] | None:
     """`items` as token ids the way vLLM's prompt field reads them (pydantic's lax int: 5, 5.0, true; strings are a
-    batch of text prompts), else None."""
-    ids = [None if isinstance(t, str) else as_int(t) for t in items]
-    return None if any(t is None for t in ids) else ids  # type: ignore[return-value]
+    batch of text prompts), else None, at the first item that is not one (a body of junk is refused without reading
+    it all). O(items)."""
+    ids: list[int] = []
+    for item in items:
+        token = None if isinstance(item, str) else as_int(item)
+        if token is None:
+            return None
+        ids.append(token)
+    return ids
 
 
 def _prompt(prompt: Any) -> Any:
