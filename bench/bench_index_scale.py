@@ -7,9 +7,10 @@
 
 In process, the gateway's own routing step without HTTP, as the shipped defaults take it: `Router.request_info`
 (sim tokenizer, a ~1,300-token chat prompt: tokenizing and hashing), admission's verdict on the latency targets
-(`LatencyGate.judge`: a prediction per candidate) and the hold it places, then `Router.choose` (the candidates, their
-snapshots, overlap, offloaded, footprint, latency views, `decide`, `on_routed`) within the verdict's preferred
-replicas when it names some, and `on_finished` and the hold's release, over a real `ReplicaSet` of N replicas (all
+(`LatencyGate.judge`: the candidates, their finalists, a prediction per finalist) and the hold it places, then
+`Router.choose` (snapshots, overlap, offloaded, footprint, latency views, `decide`, `on_routed`) within the verdict's
+preferred replicas when it names some, else those it weighed (as `gateway.proxy` does), and `on_finished` and the
+hold's release, over a real `ReplicaSet` of N replicas (all
 pointed at one instant simulated engine, so they are healthy). `--no-targets`: without the verdict. The index is
 filled first as a running pool's would be: 64 prefix groups (a 1,200-word system prompt each) x 3 questions routed
 across the replicas; the measured requests are new questions on those groups, so every lookup walks a real leading
@@ -120,6 +121,7 @@ async def per_request_us(
             if verdict.best is not None and (held := replicas.get(verdict.best.replica)) is not None:
                 gate.hold(ctx, held, verdict.best, info.prompt_tokens, None)
             prefer, ctx.predictions = verdict.prefer, verdict.predictions
+            prefer = prefer or tuple([p.replica for p in verdict.predictions])  # the candidates it weighed
         replica, _ = await router.choose(info, hold=ctx.hold, only=prefer)
         place(ctx, replica, replicas)
         st.on_finished(info, replica.id, None)

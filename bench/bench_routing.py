@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=JSON",
-        help="an extra cache-aware run labelled NAME with these params (before/after tuning)",
+        help="an extra cache-aware run labelled NAME with these params (before/after tuning); a key 'routing' in "
+        'them sets other routing keys instead (e.g. \'{"routing": {"max_weighed": 16}}\')',
     )
     p.add_argument(
         "--hide-slots", action="store_true", help="attach the engines without telling kvgate their max_num_seqs"

@@ -120,10 +120,12 @@ def gateway_yaml(
     engines: Sequence[str], policy: str, params: dict[str, Any], port: int, max_num_seqs: int | None = None
 ) -> dict[str, Any]:
     engine_extra = {"max_num_seqs": max_num_seqs} if max_num_seqs is not None else {}
+    params = dict(params)
+    routing = {"policy": policy, **params.pop("routing", {}), "params": params}  # a variant's other routing keys
     return {
         "server": {"port": port, "access_log": "off"},
         "health": {"interval_s": 0.5, "timeout_s": 2.0, "metrics_interval_s": 0.25},
-        "routing": {"policy": policy, "params": params},
+        "routing": routing,
         "cache": {"tokenizers": {"sim": "sim"}},
         "engines": [{"url": u, **engine_extra} for u in engines],
     }

@@ -225,6 +225,17 @@ class KvIndex:
                 out[rid] = Footprint(hot, r.capacity, run)
         return out
 
+    def room(self, replica_ids: Iterable[str]) -> dict[str, int]:
+        """Per replica, its capacity less the distinct blocks routed there within the hot window (0 when full or
+        past it); O(1) a replica."""
+        epoch = self._epoch()
+        out: dict[str, int] = {}
+        for rid in replica_ids:
+            r = self._replicas.get(rid)
+            if r is not None:
+                out[rid] = max(0, r.capacity - r.hot_total(epoch))
+        return out
+
     def ages(self, replica_id: str, hashes: Sequence[int], n: int, settled_before: int | None) -> tuple[int, ...]:
         """The LRU ages (new blocks taken since) of the first min(n, 256) of `hashes` on the replica, -1 for a
         block whose last use is not settled: used at insert count `settled_before` or later, by a request that may

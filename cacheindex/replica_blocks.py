@@ -153,13 +153,17 @@ class ReplicaBlocks:
         ok = (slots >= 0) & (seq < limit)
         return tuple(np.where(ok, self.inserts - seq, -1).tolist())
 
-    def hot(self, q: Keys, epoch: int) -> tuple[int, int]:
-        """(distinct blocks routed here within the window, capped at 2 x capacity; the leading blocks of `q` among
-        them, held or not), at `epoch` (now)."""
+    def hot_total(self, epoch: int) -> int:
+        """Distinct blocks routed here within the window, capped at 2 x capacity, at `epoch` (now); O(1) within an
+        epoch."""
         if self._total_epoch != epoch:
             self._total = sum(n for n, e in zip(self._hist, self._hist_epoch, strict=True) if epoch - e < EPOCHS)
             self._total_epoch = epoch
-        total = min(self._total, 2 * self.capacity)
+        return min(self._total, 2 * self.capacity)
+
+    def hot(self, q: Keys, epoch: int) -> tuple[int, int]:
+        """(`hot_total`; the leading blocks of `q` among them, held or not), at `epoch` (now)."""
+        total = self.hot_total(epoch)
         if not len(q) or (not self._holds_first(q) and self.ghosts.find_one(int(q[0])) < 0):
             return total, 0
         if len(q) <= _SCALAR:

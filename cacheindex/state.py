@@ -300,6 +300,10 @@ class CacheAwareState:
                     result[rid] = fp._replace(awaited_blocks=blocks)
         return result
 
+    def room(self, replica_ids: Iterable[str]) -> dict[str, int]:
+        """The index's room per replica (`KvIndex.room`)."""
+        return self.index.room(replica_ids)
+
     def overlap(self, info: RequestInfo, replica_ids: Iterable[str]) -> dict[str, int]:
         """Per replica, the prompt's leading blocks it holds. Admission's latency check and the router both ask
         for a request: the second gets the first's answer when the index has not changed since (a long prompt's

@@ -172,8 +172,8 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     policy = build_policy(cfg.routing.policy, cfg.routing.params)
-    router = Router(policy, app[REPLICAS], app[METRICS], max_candidates=cfg.routing.max_candidates)
-    await app[CACHE_SWITCH].route_with(router, policy, cfg.routing.max_candidates)
+    router = Router(policy, app[REPLICAS], app[METRICS])
+    await app[CACHE_SWITCH].route_with(router, policy, cfg.routing)
     app[ROUTER] = router
     app[PROXY] = UpstreamProxy(
         app[UPSTREAM],

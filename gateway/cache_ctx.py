@@ -20,6 +20,7 @@ from aiohttp import web
 from cacheindex.state import CacheAwareState
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
+from gateway.config import RoutingConfig
 from gateway.fleet import RoutingShare, shared_redis_url
 from gateway.keys import CACHE, CONFIG, FLEET, REGISTRY, REPLICAS
 from gateway.router import Router
@@ -73,13 +74,14 @@ class PrefixCacheSwitch:
             if replica.healthy:
                 self.listener.replica_up(replica)  # re-registering forgets what was known of its cache
 
-    async def route_with(self, router: Router, policy: Policy, max_candidates: int) -> None:
+    async def route_with(self, router: Router, policy: Policy, routing: RoutingConfig) -> None:
         """Make `router` decide with `policy`, the cache state running before a router consults it and stopped
         after none does."""
         uses = uses_prefix_cache(policy)
         if uses and not self.state.started:
             await self.state.start()
-        router.use(policy, self.state if uses else None, max_candidates=max_candidates)
+        cache = self.state if uses else None
+        router.use(policy, cache, max_candidates=routing.max_candidates, max_weighed=routing.max_weighed)
         if not uses and self.state.started:
             await self.state.stop()
             self._register_healthy()

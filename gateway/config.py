@@ -88,6 +88,15 @@ class RoutingConfig(StrictModel):
         "sample of the others (at least 8: the power of d choices), so its cost per request does not grow with the "
         "pool",
     )
+    max_weighed: int = Field(
+        4,
+        ge=2,
+        description="of the candidates, cache-aware routing (and admission's verdict on latency targets) weighs "
+        "at most this many with its full cost model (predictions, placement): the session's replica and the deepest "
+        "holders of the prompt (up to half), then by turns the least loaded and those with the most KV room; the "
+        "others are only snapshotted and looked up in the prefix index, so the cost per request grows little with "
+        "the pool",
+    )
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="the policy's parameters, validated by its model at load time (below: `routing.params` per policy)",

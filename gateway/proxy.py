@@ -147,15 +147,19 @@ class UpstreamProxy:
 
     async def _choose(self, ex: Exchange, prefill: bool, *, over_gate: bool = False) -> tuple[Replica, Decision]:
         """The router's choice; a first try among the replicas admission prefers (those with KV room when some have
-        none), any replica if none of those can take it; a stream's continuation, and a request that computes no KV,
-        past the replicas' gates."""
-        prefer = ex.ctx.prefer
+        none; else, unless the request waited in the queue since, those its verdict weighed: the same candidates,
+        not drawn again), any replica if none of those can take it; a stream's continuation, and a request that
+        computes no KV, past the replicas' gates."""
+        ctx = ex.ctx
+        prefer = ctx.prefer
+        if not prefer and not over_gate and ctx.queue_wait_s == 0.0:
+            prefer = tuple([p.replica for p in ctx.predictions])
         if not prefill and not ex.tried and prefer:
             try:
-                return await self.router.choose(ex.info, hold=ex.ctx.hold, only=prefer)
+                return await self.router.choose(ex.info, hold=ctx.hold, only=prefer)
             except GatewayError:
                 pass
-        return await self.router.choose(ex.info, ex.tried, prefill=prefill, hold=ex.ctx.hold, over_gate=over_gate)
+        return await self.router.choose(ex.info, ex.tried, prefill=prefill, hold=ctx.hold, over_gate=over_gate)
 
     async def _attempt(self, ex: Exchange, replica: Replica, decision: Decision, relay: Relay[T]) -> T:
         """Send `ex` to `replica` and hand its answer to `relay`; a 5xx or a failure before any byte reached the

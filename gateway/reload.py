@@ -121,7 +121,7 @@ class ConfigReloader:
             self.app[ADMISSION].reload(new.admission)
         if new.routing != old.routing:
             policy = build_policy(new.routing.policy, new.routing.params)  # the cache state follows it
-            await self.app[CACHE_SWITCH].route_with(self.app[ROUTER], policy, new.routing.max_candidates)
+            await self.app[CACHE_SWITCH].route_with(self.app[ROUTER], policy, new.routing)
         if new.models != old.models:
             self.app[COMPLETIONS].set_models(new.models)
         result.applied = [s for s in _APPLIED if getattr(old, s) != getattr(new, s)]

@@ -6,8 +6,11 @@ its replica's state changes: `Replica.latency_view`), plus the policy itself. Wi
 `max_candidates` replicas, r is bounded: the view holds only the replicas holding the prompt's first block (the
 index's hints, O(those)), the session's, and a random sample of the others seeded by the request (`max_candidates`
 in all, at least `_MIN_SAMPLE` sampled): a cold prompt is placed by the power of d choices, a cached one among its
-holders.
-Admission's verdict on latency targets weighs the same candidates (`candidates`).
+holders. Of more than `max_weighed` candidates, each costs a snapshot and a lookup (its overlap with the prompt, its
+room), and only `max_weighed` finalists (`policies.filters.finalists`: the session's, the deepest holders, the least
+loaded, the most room) the full cost: latency views, placement, predictions.
+Admission's verdict on latency targets weighs the same finalists (`candidates`), and the route then decides among
+those it weighed (`gateway.proxy`), so the finalists are drawn once a request.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_parse import BodyKind
 from policies.base import EMPTY_MAPPING, Decision, Footprint, NoCandidate, Policy, RequestInfo, RoutingView
 from policies.disagg import Split, split
-from policies.filters import routable
+from policies.filters import finalists, routable
 from policies.latency import Held, ReplicaLatency
 
 
@@ -54,6 +57,8 @@ class CacheHooks(Protocol):
     async def claim_cold(self, info: RequestInfo, replica: str) -> str: ...
 
     def footprint(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, Footprint]: ...
+
+    def room(self, replica_ids: Sequence[str]) -> Mapping[str, int]: ...
 
     def on_routed(self, info: RequestInfo, decision: Decision) -> None: ...
 
@@ -85,19 +90,22 @@ class Router:
         cache: CacheHooks | None = None,
         *,
         max_candidates: int = 16,
+        max_weighed: int = 4,
     ) -> None:
         self.policy = policy
         self.replicas = replicas
         self.metrics = metrics
         self.cache = cache
         self.max_candidates = max_candidates
+        self.max_weighed = max_weighed
         self._rng = random.Random(0)  # the candidate sample: seeded, so a run is reproducible
         self._seq = 0
         self._plain: dict[tuple[str, str], RequestInfo] = {}  # see request_info
 
-    def use(self, policy: Policy, cache: CacheHooks | None, *, max_candidates: int) -> None:
+    def use(self, policy: Policy, cache: CacheHooks | None, *, max_candidates: int, max_weighed: int) -> None:
         """Decide with `policy` from the next request on (a reload), consulting `cache` (None: no cache hooks)."""
-        self.policy, self.cache, self.max_candidates = policy, cache, max_candidates
+        self.policy, self.cache = policy, cache
+        self.max_candidates, self.max_weighed = max_candidates, max_weighed
 
     async def request_info(
         self,
@@ -134,19 +142,20 @@ class Router:
         prefill: bool = False,
         hold: Held | None = None,
         only: Collection[str] = (),
+        over_gate: bool = False,
     ) -> RoutingView:
         """The snapshot for one decision: the request's candidates (`candidates`), or `only` those replicas; with
         each one's latency model for a policy that prices in seconds, the request's own `hold` (admission's) left
-        out."""
+        out. `over_gate`: the replicas' capacity gates left out (`choose`)."""
         now = time.monotonic()
         replicas: Sequence[Replica]
         if only:
-            replicas = [r for rid in only if (r := self.replicas.get(rid)) is not None]
+            replicas = [r for rid in only if (r := self.replicas.get(rid)) is not None and rid not in exclude]
         else:
-            replicas = self.candidates(info, prefill=prefill)
-        if exclude:
-            replicas = [r for r in replicas if r.id not in exclude]
+            replicas = self.candidates(info, prefill=prefill, exclude=exclude, over_gate=over_gate)
         snaps = tuple([r.snapshot(now) for r in replicas])
+        if over_gate:
+            snaps = tuple([s._replace(max_concurrency=None) for s in snaps])
         overlap: Mapping[str, int] = EMPTY_MAPPING
         footprint: Mapping[str, Footprint] = EMPTY_MAPPING
         offloaded: Mapping[str, int] = EMPTY_MAPPING
@@ -164,16 +173,23 @@ class Router:
         self._seq += 1
         return RoutingView(info, snaps, overlap, session, self._seq, footprint, offloaded, latency, now)
 
-    def candidates(self, info: RequestInfo, *, prefill: bool = False) -> Sequence[Replica]:
+    def candidates(
+        self, info: RequestInfo, *, prefill: bool = False, exclude: Collection[str] = (), over_gate: bool = False
+    ) -> Sequence[Replica]:
         """The replicas a decision on the request weighs: the model's that answer whole requests (roles both,
-        decode), or with `prefill` its prefill replicas (the first step of a disaggregated request); over a pool of
-        more than `max_candidates` with the cache hooks, a bounded subset (`_candidates`), so a decision costs the
-        same on 16 replicas as on 1,024. Admission's verdict weighs the same set."""
+        decode), or with `prefill` its prefill replicas (the first step of a disaggregated request); less `exclude`.
+        With the cache hooks, over a pool of more than `max_candidates` a bounded subset (`_candidates`), and of
+        those at most `max_weighed` finalists (`policies.filters.finalists`), so a decision costs about the same on
+        4 replicas as on 1,024. Admission's verdict weighs the same set."""
         replicas = self.replicas.for_model(info.model)
         if prefill or (replicas and self.replicas.disaggregated(info.model)):
-            return [r for r in replicas if (r.role == "prefill") == prefill]
+            return [r for r in replicas if (r.role == "prefill") == prefill and r.id not in exclude]
         if self.cache is not None and len(replicas) > self.max_candidates:
-            return self._candidates(info, replicas)
+            replicas = self._candidates(info, replicas)
+        if exclude:
+            replicas = [r for r in replicas if r.id not in exclude]
+        if self.cache is not None and len(replicas) > self.max_weighed:
+            replicas = self._finalists(info, replicas, over_gate)
         return replicas
 
     def _candidates(self, info: RequestInfo, replicas: Sequence[Replica]) -> list[Replica]:
@@ -194,6 +210,26 @@ class Router:
         for r in sample(replicas, min(len(replicas), self.max_candidates - len(chosen)), seed):
             chosen.setdefault(r.id, r)
         return list(chosen.values())
+
+    def _finalists(self, info: RequestInfo, replicas: Sequence[Replica], over_gate: bool) -> list[Replica]:
+        """The candidates' finalists, from their snapshots, the prompt's overlap with each (one walk of the index,
+        which the verdict and the route then share) and their room."""
+        assert self.cache is not None
+        now = time.monotonic()
+        snaps = [r.snapshot(now) for r in replicas]
+        if over_gate:
+            snaps = [s._replace(max_concurrency=None) for s in snaps]
+        overlap: Mapping[str, int] = EMPTY_MAPPING
+        room: Mapping[str, int] = EMPTY_MAPPING
+        if info.block_hashes:
+            ids = [s.id for s in snaps]
+            overlap = self.cache.overlap(info, ids)
+            if offloaded := self.cache.offloaded(info, overlap):
+                overlap = {rid: n + offloaded.get(rid, 0) for rid, n in overlap.items()}
+            room = self.cache.room(ids)
+        seed = info.request_id or self._rng.getrandbits(64)
+        kept = set(finalists(snaps, overlap, self.cache.session_replica(info), self.max_weighed, seed, room))
+        return [r for r in replicas if r.id in kept]
 
     def cached_tokens(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, int]:
         """Per replica, the prompt tokens the prefix index predicts it holds (absent: none or not known)."""
@@ -225,9 +261,7 @@ class Router:
         can take it. A prefix placed cold may go where another gateway just placed it instead
         (`CacheHooks.claim_cold`). `over_gate`: replicas at their capacity gate count too (an admitted stream whose
         engine failed continues: the dead replica's place is what it takes)."""
-        view = self.view(info, exclude, prefill=prefill, hold=hold, only=only)
-        if over_gate:
-            view = view._replace(replicas=tuple(s._replace(max_concurrency=None) for s in view.replicas))
+        view = self.view(info, exclude, prefill=prefill, hold=hold, only=only, over_gate=over_gate)
         try:
             decision = self.policy.decide(view)
         except NoCandidate as exc:

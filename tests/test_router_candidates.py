@@ -1,6 +1,7 @@
 """A large pool (more replicas than routing.max_candidates): cache-aware routing and admission's verdict on the
-latency targets weigh a bounded subset, and still send a cached prefix to its holder, keep sessions, spread cold
-prompts over the whole pool (not the first replicas listed), and route within the replicas the verdict prefers.
+latency targets weigh a bounded subset (at most routing.max_weighed in full), and still send a cached prefix to its
+holder, keep sessions, spread cold prompts over the whole pool (not the first replicas listed) onto its least loaded
+replicas, and route within the replicas the verdict prefers.
 Real ReplicaSet, Router and LatencyGate over one instant simulated engine (every replica id points at it); each
 request takes the shipped default's steps: the verdict and its hold, the route, the release."""
 
@@ -68,10 +69,13 @@ async def route(router: Router, state: CacheAwareState, b: dict[str, object], se
     ctx = RequestContext("test", "chat")
     verdict = gate.judge(info, info.prompt_tokens, None, TARGETS)
     assert verdict.admit and verdict.best is not None
+    assert len(verdict.predictions) <= router.max_weighed  # the finalists only are weighed in full
     held = router.replicas.get(verdict.best.replica)
     assert held is not None
     gate.hold(ctx, held, verdict.best, info.prompt_tokens, None)
-    replica, _ = await router.choose(info, hold=ctx.hold, only=verdict.prefer)
+    # as the proxy does: among the replicas the verdict prefers, else those it weighed
+    only = verdict.prefer or tuple(p.replica for p in verdict.predictions)
+    replica, _ = await router.choose(info, hold=ctx.hold, only=only)
     place(ctx, replica, router.replicas)
     state.on_finished(info, replica.id, None)
     gate.finish(ctx, Identity("t", 0, "standard"), None)
@@ -104,6 +108,18 @@ async def test_cold_prompts_spread_over_the_pool() -> None:
     async with large_pool() as (router, state):
         served = Counter([await route(router, state, body(f"unique {i}", "q")) for i in range(200)])
         assert len(served) >= POOL * 3 // 4  # the sample reaches most of the pool
+
+
+async def test_cold_prompts_go_to_the_idle_half_of_a_busy_pool() -> None:
+    """Half the pool has requests in flight: every cold prompt lands on an idle replica (weighing 4 of the
+    candidates drawn at random, one in 16 requests would find none idle)."""
+    async with large_pool() as (router, state):
+        busy = [r for i, r in enumerate(router.replicas) if i % 2]
+        starts = [r.begin() for r in busy for _ in range(2)]
+        served = [await route(router, state, body(f"fresh {i}", "q")) for i in range(100)]
+        assert not {r.id for r in busy} & set(served)
+        for r, started in zip([r for r in busy for _ in range(2)], starts, strict=True):
+            r.end(started)
 
 
 async def test_a_route_within_given_replicas_keeps_to_them_in_a_large_pool() -> None:
