@@ -163,7 +163,8 @@ class UpstreamProxy:
 
     async def _attempt(self, ex: Exchange, replica: Replica, decision: Decision, relay: Relay[T]) -> T:
         """Send `ex` to `replica` and hand its answer to `relay`; a 5xx or a failure before any byte reached the
-        client is `Retryable`, a 4xx the client's error (raised as it is)."""
+        client is `Retryable`, as is a 429 (the replica is busy: another may not be), any other 4xx the client's error
+        (raised as it is)."""
         started = replica.begin()  # the in-flight gauge is read from the replicas at scrape time
         ex.ctx.batch_mark = replica.batch_mark()
         try:
@@ -181,7 +182,7 @@ class UpstreamProxy:
                 if upstream.status >= 400:  # the engine's error, with its headers (Retry-After) and the route's
                     err = await upstream_error(upstream)
                     err.headers.update(self._headers(ex, replica, decision, upstream))
-                    if upstream.status >= 500:
+                    if upstream.status >= 500 or upstream.status == 429:  # 429: this replica is busy, not the request
                         raise Retryable(f"http_{upstream.status}", err) from None
                     replica.record_success()  # the engine works; the request was bad
                     raise err
@@ -199,6 +200,8 @@ class UpstreamProxy:
         self.metrics.upstream_errors.labels(replica.id, f"prefill_{exc.kind}" if prefill else exc.kind).inc()
         if not exc.kind.startswith("http_"):
             self.count_failure(replica)  # connect, reset, timeout: the replica's fault
+            return False
+        if exc.kind == "http_429":  # busy: neither the replica's failure nor the request's fault
             return False
         if ex.refused:
             ex.refused.clear()

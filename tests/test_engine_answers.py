@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -196,3 +196,30 @@ async def test_an_answer_that_breaks_http_is_a_502_sent_once(http: aiohttp.Clien
             status, _, raw = await complete(http, gw)
             assert status == 502 and b"a" * 1000 not in raw
         assert calls[0] == 3 and await upstream_errors(http, gw, "protocol") == 3
+
+
+async def test_an_engines_429_is_retried_on_another_replica_and_relayed_when_all_are_busy(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A replica answering 429 (an engine or the ingress in front of it at its limit) is busy, not broken: the
+    request goes to another replica, and the busy one is not taken out of routing; when every replica is busy the
+    client gets the last 429 with its Retry-After."""
+
+    async def busy(_: web.Request) -> web.StreamResponse:
+        body = {"error": {"message": "too many requests", "type": "RateLimitError", "code": 429}}
+        return web.json_response(body, status=429, headers={"Retry-After": "3"})
+
+    retry = {"breaker_failures": 2, "breaker_cooldown_s": 600}
+    async with AsyncExitStack() as es:
+        busy_url, busy_calls = await es.enter_async_context(fake_engine(busy))
+        sim = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, instant=True)))
+        gw = await es.enter_async_context(gateway_over([busy_url, sim.url], retry=retry))
+        busy_id = next(r.id for r in gw.app[REPLICAS] if r.url == busy_url)
+        for _ in range(6):  # round-robin: every other request is sent to the busy replica first
+            status, headers, _ = await complete(http, gw)
+            assert status == 200 and headers["x-kvgate-replica"] != busy_id
+        assert busy_calls[0] >= 3  # still routed to after two 429s: no breaker opened (it would stop at 2)
+        assert await upstream_errors(http, gw, "http_429") == busy_calls[0]
+    async with fake_engine(busy) as (a, _), fake_engine(busy) as (b, _), gateway_over([a, b]) as gw:
+        status, headers, raw = await complete(http, gw)
+    assert (status, headers["Retry-After"]) == (429, "3") and b"too many requests" in raw
