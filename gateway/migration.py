@@ -23,6 +23,9 @@ message continued, sent to `/v1/chat/completions`, and its events are told to th
 answer's output tokens and `message_stop`); only a text conversation (no image or tool block) with no field the
 chat request would not carry (tools, thinking, structured output) is, and only while the answer is one text block
 (a reasoning model's thinking block, a tool call: the stream ends with an error event instead).
+An answer that needs no continuation (`Relayed.ended`: its finish reason delivered with the usage the client asked
+for still to come, its max_tokens reached, or a continuation refused because the answer so far fills the context)
+ends as its engine would have ended it: `closing` writes its finish reason, its usage and its last event.
 Cost: one list append per relayed event; O(delivered bytes) once per migration.
 """
 
@@ -105,6 +108,10 @@ class Relayed:
     prompt_read: bool = False  # the prompt count was read from a running usage (once a stream)
     text_before: str = ""  # the text delivered by earlier engines of this stream
     seam: MessagesSeam | None = None  # a Messages stream continued through chat
+    # why the answer needs no continuation, once `continuation` or the refused one found it: "finished" (its finish
+    # reason reached the client) or "length" (max_tokens, or the context, reached); `closing` then ends it
+    ended: str | None = None
+    template: bytes | None = None  # the last chat or completions event delivered with a choice (closing's model)
 
     def add(self, events: list[bytes], size: int) -> None:
         """Keep `events` (`size` bytes in all) while within the bound."""
@@ -184,6 +191,14 @@ def _delivered_text(kind: str, events: list[bytes]) -> tuple[str, int, bool]:
     return "".join(parts), len(parts), finished
 
 
+def _last_choice(events: list[bytes]) -> bytes | None:
+    """The last of the events that carries a choice (a usage-only or error event carries none)."""
+    for event in reversed(events):
+        if b'"choices":[{' in event or b'"choices": [{' in event:
+            return event
+    return None
+
+
 def _delivered_messages_text(events: list[bytes]) -> tuple[str, int, bool, int]:
     """A Messages stream's text, its count of text deltas, whether the answer cannot be continued (its text block or
     the message stopped, or it opened a block other than text: a reasoning model's thinking, a tool call, which a
@@ -228,13 +243,15 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
         text, events, finished, index = _delivered_messages_text(relayed.events)
     else:
         text, events, finished = _delivered_text(parsed.kind, relayed.events)
-    if finished:
-        return None
+        relayed.template = _last_choice(relayed.events) or relayed.template
     reported = _engine_tokens(relayed.usage)
     relayed.tokens_before += reported if reported is not None else events
     relayed.text_before += text
     relayed.events.clear()
     relayed.size, relayed.usage = 0, None
+    if finished:  # a Messages answer's stopped or other block cannot be closed here (`closing`)
+        relayed.ended = "finished" if parsed.api == "openai" else None
+        return None
     if parsed.api == "anthropic":
         return _messages_continuation(parsed, relayed, index)
     body = engine_fields(parsed, usage_stats=True)
@@ -242,6 +259,7 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
     if limit_key is not None:
         left = int(body[limit_key]) - relayed.tokens_before
         if left < 1:
+            relayed.ended = "length"
             return None
         body[limit_key] = left
     if isinstance(body.get("min_tokens"), int):  # counted from the continuation's start, as max_tokens is
@@ -265,9 +283,14 @@ def _messages_continuation(parsed: ParsedRequest, relayed: Relayed, index: int) 
     """The chat request that continues a Messages answer (its body's chat view, the text delivered as the assistant
     message continued, the sampling fields it names), with the seam that tells its events in Anthropic's shape."""
     body = parsed.body
-    chat = messages_as_chat(body)
+    if relayed.seam is None:
+        relayed.seam = MessagesSeam(index)
     left = int(body["max_tokens"]) - relayed.tokens_before
-    if chat is None or left < 1:
+    if left < 1:
+        relayed.ended = "length"
+        return None
+    chat = messages_as_chat(body)
+    if chat is None:
         return None
     out: dict[str, Any] = {
         "model": parsed.model,
@@ -280,9 +303,55 @@ def _messages_continuation(parsed: ParsedRequest, relayed: Relayed, index: int) 
                             ("stop_sequences", "stop"), ("cache_salt", "cache_salt")):  # fmt: skip
         if body.get(name) is not None:
             out[chat_name] = body[name]
-    if relayed.seam is None:
-        relayed.seam = MessagesSeam(index)
     return encode(out, parsed)
+
+
+# an engine's refusal of a prompt longer than its context (vLLM's two wordings; the simulator's is the first)
+_CONTEXT_FULL = ("maximum context length", "maximum model length")
+
+
+def context_full(status: int, message: str) -> bool:
+    """Whether an engine refused a continuation because its prompt (the answer so far) fills the context: the
+    answer then ends as it would have, at its length."""
+    return status == 400 and any(words in message for words in _CONTEXT_FULL)
+
+
+def closing(parsed: ParsedRequest, relayed: Relayed, prompt_tokens: int | None) -> tuple[bytes, dict[str, int]] | None:
+    """The events that end, as its engine would have, a stream whose answer needs no continuation
+    (`relayed.ended`), and the whole answer's usage; None where the gateway cannot write them (a Messages answer
+    that stopped or opened another block, a chat or completions stream with no choice delivered). Chat and
+    completions: the finish reason `length` (unless delivered), the usage event when the client asked for one, then
+    `[DONE]`, each on the model of the last event delivered (its id, created, model); Messages: the text block's
+    stop, `message_delta` with `max_tokens` and the output tokens, `message_stop`."""
+    if relayed.ended is None:
+        return None
+    usage = {"completion_tokens": relayed.tokens_before}
+    if prompt_tokens is not None:
+        usage = {"prompt_tokens": prompt_tokens, **usage, "total_tokens": prompt_tokens + relayed.tokens_before}
+    if parsed.api == "anthropic":
+        seam = relayed.seam
+        if seam is None or relayed.ended != "length":
+            return None
+        seam.stop_reason, seam.completion = "max_tokens", 0
+        return b"".join(seam.translate(b"data: [DONE]", relayed.tokens_before, prompt_tokens)[0]), usage
+    try:
+        base = orjson.loads(relayed.template[relayed.template.index(b"{") :]) if relayed.template else None
+    except ValueError:
+        base = None
+    if not isinstance(base, dict):
+        return None
+    base.pop("usage", None)
+    out = []
+    if relayed.ended == "length":
+        if parsed.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        out.append(b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n")
+    if parsed.include_usage and prompt_tokens is not None:
+        out.append(b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n")
+    out.append(b"data: [DONE]\n\n")
+    return b"".join(out), usage
 
 
 def without_role(event: bytes) -> bytes:

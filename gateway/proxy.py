@@ -48,7 +48,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
-from gateway.migration import CHAT_PATH, continuation
+from gateway.migration import CHAT_PATH, Relayed, closing, context_full, continuation
 from gateway.relay import ClientEvents, SseSplitter, sequence_number
 from gateway.router import Router
 from gateway.upstream_send import content_type, framed_as_json, read_answer, response_headers, send
@@ -369,7 +369,9 @@ class UpstreamProxy:
 
     async def _migrate(self, ex: Exchange, failure: GatewayError) -> int:
         """Continue a stream whose engine failed on other replicas (`gateway.migration`), at most
-        `retry.max_migrations` times; the client's stream ends with the last failure's error event otherwise."""
+        `retry.max_migrations` times; the client's stream ends with the last failure's error event otherwise. An
+        answer that needs no continuation (its finish reason delivered, its max_tokens reached, or a continuation
+        refused because the answer fills the context) ends as its engine would have ended it."""
         relayed = ex.relayed
         assert relayed is not None
         model = self.metrics.model(ex.parsed.model)
@@ -377,6 +379,8 @@ class UpstreamProxy:
             relayed.migrations += 1
             data = continuation(ex.parsed, relayed)
             if data is None:
+                if relayed.ended is not None:
+                    return await self._close(ex, relayed, failure)
                 break
             ex.data = data
             if relayed.seam is not None:  # a Messages stream continues through chat (gateway.migration)
@@ -397,6 +401,9 @@ class UpstreamProxy:
                 failure = again.failure
                 continue
             except GatewayError as refused:  # the engine refused the continuation (4xx): the stream ends with it
+                if context_full(refused.status, refused.message):  # unless the answer so far fills the context
+                    relayed.ended = "length"
+                    return await self._close(ex, relayed, refused)
                 failure = refused
                 break
             model.migrated.value += 1
@@ -405,6 +412,20 @@ class UpstreamProxy:
         model.migration_failed.value += 1
         ex.ctx.error = failure.code
         return await self._end_stream(ex, failure)
+
+    async def _close(self, ex: Exchange, relayed: Relayed, failure: GatewayError) -> int:
+        """End the client's stream as its engine would have (`gateway.migration.closing`), or with `failure`'s
+        error event where the gateway cannot."""
+        ended = closing(ex.parsed, relayed, ex.ctx.prompt_tokens)
+        if ended is None:
+            self.metrics.model(ex.parsed.model).migration_failed.value += 1
+            ex.ctx.error = failure.code
+            return await self._end_stream(ex, failure)
+        events, usage = ended
+        await ex.out.write(events)
+        ex.ctx.set_usage(usage)
+        ex.ctx.error, ex.ctx.answered = None, True
+        return await self._end_stream(ex, None)
 
     async def _prefill(self, step: Exchange) -> tuple[Replica, dict[str, Any]] | None:
         """A prefill step (gateway.disagg) through the same attempts, on prefill replicas; None when none ran it

@@ -10,14 +10,15 @@ import json
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.keys import REPLICAS
-from gateway.migration import Relayed, continuation, migratable
+from gateway.migration import Relayed, context_full, continuation, migratable
 from gateway.request_parse import ParsedRequest
-from simengine import SimConfig
+from simengine import Faults, SimConfig
 from tests.conftest import gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", decode_ms=10.0)
@@ -299,3 +300,89 @@ async def test_a_stream_continues_on_a_replica_at_its_gate(http: aiohttp.ClientS
             )
         assert first != second and text == reference and other_text == reference
         assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_a_stream_cut_when_its_answer_fills_the_context_ends_at_its_length(
+    kind: str, http: aiohttp.ClientSession
+) -> None:
+    """No max_tokens: the answer runs to the context's end. Cut a token before it, the continuation's prompt (the
+    answer so far, rendered again) no longer fits the context and the engine refuses it: the client's stream ends
+    as the undisturbed one does, its finish reason `length` and its usage the whole answer's, not with an error."""
+    small = SIM.model_copy(update={"max_model_len": 32, "default_max_tokens": 1000})
+    async with gateway_over_sims([small, small]) as (gw, sims):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+
+            async def answer(after: int | None = None) -> tuple[str, Any, list[str]]:
+                options: dict[str, Any] = {"stream": True, "temperature": 0, "stream_options": {"include_usage": True}}
+                if kind == "chat":
+                    stream: Any = await client.chat.completions.create(model="sim", messages=MESSAGES, **options)  # type: ignore[arg-type]
+                else:
+                    stream = await client.completions.create(model="sim", prompt="Tell me about migration.", **options)
+                replica, parts, usage, finishes = stream.response.headers["x-kvgate-replica"], [], None, []
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        text = choice.delta.content if kind == "chat" else choice.text
+                        parts += [text] if text else []
+                        finishes += [choice.finish_reason] if choice.finish_reason else []
+                        if len(parts) == after and text:
+                            port = next(r.port for r in gw.app[REPLICAS] if r.id == replica)
+                            sim = next(s for s in sims if s.port == port)
+                            async with http.post(f"{sim.url}/sim/faults", json={"cut_after_tokens": 1}) as resp:
+                                assert resp.status == 200
+                return "".join(parts), usage, finishes
+
+            reference, ref_usage, ref_finishes = await answer()
+            assert ref_finishes == ["length"] and ref_usage.prompt_tokens + ref_usage.completion_tokens == 32
+            text, usage, finishes = await answer(after=ref_usage.completion_tokens - 2)
+        assert finishes == ["length"] and reference.startswith(text) and text
+        assert usage.prompt_tokens == ref_usage.prompt_tokens and usage.completion_tokens == len(text.split())
+        assert (await migrations(http, gw.url))["failed"] == 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions", "messages"])
+async def test_a_stream_cut_after_its_last_token_ends_whole_without_running_again(
+    kind: str, http: aiohttp.ClientSession
+) -> None:
+    """The engine dies right after the answer's last token (max_tokens reached), before its finish reason or the
+    usage the client asked for: nothing is left to generate, so nothing runs again, and the client's stream ends as
+    the engine would have ended it (finish reason `length` / stop reason `max_tokens`, the whole answer's usage)."""
+    cut = SIM.model_copy(update={"faults": Faults(cut_after_tokens=5)})
+    async with gateway_over_sims([cut, cut]) as (gw, sims):
+        if kind == "messages":
+            async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="x", max_retries=0) as api:
+                async with api.messages.stream(model="sim", max_tokens=5, messages=MESSAGES[1:]) as stream:  # type: ignore[arg-type]
+                    text = "".join([piece async for piece in stream.text_stream])
+                    final = await stream.get_final_message()
+            assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 5 and len(text.split()) == 5
+        else:
+            async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+                usage, finishes, parts = None, [], []
+                options: dict[str, Any] = {"max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+                if kind == "chat":
+                    stream: Any = await client.chat.completions.create(model="sim", messages=MESSAGES, **options)  # type: ignore[arg-type]
+                else:
+                    stream = await client.completions.create(model="sim", prompt="Tell me about migration.", **options)
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                    for choice in chunk.choices:
+                        parts += [(choice.delta.content if kind == "chat" else choice.text) or ""]
+                        finishes += [choice.finish_reason] if choice.finish_reason else []
+            assert finishes == ["length"] and len("".join(parts).split()) == 5
+            assert usage is not None and usage.completion_tokens == 5 and usage.prompt_tokens > 0
+        assert sum(s.engine.stats.started for s in sims) == 1
+        assert (await migrations(http, gw.url))["failed"] == 0
+
+
+def test_a_refusal_for_the_context_is_told_from_other_refusals() -> None:
+    """vLLM's wordings (renderers/params.py and v1/engine/input_processor.py of the vLLM this project runs), the
+    simulator's, and refusals that are not about the context."""
+    full = [
+        "This model's maximum context length is 2048 tokens. However, your prompt contains 2050 input tokens, which "
+        "exceeds this limit even without any output tokens. Please reduce the length of the input prompt.",
+        "The decoder prompt (length 2050) is longer than the maximum model length of 2048. Make sure that "
+        "`max_model_len` is no smaller than the number of text tokens.",
+    ]
+    assert all(context_full(400, message) for message in full)
+    assert not context_full(400, "max_tokens must be at least 1") and not context_full(503, full[0])
