@@ -32,6 +32,7 @@ class ModelMetrics:
         "e2e",
         "itl",
         "migrated",
+        "migration_closed",
         "migration_failed",
         "prompt",
         "retries",
@@ -49,6 +50,7 @@ class ModelMetrics:
         self.retries: Value = metrics.retries.labels(model)
         self.migrated: Value = metrics.migrations.labels(model, "resumed")
         self.migration_failed: Value = metrics.migrations.labels(model, "failed")
+        self.migration_closed: Value = metrics.migrations.labels(model, "closed")
 
 
 class GatewayMetrics:
@@ -93,7 +95,8 @@ class GatewayMetrics:
         self.migrations = FastCounter(
             "kvgate_stream_migrations",
             "Streams whose engine failed mid-answer, by outcome: resumed on another replica in the same client "
-            "stream, or failed (the client got an error event).",
+            "stream, closed by the gateway (nothing was left to generate: the answer's end written as the engine "
+            "would have), or failed (the client got an error event).",
             ["model", "outcome"],
             r,
         )

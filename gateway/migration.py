@@ -31,6 +31,7 @@ Cost: one list append per relayed event; O(delivered bytes) once per migration.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,14 +307,25 @@ def _messages_continuation(parsed: ParsedRequest, relayed: Relayed, index: int) 
     return encode(out, parsed)
 
 
-# an engine's refusal of a prompt longer than its context (vLLM's two wordings; the simulator's is the first)
-_CONTEXT_FULL = ("maximum context length", "maximum model length")
+# an engine's refusal of a prompt that alone fills its context, with the context's length and the prompt's: vLLM's
+# ("maximum context length is L tokens. However, your prompt contains [at least] N input tokens", "The decoder
+# prompt (length N) is longer than the maximum model length of L"), its older one ("... L tokens. However, you
+# requested M tokens (N in the messages, K in the completion)"), the simulator's ("... your request has N input
+# tokens")
+_CONTEXT = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) (?:input tokens|in the messages)", re.S)
+_MODEL_LENGTH = re.compile(r"prompt \(length (\d+)\) is longer than the maximum model length of (\d+)")
 
 
 def context_full(status: int, message: str) -> bool:
-    """Whether an engine refused a continuation because its prompt (the answer so far) fills the context: the
-    answer then ends as it would have, at its length."""
-    return status == 400 and any(words in message for words in _CONTEXT_FULL)
+    """Whether an engine refused a continuation because its prompt alone (the answer so far) fills the context: the
+    answer then ends as it would have, at its length (a refusal of the prompt with its max_tokens is not one)."""
+    if status != 400:
+        return False
+    if found := _CONTEXT.search(message):
+        return int(found[2]) >= int(found[1])
+    if found := _MODEL_LENGTH.search(message):
+        return int(found[1]) > int(found[2])
+    return False
 
 
 def closing(parsed: ParsedRequest, relayed: Relayed, prompt_tokens: int | None) -> tuple[bytes, dict[str, int]] | None:
@@ -340,13 +352,15 @@ def closing(parsed: ParsedRequest, relayed: Relayed, prompt_tokens: int | None) 
         base = None
     if not isinstance(base, dict):
         return None
-    base.pop("usage", None)
+    for name in ("usage", "prompt_token_ids", "prompt_text"):  # the answer's first event may carry the latter two
+        base.pop(name, None)
     out = []
-    if relayed.ended == "length":
+    if relayed.ended == "length":  # the finish chunk as vLLM writes it
         if parsed.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        choice["stop_reason"] = None
         out.append(b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n")
     if parsed.include_usage and prompt_tokens is not None:
         out.append(b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n")

@@ -156,7 +156,7 @@ class UpstreamProxy:
             prefer = tuple([p.replica for p in ctx.predictions])
         if not prefill and not ex.tried and prefer:
             try:
-                return await self.router.choose(ex.info, hold=ctx.hold, only=prefer)
+                return await self.router.choose(ex.info, hold=ctx.hold, only=prefer, tentative=True)
             except GatewayError:
                 pass
         return await self.router.choose(ex.info, ex.tried, prefill=prefill, hold=ctx.hold, over_gate=over_gate)
@@ -323,7 +323,7 @@ class UpstreamProxy:
         if failure is None:  # a stream that starts and then stalls or breaks is no success: the breaker can open
             replica.record_success()
         if failure is not None and self._may_migrate(ex):
-            raise Migration(failure)
+            raise Migration(failure)  # (or closed there, when nothing is left to generate)
         return await self._end_stream(ex, failure, client.last)
 
     async def _begin(
@@ -358,14 +358,12 @@ class UpstreamProxy:
         await ex.out.end()
         return 200 if failure is None else failure.status
 
-    def _may_migrate(self, ex: Exchange) -> bool:
-        relayed, retry = ex.relayed, self.settings.retry
-        return (
-            relayed is not None
-            and relayed.within_bound
-            and relayed.migrations < retry.max_migrations
-            and time.monotonic() < ex.deadline
-        )
+    @staticmethod
+    def _may_migrate(ex: Exchange) -> bool:
+        """A stream whose every event is kept (`gateway.migration.Relayed`), within its deadline: it may continue
+        elsewhere, or be closed when nothing is left to generate (`retry.max_migrations` bounds the former only)."""
+        relayed = ex.relayed
+        return relayed is not None and relayed.within_bound and time.monotonic() < ex.deadline
 
     async def _migrate(self, ex: Exchange, failure: GatewayError) -> int:
         """Continue a stream whose engine failed on other replicas (`gateway.migration`), at most
@@ -376,12 +374,14 @@ class UpstreamProxy:
         assert relayed is not None
         model = self.metrics.model(ex.parsed.model)
         while self._may_migrate(ex):
-            relayed.migrations += 1
             data = continuation(ex.parsed, relayed)
             if data is None:
                 if relayed.ended is not None:
                     return await self._close(ex, relayed, failure)
                 break
+            if relayed.migrations >= self.settings.retry.max_migrations:
+                break
+            relayed.migrations += 1
             ex.data = data
             if relayed.seam is not None:  # a Messages stream continues through chat (gateway.migration)
                 ex.path = CHAT_PATH
@@ -394,14 +394,15 @@ class UpstreamProxy:
                 status = await self._attempt(ex, replica, decision, self._relay)
             except Retryable as exc:  # the continuation failed before its first event
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
-                self.count_failure(replica)
+                if exc.kind != "http_429":  # busy is not broken (`_failed`)
+                    self.count_failure(replica)
                 failure = exc.error
                 continue
             except Migration as again:
                 failure = again.failure
                 continue
             except GatewayError as refused:  # the engine refused the continuation (4xx): the stream ends with it
-                if context_full(refused.status, refused.message):  # unless the answer so far fills the context
+                if context_full(refused.status, refused.message):  # unless its prompt alone fills the context
                     relayed.ended = "length"
                     return await self._close(ex, relayed, refused)
                 failure = refused
@@ -417,12 +418,15 @@ class UpstreamProxy:
         """End the client's stream as its engine would have (`gateway.migration.closing`), or with `failure`'s
         error event where the gateway cannot."""
         ended = closing(ex.parsed, relayed, ex.ctx.prompt_tokens)
+        model = self.metrics.model(ex.parsed.model)
+        ex.ctx.migrations = max(1, relayed.migrations)  # the engine failed: its timings teach no latency model
         if ended is None:
-            self.metrics.model(ex.parsed.model).migration_failed.value += 1
+            model.migration_failed.value += 1
             ex.ctx.error = failure.code
             return await self._end_stream(ex, failure)
         events, usage = ended
         await ex.out.write(events)
+        model.migration_closed.value += 1
         ex.ctx.set_usage(usage)
         ex.ctx.error, ex.ctx.answered = None, True
         return await self._end_stream(ex, None)

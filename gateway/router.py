@@ -28,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_parse import BodyKind
 from policies.base import EMPTY_MAPPING, Decision, Footprint, NoCandidate, Policy, RequestInfo, RoutingView
 from policies.disagg import Split, split
-from policies.filters import finalists, routable
+from policies.filters import finalists, routable, takes
 from policies.latency import Held, ReplicaLatency
 
 
@@ -231,6 +231,22 @@ class Router:
         kept = set(finalists(snaps, overlap, self.cache.session_replica(info), self.max_weighed, seed, room))
         return [r for r in replicas if r.id in kept]
 
+    def _takes(
+        self, rid: str, view: RoutingView, exclude: Collection[str], only: Collection[str], over_gate: bool
+    ) -> bool:
+        """Whether replica `rid` may take the request of `view`: one of its routable replicas, or (the finalists
+        being a few of the candidates) a replica of its model that could have been one."""
+        if any(r.id == rid for r in routable(view.replicas)):
+            return True
+        r = self.replicas.get(rid)
+        if r is None or rid in exclude or (only and rid not in only) or r.role == "prefill":
+            return False
+        model = view.request.model
+        if r.model != model and model not in r.adapters:
+            return False
+        snap = r.snapshot(view.now)
+        return takes(snap._replace(max_concurrency=None) if over_gate else snap)
+
     def cached_tokens(self, info: RequestInfo, replica_ids: Sequence[str]) -> Mapping[str, int]:
         """Per replica, the prompt tokens the prefix index predicts it holds (absent: none or not known)."""
         if self.cache is None or not info.block_hashes or not replica_ids:
@@ -256,22 +272,25 @@ class Router:
         hold: Held | None = None,
         only: Collection[str] = (),
         over_gate: bool = False,
+        tentative: bool = False,
     ) -> tuple[Replica, Decision]:
         """Route now (among `only` when given), or raise Overloaded (503 + Retry-After) when no replica of the model
-        can take it. A prefix placed cold may go where another gateway just placed it instead
-        (`CacheHooks.claim_cold`). `over_gate`: replicas at their capacity gate count too (an admitted stream whose
-        engine failed continues: the dead replica's place is what it takes)."""
+        can take it (counted as a rejected decision unless `tentative`: the caller then tries again more widely). A
+        prefix placed cold may go where another gateway just placed it instead (`CacheHooks.claim_cold`), whether
+        or not it was among the replicas weighed. `over_gate`: replicas at their capacity gate count too (an
+        admitted stream whose engine failed continues: the dead replica's place is what it takes)."""
         view = self.view(info, exclude, prefill=prefill, hold=hold, only=only, over_gate=over_gate)
         try:
             decision = self.policy.decide(view)
         except NoCandidate as exc:
-            self.metrics.decisions.labels(self.policy.name, f"rejected:{exc.reason}").inc()
+            if not tentative:
+                self.metrics.decisions.labels(self.policy.name, f"rejected:{exc.reason}").inc()
             raise Overloaded(
                 f"no replica of model {info.model!r} can take the request now", code="no_ready_replica"
             ) from None
         if decision.reason == "cold-least-load" and self.cache is not None:
             claimed = await self.cache.claim_cold(info, decision.replica)
-            if claimed != decision.replica and any(r.id == claimed for r in routable(view.replicas)):
+            if claimed != decision.replica and self._takes(claimed, view, exclude, only, over_gate):
                 decision = Decision(claimed, "fleet-claim", decision.scores, decision.seconds)
         replica = self.replicas.get(decision.replica)
         if replica is None:  # a policy may only pick from the view; this is a policy bug

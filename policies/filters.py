@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from policies.base import EMPTY_MAPPING, ReplicaState
-from policies.saturation import not_saturated
+from policies.saturation import not_saturated, saturated
 
 
 def routable(replicas: Iterable[ReplicaState]) -> list[ReplicaState]:
@@ -20,6 +20,16 @@ def routable(replicas: Iterable[ReplicaState]) -> list[ReplicaState]:
         if r.ready and not r.draining and (r.max_concurrency is None or r.in_flight < r.max_concurrency)
     ]
     return not_saturated(candidates) or candidates
+
+
+def takes(replica: ReplicaState) -> bool:
+    """Whether one replica may take a request now: `routable`'s test, saturation included."""
+    return (
+        replica.ready
+        and not replica.draining
+        and (replica.max_concurrency is None or replica.in_flight < replica.max_concurrency)
+        and not saturated(replica)
+    )
 
 
 def finalists(
@@ -43,21 +53,29 @@ def finalists(
     if n <= k:
         return [r.id for r in ready]
     start = seed % n
-    order = {r.id: (i - start) % n for i, r in enumerate(ready)}
+    ready = ready[start:] + ready[:start]  # the sorts below are stable: ties keep this order
+    ids = [r.id for r in ready]
+    loads = [r.load for r in ready]
+    held = [overlap.get(rid, 0) for rid in ids]
+    every = range(n)
     chosen: dict[str, None] = {}
-    if session is not None and session in order:
+    if session is not None and session in ids:
         chosen[session] = None
-    holders = [r for r in ready if overlap.get(r.id, 0) > 0]
-    holders.sort(key=lambda r: (-overlap[r.id], r.load, order[r.id]))
-    for r in holders:
-        if len(chosen) >= (k + 1) // 2:
-            break
-        chosen[r.id] = None
-    by_load = sorted(ready, key=lambda r: (r.load, -overlap.get(r.id, 0), order[r.id]))
-    by_room = sorted(ready, key=lambda r: (-room.get(r.id, 0), r.load, order[r.id])) if room else by_load
+    half = (k + 1) // 2
+    if len(chosen) < half:
+        for j in sorted([j for j in every if held[j] > 0], key=lambda j: (-held[j], loads[j])):
+            if len(chosen) >= half:
+                break
+            chosen[ids[j]] = None
+    by_load = sorted(every, key=lambda j: (loads[j], -held[j]))
+    if room:
+        space = [room.get(rid, 0) for rid in ids]
+        by_room = sorted(every, key=lambda j: (-space[j], loads[j]))
+    else:
+        by_room = by_load
     for pair in zip(by_load, by_room, strict=True):
-        for r in pair:
+        for j in pair:
             if len(chosen) >= k:
                 return list(chosen)
-            chosen[r.id] = None
+            chosen[ids[j]] = None
     return list(chosen)

@@ -98,7 +98,7 @@ async def test_a_stream_whose_engine_fails_continues_on_another_replica(
         # its usage the undisturbed answer's: the prompt the first engine computed, every token delivered
         assert usage.completion_tokens == TOKENS and usage.prompt_tokens == ref_usage.prompt_tokens
         assert usage.total_tokens == usage.prompt_tokens + TOKENS
-        assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+        assert await migrations(http, gw.url) == {"resumed": 1.0, "closed": 0.0, "failed": 0.0}
 
 
 async def test_with_migration_off_a_cut_stream_ends_with_an_error_event(http: aiohttp.ClientSession) -> None:
@@ -113,7 +113,7 @@ async def test_with_migration_off_a_cut_stream_ends_with_an_error_event(http: ai
 
             with pytest.raises(openai.APIError, match="failed mid-stream"):
                 await stream_text(client, "completions", after=5, on_chunk=cut)
-        assert await migrations(http, gw.url) == {"resumed": 0.0, "failed": 0.0}
+        assert await migrations(http, gw.url) == {"resumed": 0.0, "closed": 0.0, "failed": 0.0}
 
 
 @pytest.mark.parametrize(("role_in_first_token", "stream_interval"), [(True, 1), (False, 3), (True, 4)])
@@ -137,7 +137,7 @@ async def test_the_seam_loses_no_token_whatever_the_engine_puts_in_an_event(
             text, usage, _ = await stream_text(client, "chat", after=3, on_chunk=cut)
         assert text == reference
         assert usage.completion_tokens == TOKENS
-        assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+        assert await migrations(http, gw.url) == {"resumed": 1.0, "closed": 0.0, "failed": 0.0}
 
 
 async def test_a_messages_stream_whose_engine_fails_continues_through_chat(http: aiohttp.ClientSession) -> None:
@@ -167,7 +167,7 @@ async def test_a_messages_stream_whose_engine_fails_continues_through_chat(http:
             reference, undisturbed = await answer()
             assert len(reference.split()) == TOKENS
             text, final = await answer(after=5)
-        assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+        assert await migrations(http, gw.url) == {"resumed": 1.0, "closed": 0.0, "failed": 0.0}
         # the prompt counted as its message_start told the client: the first engine's, twice in all
         prompt = undisturbed.usage.input_tokens + (undisturbed.usage.cache_read_input_tokens or 0)
         assert (await tokens(http, gw.url))["prompt"] == 2 * prompt
@@ -299,7 +299,7 @@ async def test_a_stream_continues_on_a_replica_at_its_gate(http: aiohttp.ClientS
                 broken, stream_text(client, "chat", after=1, on_chunk=other)
             )
         assert first != second and text == reference and other_text == reference
-        assert await migrations(http, gw.url) == {"resumed": 1.0, "failed": 0.0}
+        assert await migrations(http, gw.url) == {"resumed": 1.0, "closed": 0.0, "failed": 0.0}
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
@@ -338,7 +338,7 @@ async def test_a_stream_cut_when_its_answer_fills_the_context_ends_at_its_length
             text, usage, finishes = await answer(after=ref_usage.completion_tokens - 2)
         assert finishes == ["length"] and reference.startswith(text) and text
         assert usage.prompt_tokens == ref_usage.prompt_tokens and usage.completion_tokens == len(text.split())
-        assert (await migrations(http, gw.url))["failed"] == 0
+        assert await migrations(http, gw.url) == {"resumed": 0.0, "closed": 1.0, "failed": 0.0}
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions", "messages"])
@@ -372,7 +372,7 @@ async def test_a_stream_cut_after_its_last_token_ends_whole_without_running_agai
             assert finishes == ["length"] and len("".join(parts).split()) == 5
             assert usage is not None and usage.completion_tokens == 5 and usage.prompt_tokens > 0
         assert sum(s.engine.stats.started for s in sims) == 1
-        assert (await migrations(http, gw.url))["failed"] == 0
+        assert await migrations(http, gw.url) == {"resumed": 0.0, "closed": 1.0, "failed": 0.0}
 
 
 def test_a_refusal_for_the_context_is_told_from_other_refusals() -> None:
@@ -386,3 +386,9 @@ def test_a_refusal_for_the_context_is_told_from_other_refusals() -> None:
     ]
     assert all(context_full(400, message) for message in full)
     assert not context_full(400, "max_tokens must be at least 1") and not context_full(503, full[0])
+    # older vLLM: the prompt with its max_tokens past the context, not the prompt alone: no end at `length`
+    older = (
+        "This model's maximum context length is 2048 tokens. However, you requested 2100 tokens ({} in the messages, "
+        "{} in the completion)."
+    )
+    assert not context_full(400, older.format(1900, 200)) and context_full(400, older.format(2048, 52))

@@ -122,6 +122,34 @@ async def test_cold_prompts_go_to_the_idle_half_of_a_busy_pool() -> None:
             r.end(started)
 
 
+async def test_a_prefix_another_gateway_placed_goes_where_it_claimed_even_off_the_finalists() -> None:
+    """The fleet's claim (`claim_cold`: another gateway placed this cold prefix first) is taken when the replica is
+    busier than every finalist, and not when it is draining or excluded."""
+    async with large_pool() as (router, state):
+        claimed = router.replicas.get("r07")
+        assert claimed is not None
+        starts = [claimed.begin() for _ in range(5)]  # the busiest: no finalist of a cold prompt
+
+        async def elsewhere(info: object, replica: str) -> str:
+            return "r07"
+
+        state.claim_cold = elsewhere  # type: ignore[method-assign]
+        info = await router.request_info(
+            model="m", endpoint="chat", body=body("cold", "q"), tenant="t", session_key=None
+        )
+        assert "r07" not in {r.id for r in router.candidates(info)}
+        replica, decision = await router.choose(info)
+        assert (replica.id, decision.reason) == ("r07", "fleet-claim")
+        state.on_finished(info, replica.id, None)
+        replica, decision = await router.choose(info, exclude=("r07",))
+        assert replica.id != "r07" and decision.reason == "cold-least-load"
+        claimed.draining = True
+        replica, _ = await router.choose(info)
+        assert replica.id != "r07"
+        for started in starts:
+            claimed.end(started)
+
+
 async def test_a_route_within_given_replicas_keeps_to_them_in_a_large_pool() -> None:
     """Admission prefers the replicas with KV room when some have none: the route keeps to those, whichever of
     the pool they are (not only those the candidate sample happens to draw)."""

@@ -136,8 +136,8 @@ class LatencyGate:
         served = ctx.status == 200 or ctx.answered
         if targets is not None and served:
             self.outcomes.labels(ctx.model, identity.priority_name, identity.tenant, _outcome(ctx, targets)).inc()
-        if replica is None or not served or ctx.routed_at is None or ctx.ttft_s is None:
-            return
+        if replica is None or not served or ctx.routed_at is None or ctx.ttft_s is None or ctx.migrations:
+            return  # (a stream whose engine failed: its first token came from one replica, its end from another)
         self._learn(ctx, replica)
 
     def refused(self, model: str, identity: Identity) -> None:
