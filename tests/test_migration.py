@@ -392,3 +392,20 @@ def test_a_refusal_for_the_context_is_told_from_other_refusals() -> None:
         "{} in the completion)."
     )
     assert not context_full(400, older.format(1900, 200)) and context_full(400, older.format(2048, 52))
+
+
+async def test_a_stream_cut_after_its_last_token_on_its_last_migration_ends_whole(http: aiohttp.ClientSession) -> None:
+    """One migration allowed: the first engine dies after 2 of 5 tokens, the continuation's engine after the other
+    3, before its finish reason. Nothing is left to generate, so the stream still ends whole (the bound on
+    migrations bounds what runs again, not the gateway's own closing)."""
+    sims = [SIM.model_copy(update={"faults": Faults(cut_after_tokens=n)}) for n in (2, 3)]
+    async with gateway_over_sims(sims, retry={"max_migrations": 1}) as (gw, servers):
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            options: dict[str, Any] = {"max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+            stream = await client.chat.completions.create(model="sim", messages=MESSAGES, **options)  # type: ignore[call-overload]
+            chunks = [chunk async for chunk in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["length"] and len(text.split()) == 5 and chunks[-1].usage.completion_tokens == 5
+        assert sum(s.engine.stats.started for s in servers) == 2
+        assert await migrations(http, gw.url) == {"resumed": 0.0, "closed": 1.0, "failed": 0.0}
