@@ -394,7 +394,9 @@ class UpstreamProxy:
                 status = await self._attempt(ex, replica, decision, self._relay)
             except Retryable as exc:  # the continuation failed before its first event
                 self.metrics.upstream_errors.labels(replica.id, exc.kind).inc()
-                if exc.kind != "http_429":  # busy is not broken (`_failed`)
+                if exc.kind == "http_429":  # busy is not broken (`_failed`), and ran nothing: no migration spent
+                    relayed.migrations -= 1  # (each replica is tried once: `_route` excludes those tried)
+                else:
                     self.count_failure(replica)
                 failure = exc.error
                 continue

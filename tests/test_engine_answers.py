@@ -223,3 +223,33 @@ async def test_an_engines_429_is_retried_on_another_replica_and_relayed_when_all
     async with fake_engine(busy) as (a, _), fake_engine(busy) as (b, _), gateway_over([a, b]) as gw:
         status, headers, raw = await complete(http, gw)
     assert (status, headers["Retry-After"]) == (429, "3") and b"too many requests" in raw
+
+
+async def test_a_stream_continues_past_a_busy_replica_without_spending_its_migration(
+    http: aiohttp.ClientSession,
+) -> None:
+    """One migration allowed. The stream's engine dies after 3 tokens; the continuation is first sent to a replica
+    that answers 429 (busy: it ran nothing), then to one that serves it: the stream completes."""
+
+    async def busy(_: web.Request) -> web.StreamResponse:
+        body = {"error": {"message": "too many requests", "type": "RateLimitError", "code": 429}}
+        return web.json_response(body, status=429)
+
+    async with AsyncExitStack() as es:
+        dying = await es.enter_async_context(
+            run_sim_engine(SimConfig(model=MODEL, decode_ms=5, faults=Faults(cut_after_tokens=3)))
+        )
+        busy_url, busy_calls = await es.enter_async_context(fake_engine(busy))
+        healthy = await es.enter_async_context(run_sim_engine(SimConfig(model=MODEL, decode_ms=5)))
+        # round-robin over the names' order: the first request goes to the second replica (b-dying), the
+        # continuation to the first of those not tried (a-busy), then to c-healthy
+        named = [("a-busy", busy_url), ("b-dying", dying.url), ("c-healthy", healthy.url)]
+        engines = [{"url": url, "model": MODEL, "name": name} for name, url in named]
+        config = gateway_config([], engines=engines, routing={"policy": "round-robin"}, retry={"max_migrations": 1})
+        gw = await es.enter_async_context(running_gateway(config))
+        await wait_for(lambda: all(r.routable(time.monotonic()) for r in gw.app[REPLICAS]), what="replicas ready")
+        async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0) as client:
+            stream = await client.completions.create(model=MODEL, prompt="hello", max_tokens=8, stream=True)
+            text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+        assert len(text.split()) == 8
+        assert busy_calls[0] == 1 and dying.engine.stats.started == 1 and healthy.engine.stats.started == 1
