@@ -312,7 +312,7 @@ def _messages_continuation(parsed: ParsedRequest, relayed: Relayed, index: int) 
 # prompt (length N) is longer than the maximum model length of L"), its older one ("... L tokens. However, you
 # requested M tokens (N in the messages, K in the completion)"), the simulator's ("... your request has N input
 # tokens")
-_CONTEXT = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) (?:input tokens|in the messages)", re.S)
+_CONTEXT = re.compile(r"maximum context length is (\d+) tokens.*?(?<!\d)(\d+) (?:input tokens|in the messages)", re.S)
 _MODEL_LENGTH = re.compile(r"prompt \(length (\d+)\) is longer than the maximum model length of (\d+)")
 
 

@@ -11,25 +11,21 @@ from policies.base import EMPTY_MAPPING, ReplicaState
 from policies.saturation import not_saturated, saturated
 
 
+def _open(r: ReplicaState) -> bool:
+    """Ready, not draining, below its capacity gate (when it has one)."""
+    return r.ready and not r.draining and (r.max_concurrency is None or r.in_flight < r.max_concurrency)
+
+
 def routable(replicas: Iterable[ReplicaState]) -> list[ReplicaState]:
-    """Ready, not draining, below its capacity gate (when it has one); saturated replicas only when every candidate
-    is saturated (the admission queue in front keeps that case rare)."""
-    candidates = [
-        r
-        for r in replicas
-        if r.ready and not r.draining and (r.max_concurrency is None or r.in_flight < r.max_concurrency)
-    ]
+    """The open replicas (`_open`); saturated ones only when every open candidate is saturated (the admission queue
+    in front keeps that case rare)."""
+    candidates = [r for r in replicas if _open(r)]
     return not_saturated(candidates) or candidates
 
 
 def takes(replica: ReplicaState) -> bool:
-    """Whether one replica may take a request now: `routable`'s test, saturation included."""
-    return (
-        replica.ready
-        and not replica.draining
-        and (replica.max_concurrency is None or replica.in_flight < replica.max_concurrency)
-        and not saturated(replica)
-    )
+    """Whether one replica may take a request now: open and not saturated."""
+    return _open(replica) and not saturated(replica)
 
 
 def finalists(
