@@ -276,7 +276,7 @@ class Replica:
         held = tuple([h for h in self.held.values() if h is not without])
         return ReplicaLatency(
             self.id, kv, held, overhead, prefill, step, per_seq, learner.margin(), learner.decode_learned,
-            learner.mean_output if learner.output_learned else 0.0,
+            learner.mean_output if learner.output_learned else price.output_tokens or 0.0,
         )  # fmt: skip
 
     def for_rank(self, rank: int) -> Replica:

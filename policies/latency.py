@@ -59,7 +59,7 @@ class ReplicaLatency:
     step_per_seq_s: float  # what each sequence in the batch adds to the step
     margin_s: float = 0.0  # how late this replica's first tokens came against their predictions (a high quantile)
     decode_learned: bool = True  # False: the decode terms are a prior (the engine's counters), never a refusal
-    mean_output: float = 0.0  # the mean output tokens of its answers; 0: none seen yet
+    mean_output: float = 0.0  # the mean output tokens of its answers (before any, the engine's mean); 0: not known
 
 
 class Prediction(NamedTuple):

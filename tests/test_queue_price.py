@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+import time
+from contextlib import AsyncExitStack
 
 import aiohttp
 import pytest
 
+from gateway.embedded import running_gateway
 from gateway.keys import REPLICAS
 from policies.queue_price import EngineCounters, QueuePrice
 from simengine import SimConfig
-from tests.conftest import gateway_over_sims, wait_for
+from simengine.server import run_sim_engine
+from tests.conftest import gateway_config, gateway_over_sims, scrape, wait_for
 
 
 def scrapes(d: float, a: float, p: float, out: float, runs: list[float]) -> list[EngineCounters]:
@@ -78,6 +83,53 @@ def test_a_warm_up_says_nothing_of_the_prefill_cost() -> None:
     assert q.prefill_s_per_token is None
     q.observe(EngineCounters(prefill_s=0.054 + 0.4, prefill_tokens=4 + 4000, output_tokens=9, finished=5))
     assert q.prefill_s_per_token == pytest.approx(0.0001)
+
+
+def test_the_first_scrape_of_a_serving_engine_gives_its_prefill_cost_and_output_at_once() -> None:
+    """A gateway started in front of engines that have served requests: their totals so far are the first
+    estimates of p and O (40 requests of 300 computed tokens, 0.6 s of prefill: 50 us a token; 2,560 tokens out);
+    the decode slope waits for intervals (one scrape's running count is not a mean over the engine's life)."""
+    q = QueuePrice()
+    served = EngineCounters(
+        running=3, itl_sum=25.6, itl_count=2560, prefill_s=0.6, prefill_tokens=12000, output_tokens=2560, finished=40
+    )
+    q.observe(served)
+    assert q.prefill_s_per_token == pytest.approx(0.00005)
+    assert q.slope() is None and q.value is None
+    fresh = QueuePrice()
+    fresh.observe(EngineCounters(prefill_s=0.054, prefill_tokens=4, output_tokens=1, finished=1))  # a warm-up only
+    assert fresh.prefill_s_per_token is None
+
+
+async def test_a_gateway_started_in_front_of_serving_engines_prices_its_first_route_in_seconds(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Restarted or scaled out in front of a pool in service, a cache-aware gateway weighs cache against load in
+    predicted seconds from its first request, not by token constants until its own traffic has taught it."""
+    sim = SimConfig(model="sim", block_size=16, prefill_us_per_token=100, decode_ms=1)
+    async with AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(run_sim_engine(sim)) for _ in range(2)]
+        for s in servers:  # the pool in service: distinct prompts, all of them computed
+            for i in range(4):
+                body = {"model": "sim", "prompt": f"served {i} " * 150, "max_tokens": 8}
+                async with http.post(s.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+        config = gateway_config(
+            [], engines=[{"url": s.url} for s in servers], routing={"policy": "cache-aware"},
+            cache={"tokenizers": {"sim": "sim"}},
+        )  # fmt: skip
+        gw = await stack.enter_async_context(running_gateway(config))
+        replicas = gw.app[REPLICAS]
+
+        def scraped() -> bool:
+            return all(r.routable(time.monotonic()) and math.isfinite(r.metrics.scraped_at) for r in replicas)
+
+        await wait_for(scraped, what="every engine scraped once")
+        body = {"model": "sim", "messages": [{"role": "user", "content": "a first question " * 40}], "max_tokens": 4}
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+        samples = await scrape(http, gw.url)
+        assert sum(s.value for s in samples if s.name == "kvgate_routing_seconds_decisions_total") == 1
 
 
 async def test_a_gateway_learns_a_higher_price_for_an_engine_whose_decode_slows_with_the_batch(
