@@ -4,7 +4,8 @@ Each replica gets one asyncio task that alternates a health probe (`GET /health`
 `timeout_s`) with a metrics scrape (`GET metrics_url`, every `metrics_interval_s`). A failed probe marks the replica
 unhealthy at once (out of routing); a passing one marks it healthy. Listeners hear when a replica comes up (healthy),
 again when its KV layout (block size, capacity in blocks) first becomes known or changes, when it goes down, and when
-it is removed. Attached engines without a configured model name get it from `/v1/models`. `warm_up` is the one real
+it is removed (a scrape whose cumulative counters went down is an engine restarted between probes: up again, its
+cache empty). Attached engines without a configured model name get it from `/v1/models`. `warm_up` is the one real
 completion a new engine must answer before it is routed to (launched engines and engines found by DNS pass it).
 
 A data-parallel engine is found by its first scrape (one `engine` label per rank): the replica becomes its first
@@ -25,7 +26,7 @@ from typing import Protocol
 from engine_pool.engine_metrics import parse_engine_metrics
 from engine_pool.http_client import UpstreamClient
 from engine_pool.kv_sources import kv_event_source
-from engine_pool.replica import Replica, rank_headers
+from engine_pool.replica import EngineMetrics, Replica, rank_headers
 
 log = logging.getLogger("kvgate.replicas")
 _JSON = {"Content-Type": "application/json"}
@@ -360,10 +361,14 @@ class ReplicaSet:
         except (ConnectionError, TimeoutError, UnicodeDecodeError):
             return False
         before = replica.metrics
-        replica.set_metrics(parse_engine_metrics(text, now=sent, rank=replica.dp_rank))
-        layout = (replica.metrics.block_size, replica.metrics.num_blocks)
-        if replica.healthy and layout != (before.block_size, before.num_blocks):
-            for listener in self._listeners:  # the KV layout became known (or changed): listeners re-register it
+        replica.set_metrics(after := parse_engine_metrics(text, now=sent, rank=replica.dp_rank))
+        restarted = _restarted(before, after)
+        if restarted:
+            log.info("replica %s: its engine's counters went down, a restart between probes", replica.id)
+        if replica.healthy and (
+            restarted or (after.block_size, after.num_blocks) != (before.block_size, before.num_blocks)
+        ):
+            for listener in self._listeners:  # a new engine, or its KV layout became known: listeners re-register it
                 listener.replica_up(replica)
         return True
 
@@ -382,6 +387,13 @@ class ReplicaSet:
             elif replica.healthy:
                 await self._scrape_and_split(replica)
             await asyncio.sleep(min(self.metrics_interval_s, max(0.0, next_health - time.monotonic())))
+
+
+def _restarted(before: EngineMetrics, after: EngineMetrics) -> bool:
+    """Whether an engine restarted between two scrapes: a cumulative counter went down (a restart faster than the
+    health probe's interval leaves no failed probe; the new engine's cache is empty)."""
+    b, a = before.counters, after.counters
+    return after.prefix_queries < before.prefix_queries or a.finished < b.finished or a.itl_count < b.itl_count
 
 
 def _engine_message(status: int, raw: bytes) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,12 @@ import aiohttp
 import pytest
 
 from cacheindex.tokenizers import HfPromptTokenizer
-from gateway.keys import CACHE
+from gateway.embedded import running_gateway
+from gateway.keys import CACHE, REPLICAS
 from simengine import SimConfig
+from simengine.server import run_sim_engine
 from simengine.tokenize import tokenize_text
-from tests.conftest import gateway_over_sims, wait_for
+from tests.conftest import gateway_config, gateway_over_sims, wait_for
 
 SIM = SimConfig(model="sim", block_size=16, overhead_ms=0, prefill_us_per_token=0, decode_ms=0, decode_ms_per_seq=0)
 CACHE_AWARE = {"routing": {"policy": "cache-aware"}, "cache": {"tokenizers": {"sim": "sim"}}}
@@ -193,3 +196,29 @@ async def test_an_agents_long_new_turns_are_hashed_after_routing_and_still_recor
                          {"role": "tool", "tool_call_id": f"call_{turn}", "content": result}]  # fmt: skip
         assert routes[1:] == [(routes[0][0], "cache-hit")] * 3
         assert await _metric(http, gw.url, "kvgate_prefix_new_turns_after_routing_total") == 3
+
+
+async def test_an_engine_restarted_between_health_probes_is_known_empty(http: aiohttp.ClientSession) -> None:
+    """An engine restarted faster than the health probe's interval (a container restarted in place) fails no probe;
+    its scrape's counters start over, and the gateway routes it as the empty cache it now is: a prompt it held
+    before the restart is cold again, not a predicted hit on an engine that recomputes it."""
+    async with AsyncExitStack() as stack:
+        engines = [AsyncExitStack() for _ in range(2)]
+        for engine in engines:
+            stack.push_async_callback(engine.aclose)
+        first = [await e.enter_async_context(run_sim_engine(SIM)) for e in engines]
+        config = gateway_config([s.url for s in first], health={"interval_s": 3600}, **CACHE_AWARE)
+        gw = await stack.enter_async_context(running_gateway(config))
+        replicas = {r.id: r for r in gw.app[REPLICAS]}
+        await wait_for(lambda: all(r.routable(time.monotonic()) for r in replicas.values()), what="replicas ready")
+        system = "you are a helpful assistant. " * 40
+        home, reason, _ = await chat(http, gw.url, system, "first")
+        assert reason == "cold-least-load"
+        assert (await chat(http, gw.url, system, "second"))[:2] == (home, "cache-hit")
+        await wait_for(lambda: replicas[home].metrics.prefix_queries > 0, what="the engine's counters scraped")
+        k = next(i for i, s in enumerate(first) if home.endswith(f":{s.port}"))
+        await engines[k].aclose()  # the engine stops; a fresh one takes its port before any health probe
+        await engines[k].enter_async_context(run_sim_engine(SIM.model_copy(update={"port": first[k].port})))
+        await wait_for(lambda: replicas[home].metrics.prefix_queries == 0, what="the restarted engine scraped")
+        _, reason, cached = await chat(http, gw.url, system, "third")
+        assert (reason, cached) == ("cold-least-load", 0)
