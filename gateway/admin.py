@@ -29,7 +29,7 @@ from engine_pool.slots import PoolError, UnknownReplica
 from gateway.admission.auth import check_admin
 from gateway.admission.config import AdmissionConfig
 from gateway.body import ExpectHandler, read_body
-from gateway.config import format_validation_error
+from gateway.config_load import format_validation_error
 from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.keys import CONFIG, CONFIG_SOURCE, POOL, REPLICAS
 from gateway.reload import RELOADER

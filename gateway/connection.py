@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from collections import OrderedDict
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
@@ -46,6 +47,7 @@ from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
+from gateway.config import GatewayConfig
 from gateway.endpoints import API_BY_PATH
 from gateway.errors import (
     ApiShape,
@@ -58,9 +60,6 @@ from gateway.errors import (
     render_error,
 )
 from gateway.framing import CARRY, DECODED, ChunkLine, after_request, body_start, faulty
-
-if TYPE_CHECKING:
-    from gateway.listener import GatewayListener
 
 log = logging.getLogger("kvgate.server")
 
@@ -109,11 +108,22 @@ def protocol_error(status: int, exc: BaseException | None) -> GatewayError:
     return err
 
 
+class Port(Protocol):
+    """What a connection shares with its port (`gateway.listener.GatewayListener`)."""
+
+    config: GatewayConfig
+    open_connections: int
+    idle: OrderedDict[GuardedRequestHandler, None]  # kept alive between requests, the longest idle first
+
+    def refused(self, err: GatewayError) -> None:
+        """A request refused as its bytes arrived: logged and counted."""
+
+
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's protocol with a head deadline and bound, requests answered up to a malformed one, declared bodies
     over the limit refused at once, protocol errors in their route's shape and a connection count."""
 
-    def __init__(self, listener: GatewayListener, server: web.Server, **kwargs: Any) -> None:
+    def __init__(self, listener: Port, server: web.Server, **kwargs: Any) -> None:
         super().__init__(server, **kwargs)
         self._listener = listener
         self._head_timer: asyncio.TimerHandle | None = None

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.config import ConfigSource, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.config_load import ConfigSource
 from gateway.keys import CONFIG_SOURCE
 from gateway.listener import GatewayListener
 

@@ -12,7 +12,8 @@ from engine_pool.pool import EnginePool
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.controller import AdmissionController
 from gateway.completion import CompletionService
-from gateway.config import ConfigSource, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.config_load import ConfigSource
 from gateway.fleet import RoutingShare
 from gateway.ids import IdSource
 from gateway.metrics import GatewayMetrics

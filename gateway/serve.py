@@ -23,7 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.app import build_app
-from gateway.config import ConfigError, ConfigSource, GatewayConfig, load_config
+from gateway.config import GatewayConfig
+from gateway.config_load import ConfigError, ConfigSource, load_config
 from gateway.handlers import readiness
 from gateway.keys import COMPLETIONS, CONFIG, CONFIG_SOURCE, REPLICAS
 from gateway.listener import GatewayListener

@@ -20,7 +20,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.config import GatewayConfig, load_config
+from gateway.config import GatewayConfig
+from gateway.config_load import load_config
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
 from simengine import SimConfig, SimServer, run_sim_engine

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from gateway.admission.config import hash_key
-from gateway.config import ConfigError, env_overrides, load_config
+from gateway.config_load import ConfigError, env_overrides, load_config
 from gateway.serve import main as serve_main
 
 

@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from gateway.admission.config import hash_key
-from gateway.config import ConfigSource, load_config
+from gateway.config_load import ConfigSource, load_config
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
 from gateway.reload import RELOADER

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import GatewayConfig, load_config
+from gateway.config import GatewayConfig
+from gateway.config_load import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT = ROOT / "deploy" / "k8s"

@@ -15,7 +15,7 @@ import pytest
 
 from engine_pool.spec import ModelPoolConfig, PoolConfig
 from engine_pool.vllm_command import EngineLaunchSpec, vllm_argv
-from gateway.config import load_config
+from gateway.config_load import load_config
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REPLICAS
 from policies.base import ReplicaState

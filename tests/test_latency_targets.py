@@ -23,7 +23,7 @@ from gateway.admission.auth import Identity
 from gateway.admission.config import AdmissionConfig
 from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.targets import LatencyGate, place
-from gateway.config import ConfigError, load_config
+from gateway.config_load import ConfigError, load_config
 from gateway.context import RequestContext
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router

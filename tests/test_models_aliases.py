@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.config import load_config
+from gateway.config_load import load_config
 from gateway.embedded import RunningGateway, running_gateway
 from gateway.keys import REGISTRY, REPLICAS
 from simengine import SimConfig, run_sim_engine

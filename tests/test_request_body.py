@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gateway.answers import ends_in_tool_call, usage_of
 from gateway.body import deeper_than, nested_deeper, scan_value, structure_of
-from gateway.config import ConfigError, load_config
+from gateway.config_load import ConfigError, load_config
 from gateway.errors import BadRequest
 from gateway.request_parse import decode, engine_body, parse_request
 from simengine import SimConfig
