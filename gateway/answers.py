@@ -3,7 +3,10 @@
 Costs: `usage_of` parses only the usage object of a whole answer (a reverse search for `"usage"` and the braces
 that close it; the whole answer only when that slice is not JSON: a string in it held a brace); `usage_event` parses
 one SSE event, only those that carry usage; `answer_id` one JSON object; `ends_in_tool_call` one regex search of
-an answer or event (run only for requests of a session). One codec: orjson.
+an answer or event (run only for requests of a session). A continued stream's events (`gateway.migration`): the
+running usage moved out of a token event by a few searches (`split_usage`, no parsing), a continuation's role
+dropped (`without_role`, one event parsed) and its usage told as the whole answer's (`whole_usage`). One codec:
+orjson.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import orjson
 from engine_pool.http_client import UpstreamResponse
 from gateway.context import RequestContext
 from gateway.errors import UpstreamError
-from gateway.migration import whole_usage
 
 # an answer (or stream event) that ends in a tool call: chat's finish_reason, the Messages API's stop_reason, a
 # Responses output item of type function_call
@@ -120,3 +122,73 @@ def usage_of(raw: bytes) -> object:
     except orjson.JSONDecodeError:
         return None
     return whole.get("usage") if isinstance(whole, dict) else None
+
+
+def without_role(event: bytes) -> bytes:
+    """A continuation's chat event without the assistant role the client already has: the field is removed and
+    the event kept when it carries anything else (its first token, a finish reason); b"" when the role was all."""
+    try:
+        payload = orjson.loads(event[event.index(b"{") :])
+        choices = payload["choices"]
+    except (ValueError, KeyError, TypeError):
+        return event
+    kept = False
+    for choice in choices if isinstance(choices, list) else ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict):
+            delta.pop("role", None)
+            kept = kept or any(v not in (None, "") for v in delta.values()) or choice.get("finish_reason") is not None
+    if not kept and not payload.get("usage"):
+        return b""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+_USAGE_KEY = b',"usage":'
+
+
+def split_usage(event: bytes) -> tuple[bytes, bytes] | None:
+    """A token event's usage (continuous usage stats): (the event without it, the usage object's bytes), by a few
+    searches and no parsing, wherever the key stands (vLLM writes it last but for the first event's
+    `prompt_token_ids` / `prompt_text`, which stay); None for any other shape, and for the final usage-only event (no
+    choices), which is the answer's usage, not a running count."""
+    cut = event.rfind(_USAGE_KEY)
+    if cut < 0 or not event.endswith(b"}\n\n") or b'"choices":[]' in event:
+        return None
+    start = cut + len(_USAGE_KEY)
+    end = _object_end(event, start)
+    if end < 0 or event.find(b'"choices"', end) >= 0:
+        return None
+    return event[:cut] + event[end:], event[start:end]
+
+
+def _object_end(data: bytes, start: int) -> int:
+    """Where the JSON object (or null) at `start` ends, -1 if none does; objects without strings that hold braces,
+    as usage is: each `{` met before the current closing `}` moves it to the next one."""
+    if data.startswith(b"null", start):
+        return start + 4
+    if not data.startswith(b"{", start):
+        return -1
+    after, close = start + 1, data.find(b"}", start)
+    while close >= 0 and (inner := data.find(b"{", after, close)) >= 0:
+        after, close = inner + 1, data.find(b"}", close + 1)
+    return close + 1 if close >= 0 else -1
+
+
+def whole_usage(usage: dict[str, Any], tokens_before: int, prompt_tokens: int | None = None) -> dict[str, Any]:
+    """A continuation's usage as the whole answer's: its prompt held the tokens delivered before. The completion
+    count is exact; the prompt's is the first engine's (`prompt_tokens`, from its running usage or the Messages
+    API's message_start), else the continuation's less those tokens (inexact: the continuation's prompt is rendered
+    with the answer so far, and a BPE tokenizer may merge the text at the seam differently)."""
+    out = dict(usage)
+    if prompt_tokens is not None:
+        out["prompt_tokens"] = prompt_tokens
+    elif isinstance(out.get("prompt_tokens"), int):
+        out["prompt_tokens"] = max(0, out["prompt_tokens"] - tokens_before)
+    if isinstance(out.get("completion_tokens"), int):
+        out["completion_tokens"] += tokens_before
+    if isinstance(out.get("prompt_tokens"), int) and isinstance(out.get("completion_tokens"), int):
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    details = out.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        out["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], out["prompt_tokens"])}
+    return out

@@ -10,9 +10,9 @@ reports none), and builds the request that continues the answer: for
 completions the prompt followed by the text; for chat the partial assistant message continued
 (`continue_final_message: true`, `add_generation_prompt: false`, as vLLM takes it); `max_tokens` (or
 `max_completion_tokens`) less the tokens delivered. At temperature 0 the continued answer is the undisturbed one.
-The continuation's opening role is dropped from its first chat events (`without_role`: the field, not the event,
-which may carry the first token too), and its usage is told as the whole answer's: the tokens delivered move from
-its prompt to the completion (`whole_usage`). Requests that cannot be continued
+The continuation's opening role is dropped from its first chat events (`gateway.answers.without_role`: the
+field, not the event, which may carry the first token too), and its usage is told as the whole answer's: the tokens
+delivered move from its prompt to the completion (`gateway.answers.whole_usage`). Requests that cannot be continued
 exactly are not migrated: n > 1, tools, structured output, echo, suffix, batched or token-id prompts, logprobs of
 the prompt (`min_tokens`, like `max_tokens`, counts from the continuation's start).
 A Messages API stream (`/v1/messages`) is continued through chat: vLLM's Messages route cannot continue an assistant
@@ -366,73 +366,3 @@ def closing(parsed: ParsedRequest, relayed: Relayed, prompt_tokens: int | None) 
         out.append(b"data: " + orjson.dumps({**base, "choices": [], "usage": usage}) + b"\n\n")
     out.append(b"data: [DONE]\n\n")
     return b"".join(out), usage
-
-
-def without_role(event: bytes) -> bytes:
-    """A continuation's chat event without the assistant role the client already has: the field is removed and
-    the event kept when it carries anything else (its first token, a finish reason); b"" when the role was all."""
-    try:
-        payload = orjson.loads(event[event.index(b"{") :])
-        choices = payload["choices"]
-    except (ValueError, KeyError, TypeError):
-        return event
-    kept = False
-    for choice in choices if isinstance(choices, list) else ():
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if isinstance(delta, dict):
-            delta.pop("role", None)
-            kept = kept or any(v not in (None, "") for v in delta.values()) or choice.get("finish_reason") is not None
-    if not kept and not payload.get("usage"):
-        return b""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-_USAGE_KEY = b',"usage":'
-
-
-def split_usage(event: bytes) -> tuple[bytes, bytes] | None:
-    """A token event's usage (continuous usage stats): (the event without it, the usage object's bytes), by a few
-    searches and no parsing, wherever the key stands (vLLM writes it last but for the first event's
-    `prompt_token_ids` / `prompt_text`, which stay); None for any other shape, and for the final usage-only event (no
-    choices), which is the answer's usage, not a running count."""
-    cut = event.rfind(_USAGE_KEY)
-    if cut < 0 or not event.endswith(b"}\n\n") or b'"choices":[]' in event:
-        return None
-    start = cut + len(_USAGE_KEY)
-    end = _object_end(event, start)
-    if end < 0 or event.find(b'"choices"', end) >= 0:
-        return None
-    return event[:cut] + event[end:], event[start:end]
-
-
-def _object_end(data: bytes, start: int) -> int:
-    """Where the JSON object (or null) at `start` ends, -1 if none does; objects without strings that hold braces,
-    as usage is: each `{` met before the current closing `}` moves it to the next one."""
-    if data.startswith(b"null", start):
-        return start + 4
-    if not data.startswith(b"{", start):
-        return -1
-    after, close = start + 1, data.find(b"}", start)
-    while close >= 0 and (inner := data.find(b"{", after, close)) >= 0:
-        after, close = inner + 1, data.find(b"}", close + 1)
-    return close + 1 if close >= 0 else -1
-
-
-def whole_usage(usage: dict[str, Any], tokens_before: int, prompt_tokens: int | None = None) -> dict[str, Any]:
-    """A continuation's usage as the whole answer's: its prompt held the tokens delivered before. The completion
-    count is exact; the prompt's is the first engine's (`prompt_tokens`, from its running usage or the Messages
-    API's message_start), else the continuation's less those tokens (inexact: the continuation's prompt is rendered
-    with the answer so far, and a BPE tokenizer may merge the text at the seam differently)."""
-    out = dict(usage)
-    if prompt_tokens is not None:
-        out["prompt_tokens"] = prompt_tokens
-    elif isinstance(out.get("prompt_tokens"), int):
-        out["prompt_tokens"] = max(0, out["prompt_tokens"] - tokens_before)
-    if isinstance(out.get("completion_tokens"), int):
-        out["completion_tokens"] += tokens_before
-    if isinstance(out.get("prompt_tokens"), int) and isinstance(out.get("completion_tokens"), int):
-        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    details = out.get("prompt_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        out["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], out["prompt_tokens"])}
-    return out

@@ -29,9 +29,9 @@ from typing import Protocol
 import orjson
 
 from engine_pool.http_client import UpstreamConnectionError
-from gateway.answers import answer_id, ends_in_tool_call, usage_event
+from gateway.answers import answer_id, ends_in_tool_call, split_usage, usage_event, whole_usage, without_role
 from gateway.exchange import Exchange
-from gateway.migration import Relayed, split_usage, whole_usage, without_role
+from gateway.migration import Relayed
 from gateway.request_parse import ParsedRequest, as_int
 
 DONE = b"data: [DONE]"

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from engine_pool.http_client import UpstreamConnectionError
+from gateway.answers import split_usage
 from gateway.errors import UpstreamUnavailable, error_event
-from gateway.migration import split_usage
 from gateway.relay import MAX_EVENT_BYTES, SseSplitter, sequence_number
 
 
