@@ -374,3 +374,25 @@ async def test_a_megabyte_session_key_is_not_kept_per_program(http: aiohttp.Clie
     sim = SimConfig(model="sim", instant=True)
     async with gateway_over_sims([sim], cache={"tokenizers": {"sim": "sim"}}) as (gw, _):
         assert await kept_after(sessions(range(8)), sessions(range(8, 32))) < 2**22  # 24 keys of 512 KiB: 12 MiB
+
+
+REFUSALS_CFG = {
+    "auth": True,
+    "replica_max_concurrency": 1,
+    "queue": {"max_queued": 0},
+    "targets": {"enabled": False},
+    "tenants": {"t": {"keys": [hash_key("sk-t")], "limits": {"requests_per_minute": 3}}},
+}
+
+
+async def test_requests_refused_by_a_gate_do_not_spend_the_tenants_requests_per_minute() -> None:
+    """requests_per_minute counts requests admitted: two 503s while the pool was full (a client retrying as
+    Retry-After tells it) leave the tenant two of its three requests once the pool is free."""
+    async with stack(REFUSALS_CFG, decode_ms=40) as (gw, _, session):
+        slow = asyncio.create_task(post(session, gw.url, chat(max_tokens=30), key="sk-t"))
+        await wait_for(lambda: gw.app[ADMISSION].tenant_in_flight("t") > 0, 30.0, "the first request admitted")
+        refused = [(await post(session, gw.url, chat(), key="sk-t"))[0] for _ in range(2)]
+        assert refused == [503, 503] and (await slow)[0] == 200
+        status, headers, _ = await post(session, gw.url, chat(), key="sk-t")
+        assert status == 200
+        assert headers["x-ratelimit-remaining-requests"] in ("1", "2")  # 1 (the first and this one); 2 in a new minute

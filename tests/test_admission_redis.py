@@ -351,7 +351,12 @@ async def test_a_client_that_leaves_during_the_quota_check_leaves_no_slot_behind
             await wait_for(lambda: gws[0].app[ADMISSION].tenant_in_flight("acme") == 0, 10.0, "the request gone")
         finally:
             redis_server.proc.send_signal(signal.SIGCONT)
-        held = await hold_two_slots(session, gws)  # both slots free for the tenant (its give-back ran first)
+        # the give-back reaches Redis a round trip after it resumes (a request in that instant may still find the
+        # slot taken, and is told to retry in 1 s): wait for it, not for a time
+        store = gws[0].app[ADMISSION].store
+        assert isinstance(store, RedisQuotaStore)
+        await wait_for(lambda: not store._giving_back, 10.0, "the give-back answered")
+        held = await hold_two_slots(session, gws)  # both slots free for the tenant (not held for lease_s)
         assert [(await t)[0] for t in held] == [200, 200]
 
 
@@ -370,6 +375,25 @@ async def test_a_release_run_before_its_check_leaves_no_slot_behind(redis_server
         assert not (await store.check("acme", limits, 1, "next-2")).allowed  # and the limit still holds
         await store.release(granted.lease, 1)
         assert (await store.check("acme", limits, 1, "next-3")).allowed
+    finally:
+        await store.close()
+
+
+async def test_a_request_refused_after_its_quota_check_leaves_the_shared_minute(redis_server: RedisProcess) -> None:
+    """requests_per_minute counts requests admitted, in Redis too: a lease released as not admitted (a gate refused
+    its request after the quota check) takes its request out of the minute's count; one admitted does not."""
+    await redis_server.start()
+    await wait_for(lambda: time.time() % 60 < 50, 20.0, "a minute with room for the test")
+    store = RedisQuotaStore(RedisConfig(url=redis_server.url), AdmissionMetrics(CollectorRegistry()))
+    limits = LimitsConfig(requests_per_minute=2)
+    try:
+        for i in range(3):  # refused by a gate three times: none of them counted
+            refused = await store.check("acme", limits, 1, f"refused-{i}")
+            assert refused.allowed and refused.lease is not None
+            await store.release(refused.lease, 0, admitted=False)
+        served = [await store.check("acme", limits, 1, f"served-{i}") for i in range(3)]
+        assert [r.allowed for r in served] == [True, True, False]
+        assert served[1].remaining_requests == 0
     finally:
         await store.close()
 

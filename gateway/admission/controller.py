@@ -197,8 +197,8 @@ class AdmissionController:
                         self.latency.refused(model, identity)
                     raise
                 ticket.holds_slot = True
-        except BaseException:
-            await self.finish(ticket, ctx, failed=True)
+        except BaseException:  # refused by a gate, or its client left while queued: not admitted
+            await self.finish(ticket, ctx, failed=True, admitted=False)
             raise
         return ticket
 
@@ -224,9 +224,10 @@ class AdmissionController:
         self._tenant_active[tenant] = self._tenant_active.get(tenant, 0) + 1
         return Ticket(identity, model, prompt_tokens, quota.lease, quota)
 
-    async def finish(self, ticket: Ticket, ctx: RequestContext, *, failed: bool = False) -> None:
+    async def finish(self, ticket: Ticket, ctx: RequestContext, *, failed: bool = False, admitted: bool = True) -> None:
         """Release the ticket's slot (dispatching the next queued request), count its tokens, release its lease
-        (shielded: a cancelled request still gives its lease back)."""
+        (shielded: a cancelled request still gives its lease back; one `admitted` False leaves its minute's request
+        count too)."""
         if ticket.holds_slot:
             ticket.holds_slot = False
             held = time.monotonic() - ctx.admitted_at if ctx.admitted_at is not None else None
@@ -255,7 +256,7 @@ class AdmissionController:
                     stats.completion.value += completion
         lease, ticket.lease = ticket.lease, None
         if lease is not None:
-            await asyncio.shield(self.store.release(lease, self._cost(ticket, ctx, failed)))
+            await asyncio.shield(self.store.release(lease, self._cost(ticket, ctx, failed), admitted=admitted))
 
     def _cost(self, ticket: Ticket, ctx: RequestContext, failed: bool) -> int:
         """Tokens charged for the request: as the engine reported them, else the estimate of the prompt (nothing if

@@ -90,7 +90,7 @@ class LocalQuotaStore:
             state.requests += 1
             state.tokens += tokens
             state.day_tokens += tokens
-            lease = Lease(tenant, lease_id, tokens, self.name)
+            lease = Lease(tenant, lease_id, tokens, self.name, state.minute)
         limit_tokens, remaining_tokens, reset_tokens = token_window(
             tpm, state.tokens, to_minute, tpd, state.day_tokens, to_day
         )
@@ -107,12 +107,14 @@ class LocalQuotaStore:
             reset_tokens_s=reset_tokens,
         )
 
-    async def release(self, lease: Lease, tokens: int) -> None:
+    async def release(self, lease: Lease, tokens: int, *, admitted: bool = True) -> None:
         state = self._tenants.get(lease.tenant)
         if state is None:
             return
         state.leases.discard(lease.lease_id)
         state.roll(self.clock())
+        if not admitted and state.minute == lease.minute:
+            state.requests = max(0, state.requests - 1)
         delta = tokens - lease.charged_tokens
         state.tokens = max(0, state.tokens + delta)
         state.day_tokens = max(0, state.day_tokens + delta)

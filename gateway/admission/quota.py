@@ -30,6 +30,7 @@ class Lease:
     lease_id: str
     charged_tokens: int
     store: str  # "local" or "redis": which store holds the slot (Redis may fail over to local)
+    minute: int = -1  # the clock minute (by the store's clock) whose request count it is in; -1: not known
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +75,11 @@ class QuotaStore(Protocol):
         """Test every limit and, when all pass, take a lease and charge `tokens` (the estimate)."""
         ...
 
-    async def release(self, lease: Lease, tokens: int) -> None:
-        """Free the lease; `tokens` is the real cost, the difference to the estimate is charged now."""
+    async def release(self, lease: Lease, tokens: int, *, admitted: bool = True) -> None:
+        """Free the lease; `tokens` is the real cost, the difference to the estimate is charged now. A lease whose
+        request was not admitted after all (a gate refused it, or its client left while it was queued) is taken
+        out of its minute's request count too, while that minute is the current one: the limit counts requests
+        admitted, so a client that retries as Retry-After tells it does not spend its minute on refusals."""
         ...
 
     async def close(self) -> None: ...

@@ -9,7 +9,8 @@ Keys (a tenant's under its `{tenant}` hash tag, so they share a cluster slot):
                            and the release, on another connection, was run first): the check then grants nothing
                            and deletes it (expires after two leases)
   <prefix>:gateway:<id>    a gateway's mark, set with each renewal (expires after two leases)
-  <prefix>:{t}:req:<min>   requests in the clock minute (expires after 2 min)
+  <prefix>:{t}:req:<min>   requests admitted in the clock minute (expires after 2 min): counted by the check,
+                           taken out again by the release of a request that was not admitted after all
   <prefix>:{t}:tok:<min>   tokens charged in the clock minute (expires after 2 min)
   <prefix>:{t}:day:<day>   tokens charged in the UTC day (expires after 2 days)
 Times come from Redis' TIME, so gateways with skewed clocks still share one window.
@@ -62,7 +63,7 @@ local base = ARGV[1] .. ':{' .. ARGV[2] .. '}:'
 local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
 local max_conc, rpm, tpm, tpd = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local tokens, lease_ms = tonumber(ARGV[7]), tonumber(ARGV[9])
-if redis.call('DEL', base .. 'gone:' .. ARGV[8]) == 1 then return {'gone', 0, 0, 0, 0, 0, 0} end
+if redis.call('DEL', base .. 'gone:' .. ARGV[8]) == 1 then return {'gone', 0, 0, 0, 0, 0, 0, -1} end
 redis.call('ZREMRANGEBYSCORE', ck, '-inf', now)
 local conc = redis.call('ZCARD', ck)
 local reqs = tonumber(redis.call('GET', rk) or '0')
@@ -85,7 +86,7 @@ if reason == '' then
   dtoks = redis.call('INCRBY', dk, tokens)
   redis.call('PEXPIRE', dk, 172800000)
 end
-return {reason, retry, reqs, toks, to_min, dtoks, to_day}
+return {reason, retry, reqs, toks, to_min, dtoks, to_day, minute}
 """
 
 _RELEASE = """
@@ -93,10 +94,15 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
 local lease_ms = tonumber(ARGV[2])
-for i = 3, #ARGV, 3 do
+for i = 3, #ARGV, 4 do
   local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
   if redis.call('ZREM', base .. 'conc', ARGV[i + 1]) == 0 then
     redis.call('SET', base .. 'gone:' .. ARGV[i + 1], 1, 'PX', lease_ms * 2)
+  end
+  local refused = tonumber(ARGV[i + 3])
+  if refused == minute then
+    local rk = base .. 'req:' .. refused
+    if tonumber(redis.call('GET', rk) or '0') > 0 then redis.call('DECR', rk) end
   end
   local delta = tonumber(ARGV[i + 2])
   if delta ~= 0 then
@@ -181,7 +187,8 @@ class RedisQuotaStore:
         self.up = True
         self._call_timeout_s = 2 * config.timeout_s  # the retry on a fresh connection included
         self._leases: dict[str, str] = {}  # lease_id -> tenant, for renewal; bounded by requests in flight
-        self._unreleased: dict[str, tuple[str, int]] = {}  # Redis lease -> (tenant, token delta), while down
+        # Redis lease -> (tenant, token delta, the minute to take its request out of or -1), while down
+        self._unreleased: dict[str, tuple[str, int, int]] = {}
         self._granted_locally: dict[str, Lease] = {}  # live leases the fallback granted while down
         # tenant -> [requests, tokens] of the local grants that finished while down (bounded by the tenants)
         self._finished_locally: dict[str, list[int]] = {}
@@ -215,7 +222,7 @@ class RedisQuotaStore:
                 async with asyncio.timeout(self._call_timeout_s):
                     raw = await self._check(args=args)
             except REDIS_ERRORS as exc:
-                self._unreleased[lease_id] = (tenant, 0)  # it may have been granted: undone on recovery
+                self._unreleased[lease_id] = (tenant, 0, -1)  # it may have been granted: undone on recovery
                 self._mark_down(exc)
             except asyncio.CancelledError:  # the client left while Redis answered: a slot it may hold goes back
                 self._give_back(tenant, lease_id)
@@ -232,11 +239,11 @@ class RedisQuotaStore:
         return result
 
     def _result(self, tenant: str, limits: LimitsConfig, tokens: int, lease_id: str, raw: list[Any]) -> QuotaResult:
-        reason_raw, retry_ms, reqs, toks, to_min_ms, day_toks, to_day_ms = raw
+        reason_raw, retry_ms, reqs, toks, to_min_ms, day_toks, to_day_ms, minute = raw
         reason = reason_raw.decode() if isinstance(reason_raw, bytes) else str(reason_raw)
         lease = None
         if not reason:
-            lease = Lease(tenant, lease_id, tokens, self.name)
+            lease = Lease(tenant, lease_id, tokens, self.name, int(minute))
             self._leases[lease_id] = tenant
         rpm, tpm, tpd = limits.requests_per_minute, limits.tokens_per_minute, limits.tokens_per_day
         limit_tokens, remaining_tokens, reset_tokens = token_window(
@@ -266,38 +273,39 @@ class RedisQuotaStore:
         async def release() -> None:
             try:
                 async with asyncio.timeout(self._call_timeout_s):
-                    await self._release(args=[*self._release_head(), tenant, lease_id, 0])
+                    await self._release(args=[*self._release_head(), tenant, lease_id, 0, -1])
             except REDIS_ERRORS as exc:
-                self._unreleased[lease_id] = (tenant, 0)
+                self._unreleased[lease_id] = (tenant, 0, -1)
                 self._mark_down(exc)
 
         if not self.up:
-            self._unreleased[lease_id] = (tenant, 0)
+            self._unreleased[lease_id] = (tenant, 0, -1)
             return
         task = asyncio.get_running_loop().create_task(release(), name="kvgate:redis-give-back")
         self._giving_back.add(task)
         task.add_done_callback(self._giving_back.discard)
 
-    async def release(self, lease: Lease, tokens: int) -> None:
+    async def release(self, lease: Lease, tokens: int, *, admitted: bool = True) -> None:
         if lease.store != self.name:
             # counted in Redis on recovery (one being adopted now is counted by that, released after it)
             if self._granted_locally.pop(lease.lease_id, None) is not None and lease.lease_id not in self._adopting:
                 done = self._finished_locally.setdefault(lease.tenant, [0, 0])
-                done[0], done[1] = done[0] + 1, done[1] + tokens
-            await self.fallback.release(lease, tokens)
+                done[0], done[1] = done[0] + admitted, done[1] + tokens
+            await self.fallback.release(lease, tokens, admitted=admitted)
             return
         self._leases.pop(lease.lease_id, None)
         self.fallback.unhold(lease.tenant, lease.lease_id)
         delta = tokens - lease.charged_tokens
         lease.charged_tokens = tokens
+        entry = (lease.tenant, delta, -1 if admitted else lease.minute)
         if not self.up:
-            self._unreleased[lease.lease_id] = (lease.tenant, delta)  # applied when Redis answers again
+            self._unreleased[lease.lease_id] = entry  # applied when Redis answers again
             return
         try:
             async with asyncio.timeout(self._call_timeout_s):
-                await self._release(args=[*self._release_head(), lease.tenant, lease.lease_id, delta])
+                await self._release(args=[*self._release_head(), lease.tenant, lease.lease_id, *entry[1:]])
         except REDIS_ERRORS as exc:
-            self._unreleased[lease.lease_id] = (lease.tenant, delta)
+            self._unreleased[lease.lease_id] = entry
             self._mark_down(exc)
 
     async def _reconcile_pass(self) -> None:
@@ -307,8 +315,8 @@ class RedisQuotaStore:
         releases = list(self._unreleased.items())
         if releases:
             args = self._release_head()
-            for lease_id, (tenant, delta) in releases:
-                args += [tenant, lease_id, delta]
+            for lease_id, (tenant, delta, refused) in releases:
+                args += [tenant, lease_id, delta, refused]
             async with asyncio.timeout(self._call_timeout_s):
                 await self._release(args=args)
             for lease_id, entry in releases:
@@ -343,7 +351,7 @@ class RedisQuotaStore:
                 del self._finished_locally[tenant]
         for lease in adopted:
             if self._granted_locally.pop(lease.lease_id, None) is None:  # it finished while being adopted
-                self._unreleased[lease.lease_id] = (lease.tenant, 0)
+                self._unreleased[lease.lease_id] = (lease.tenant, 0, -1)
                 continue
             await self.fallback.release(lease, lease.charged_tokens)  # the local slot is Redis' now
             lease.store = self.name
