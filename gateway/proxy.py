@@ -226,10 +226,14 @@ class UpstreamProxy:
         return response_headers(ex, replica, decision, upstream, route_headers=self.settings.route_headers)
 
     async def _relay(self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision) -> int:
-        if ex.stream:
-            return await self._relay_stream(ex, upstream, replica, decision)
-        raw = await read_answer(upstream, replica, ex.deadline, self.settings.max_answer_bytes)
+        """The engine's answer to the client: as a stream when the request asked for one and the engine streams
+        (an answer that names another content type than SSE is whole: `"stream": true` on a route that does not
+        stream, embeddings or tokenizing, is an extra field its engine ignores)."""
         said = content_type(upstream)
+        if ex.stream and (said is None or said.startswith("text/event-stream")):
+            return await self._relay_stream(ex, upstream, replica, decision)
+        ex.ctx.stream = False
+        raw = await read_answer(upstream, replica, ex.deadline, self.settings.max_answer_bytes)
         # chat's and completions' answers are JSON whatever the engine says; another route's when it says so
         json_answer = ex.parsed.kind in ("chat", "completions") or (said or "").startswith("application/json")
         if json_answer and not framed_as_json(raw):  # an HTML page, SSE text, a body cut short

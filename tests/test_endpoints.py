@@ -52,6 +52,26 @@ async def test_tokenize_and_detokenize_without_a_model_mean_the_only_one(http: a
         assert counted[("tokenize", "200")] == 1 and counted[("detokenize", "200")] == 1
 
 
+async def test_stream_true_on_a_route_that_does_not_stream_gets_the_engines_answer(
+    http: aiohttp.ClientSession,
+) -> None:
+    """`"stream": true` on embeddings or tokenizing is a field the engine ignores: its JSON answer is relayed whole,
+    not taken for a stream cut short (a 502, retried on every replica and opening their breakers, so that three
+    such requests took the pool out for everyone)."""
+    async with gateway_over_sims([SIM, SIM]) as (gw, _):
+        for _ in range(3):
+            async with http.post(gw.url + "/tokenize", json={"model": "sim", "prompt": "hi", "stream": True}) as resp:
+                assert resp.status == 200 and (await resp.json())["tokens"]
+        body = {"model": "sim", "input": "hi", "stream": True}
+        async with http.post(gw.url + "/v1/embeddings", json=body) as resp:
+            assert resp.status == 200 and len((await resp.json())["data"][0]["embedding"]) == 8
+        chat = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with http.post(gw.url + "/v1/chat/completions", json=chat) as resp:
+            assert resp.status == 200
+        errors = [s for s in await scrape(http, gw.url) if s.name == "kvgate_upstream_errors_total" and s.value]
+        assert errors == []
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
