@@ -56,6 +56,7 @@ class MessagesSeam:
     stop_reason: str | None = None
     completion: int = 0  # the continuation's own output tokens (its usage)
     cached: int | None = None  # the continuation's cached prompt tokens (its usage), when the engine reports them
+    failed: bool = False  # the continuation ended with the engine's error event: told as Anthropic's, nothing after
 
     def translate(
         self, event: bytes, tokens_before: int, prompt_tokens: int | None = None
@@ -63,7 +64,10 @@ class MessagesSeam:
         """The Anthropic events for one chat event, and the usage it carried (None if none). `prompt_tokens`: the
         client's prompt as its message_start counted it; the closing message_delta then splits it into uncached and
         cached as vLLM's does (the cached tokens the continuation's, at most the prompt: `whole_usage`), so the
-        client's usage is the one the gateway records."""
+        client's usage is the one the gateway records. The engine's error event (vLLM's, mid-stream) is Anthropic's
+        `error` event, and ends the client's stream: not a clean `end_turn` on an answer cut short."""
+        if self.failed:
+            return [], None
         if event.startswith(b"data: [DONE]"):
             totals = {"output_tokens": tokens_before + self.completion}
             if prompt_tokens is not None and self.cached is not None:
@@ -76,6 +80,11 @@ class MessagesSeam:
             payload = orjson.loads(event[event.index(b"{") :])
         except ValueError:
             return [], None
+        if isinstance(payload, dict) and isinstance(error := payload.get("error"), dict):
+            self.failed = True
+            message = error.get("message") if isinstance(error.get("message"), str) else "the engine failed"
+            return [b"event: error\ndata: " + orjson.dumps({"type": "error", "error": {
+                "type": "api_error", "message": message}}) + b"\n\n"], None  # fmt: skip
         usage = payload.get("usage") if isinstance(payload, dict) else None
         out: list[bytes] = []
         for choice in payload.get("choices") or () if isinstance(payload, dict) else ():

@@ -170,9 +170,10 @@ class UpstreamProxy:
         try:
             try:
                 upstream = await send(self.client, self.settings.timeouts, replica, ex)
-            except UpstreamTimeout:  # a whole answer past the total deadline: not retried, but the replica's doing
+            except UpstreamTimeout:  # past the total deadline: not retried; a whole answer's is the replica's doing
                 self.metrics.upstream_errors.labels(replica.id, "timeout_total").inc()
-                self.count_failure(replica)
+                if not ex.stream:
+                    self.count_failure(replica)
                 raise
             try:
                 if not 200 <= upstream.status <= 599 or 300 <= upstream.status < 400:  # no answer of an engine's API
@@ -295,8 +296,12 @@ class UpstreamProxy:
                     await client.write(held, first=not started)
                     started = True
         except TimeoutError:
-            if not started:
+            if not started and end_at - loop.time() > 0.01:  # first_byte_s: the replica's failure, tried elsewhere
                 raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
+            if not started:  # the request's own deadline (total_s): no time left for another replica, none to blame
+                ex.ctx.error = "total_timeout"
+                self.metrics.upstream_errors.labels(replica.id, "timeout_total").inc()
+                raise UpstreamTimeout("no token within timeouts.total_s", code="total_timeout") from None
             failure = self._stalled(ex, replica, idle=loop.time() < end_at)
         except UpstreamConnectionError as exc:  # the engine failed mid-stream (after its end: not a failure)
             if not started:

@@ -225,6 +225,8 @@ class ClientEvents:
                     renamed = self._renamed = _renaming(event, relayed)
                 if renamed[0]:
                     event = event.replace(renamed[0], renamed[1], 1)
+            if self.end is MESSAGE_STOP and event.startswith(DONE):  # an engine's chat terminator after message_stop
+                continue
             if b'"usage"' in event and not event.startswith(DONE):
                 if held and b'"choices":[]' in event:  # the usage event after the held finish event
                     out.extend(_stamped(held, event))
@@ -290,8 +292,10 @@ class ClientEvents:
 
     async def write(self, events: list[bytes], first: bool) -> None:
         now = time.monotonic()
-        last = self.last = events[-1]
-        ends = self.end is not None and last.startswith(self.end)
+        self.last = events[-1]
+        end = self.end
+        # any event of the batch (chunks that arrived together are one batch: an end event may come with more)
+        ends = end is not None and any(e.startswith(end) for e in events)
         if not first and not ends:  # a gap between tokens (the answer's closing events are not one)
             self._itl.observe(now - self._last_write)
         self._last_write = now
@@ -300,11 +304,11 @@ class ClientEvents:
         if self._ex.relayed is not None:
             self._ex.relayed.add(events, len(data))
         await self._ex.out.write(data)
-        if self.end is DONE and _OPENAI_ERROR in data:  # vLLM's own error event (then `[DONE]`); a JSON string
+        if end is DONE and _OPENAI_ERROR in data:  # vLLM's own error event (then `[DONE]`); a JSON string
             self.failed = True  # escapes its quotes, so only an event can hold these bytes
         if ends:
             self.done = self._ex.ctx.answered = True
-        elif self.end is MESSAGE_STOP and last.startswith(ANTHROPIC_ERROR):
+        elif end is MESSAGE_STOP and any(e.startswith(ANTHROPIC_ERROR) for e in events):
             self.failed = True
 
     def closing(self) -> bytes | None:

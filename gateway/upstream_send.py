@@ -124,6 +124,8 @@ async def send(client: UpstreamClient, timeouts: TimeoutConfig, replica: Replica
                 upstream.close()
             if not ex.stream:
                 raise UpstreamTimeout(f"replica {replica.id} did not finish within timeouts.total_s") from None
+            if ex.deadline - time.monotonic() <= 0.01:  # the request's own deadline: no time left to try another
+                raise UpstreamTimeout("no answer within timeouts.total_s", code="total_timeout") from None
             raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} did not answer in time")) from None
         except UpstreamProtocolError as exc:  # it answered, but not in HTTP: no fresh connection would do better
             if upstream is not None:

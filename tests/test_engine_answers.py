@@ -7,12 +7,14 @@ FastAPI's `{"detail": ...}` errors keep their message. The misbehaving engine is
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from aiohttp import web
@@ -47,6 +49,7 @@ async def fake_engine(answer: Answer) -> AsyncIterator[tuple[str, list[int]]]:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", completions)
+    app.router.add_post("/v1/messages", completions)
     async with serving(app) as url:
         yield url, calls
 
@@ -154,6 +157,48 @@ async def test_vllms_own_error_event_in_a_stream_is_a_failed_request(http: aioht
         (replica,) = list(gw.app[REPLICAS])
         labels = {"model": MODEL, "replica": replica.id, "endpoint": "completions", "status": "502"}
         assert gw.app[REGISTRY].get_sample_value("kvgate_requests_total", labels) == 1
+
+
+def _anthropic_event(kind: str, **payload: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n".encode()
+
+
+async def test_a_messages_stream_whose_last_events_arrive_together_with_a_chat_terminator_ends_whole(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Engines that turn a chat stream into Anthropic's (some vLLM releases) write `data: [DONE]` right after
+    `message_stop`; arriving in one read with the closing events, the stream is whole (the SDK's final message, a
+    200), not cut short (an error event after message_stop, a 502), and the client never sees the chat terminator."""
+    start = {"id": "msg_1", "type": "message", "role": "assistant", "content": [], "model": MODEL,
+             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 5, "output_tokens": 0}}  # fmt: skip
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_anthropic_event("message_start", message=start))
+        await resp.write(_anthropic_event("content_block_start", index=0, content_block={"type": "text", "text": ""}))
+        await resp.write(_anthropic_event("content_block_delta", index=0, delta={"type": "text_delta", "text": "hi"}))
+        await resp.write(
+            _anthropic_event("content_block_stop", index=0)
+            + _anthropic_event("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 1})
+            + _anthropic_event("message_stop")
+            + b"data: [DONE]\n\n"
+        )
+        return resp
+
+    async with fake_engine(messages) as (url, _), gateway_over([url]) as gw:
+        async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="x", max_retries=0) as client:
+            messages_ = [{"role": "user", "content": "x"}]
+            async with client.messages.stream(model=MODEL, max_tokens=8, messages=messages_) as stream:
+                message = await stream.get_final_message()
+        assert message.stop_reason == "end_turn" and message.content[0].text == "hi"
+        body = {"model": MODEL, "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        async with http.post(gw.url + "/v1/messages", json=body) as resp:
+            raw = await resp.read()
+        assert raw.endswith(b'event: message_stop\ndata: {"type": "message_stop"}\n\n') and b"[DONE]" not in raw
+        (replica,) = list(gw.app[REPLICAS])
+        labels = {"model": MODEL, "replica": replica.id, "endpoint": "messages", "status": "200"}
+        assert gw.app[REGISTRY].get_sample_value("kvgate_requests_total", labels) == 2
 
 
 async def test_a_replica_whose_streams_stall_after_they_start_is_taken_out(http: aiohttp.ClientSession) -> None:

@@ -151,6 +151,20 @@ async def test_a_non_streamed_timeout_is_not_rerun_on_other_replicas(http: aioht
         assert sum(s.engine.stats.started for s in sims) == 1
 
 
+async def test_a_stream_past_its_total_deadline_before_its_first_token_is_not_rerun_nor_blamed(
+    http: aiohttp.ClientSession,
+) -> None:
+    """total_s shorter than first_byte_s, and engines slower than both to a first token: the request's own deadline
+    passed, with no time left for another replica; one engine ran it, and no replica's breaker counts it."""
+    slow = SimConfig(model="sim", overhead_ms=1500)
+    async with gateway_over_sims([slow, slow, slow], timeouts={"total_s": 0.5, "first_byte_s": 10}) as (gw, sims):
+        body = {"model": "sim", "prompt": "hi", "max_tokens": 4, "stream": True}
+        async with http.post(gw.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 504 and (await resp.json())["error"]["code"] == "total_timeout"
+        assert sum(s.engine.stats.started for s in sims) == 1
+        assert all(r.consecutive_failures == 0 for r in gw.app[REPLICAS])
+
+
 @pytest.mark.parametrize(
     ("body", "whole"),
     [

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.keys import REPLICAS
-from gateway.migration import Relayed, context_full, continuation, migratable
+from gateway.migration import MessagesSeam, Relayed, context_full, continuation, migratable
 from gateway.request_parse import ParsedRequest
 from simengine import Faults, SimConfig
 from tests.conftest import gateway_over_sims, wait_for
@@ -219,6 +219,21 @@ async def test_a_messages_stream_a_chat_continuation_cannot_render_ends_with_an_
                                 assert resp.status == 200
         assert len(parts) >= 5
         assert (await migrations(http, gw.url)).get("resumed", 0) == 0
+
+
+def test_a_chat_continuations_error_event_is_told_as_anthropics_error_not_as_a_clean_end() -> None:
+    """vLLM's error event in the chat continuation of a Messages stream (then `[DONE]`): the client gets Anthropic's
+    `error` event and nothing after it, not `message_delta` with `end_turn` on an answer cut short."""
+    seam = MessagesSeam(index=0)
+    text, _ = seam.translate(b'data: {"choices":[{"index":0,"delta":{"content":" wor"}}]}\n\n', 3)
+    assert [json.loads(e.split(b"data: ")[1])["delta"]["text"] for e in text] == [" wor"]
+    error = b'data: {"error": {"object": "error", "message": "grammar failed", "type": "BadRequestError"}}\n\n'
+    (event,), usage = seam.translate(error, 3)
+    assert event.startswith(b"event: error\n") and usage is None
+    assert json.loads(event.split(b"data: ")[1]) == {
+        "type": "error", "error": {"type": "api_error", "message": "grammar failed"}
+    }  # fmt: skip
+    assert seam.translate(b"data: [DONE]\n\n", 3) == ([], None)
 
 
 def test_a_messages_answer_that_opened_a_thinking_block_is_not_continued_as_text() -> None:
