@@ -49,7 +49,8 @@ def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise BadRequest(f"{param} must be a string or an array of content blocks", param=param)
     for i, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") not in _BLOCKS:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str) or kind not in _BLOCKS:
             raise BadRequest(
                 f"{param}[{i}] must be a content block with a known 'type' ({', '.join(sorted(_BLOCKS))})",
                 param=f"{param}[{i}]",
@@ -182,7 +183,7 @@ def messages_as_chat(body: dict[str, Any]) -> dict[str, Any] | None:
     for i, msg in enumerate(messages):
         param = f"messages[{i}]"
         role = msg.get("role") if isinstance(msg, dict) else None
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise BadRequest(f"{param} must be an object with a role of user, assistant or system", param=param)
         content = msg.get("content")
         if role == "system":

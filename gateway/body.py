@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.errors import ApiShape, BadRequest, GatewayError, PayloadTooLarge, RequestTimeout, error_response
-from gateway.ids import IdSource
+from gateway.ids import IdSource, valid_request_id
 from gateway.server_config import ServerConfig
 
 
@@ -156,7 +156,8 @@ def expect_handler(max_body_bytes: int, ids: IdSource, refused: Refusal, api: Ap
         elif request.content_length is not None and request.content_length > max_body_bytes:
             err = PayloadTooLarge("request body exceeds the configured limit")
         if err is not None:
-            request_id = request.headers.get("x-request-id") or ids.next()
+            named = request.headers.get("x-request-id")  # echoed only as the middleware would take it
+            request_id = named if named and valid_request_id(named) else ids.next()
             refused(request, request_id, err)
             response = error_response(err, request_id=request_id, api=api)
             response.force_close()  # the body may follow anyway: it is not read

@@ -235,7 +235,7 @@ def anthropic_error(err: GatewayError) -> tuple[int, dict[str, object]]:
     upstream = err.upstream_body if isinstance(err, UpstreamError) else None
     if upstream is not None and upstream.get("type") == "error":
         inner = upstream.get("error")
-        if isinstance(inner, dict) and inner.get("type") in ANTHROPIC_ERROR_TYPES:
+        if isinstance(inner, dict) and isinstance(inner.get("type"), str) and inner["type"] in ANTHROPIC_ERROR_TYPES:
             return err.status, upstream
     status = OVERLOADED_ANTHROPIC if isinstance(err, Overloaded) else err.status
     kind = _ANTHROPIC_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
@@ -245,13 +245,15 @@ def anthropic_error(err: GatewayError) -> tuple[int, dict[str, object]]:
 def render_error(
     err: GatewayError, *, request_id: str | None = None, api: ApiShape = "openai"
 ) -> tuple[int, dict[str, str], bytes]:
-    """The one rendering of an error: status, headers (the error's own, Content-Type, x-request-id) and body, in
-    the route's API shape."""
+    """The one rendering of an error: status, headers (the error's own, Content-Type, x-request-id; Anthropic's
+    `request-id` too, which its SDK reports as the error's request id) and body, in the route's API shape."""
     headers = dict(err.headers)
     headers["Content-Type"] = "application/json"
     if request_id:
         headers["x-request-id"] = request_id
     if api == "anthropic":
+        if request_id:
+            headers["request-id"] = request_id
         status, body = anthropic_error(err)
         return status, headers, orjson.dumps(body)
     return err.status, headers, orjson.dumps(err.body())

@@ -61,16 +61,17 @@ def as_int(value: object) -> int | None:
         return None
 
 
-def _stream(body: dict[str, Any]) -> bool:
-    """`stream` as vLLM's request models read a boolean (pydantic's lax bool: true, "true", 1, "yes"), absent or
-    null false; 400 for what they would refuse."""
-    value = body.get("stream")
+def _flag(body: dict[str, Any], key: str, param: str | None = None) -> bool:
+    """A boolean field as vLLM's request models read it (pydantic's lax bool: true, "true", 1, "yes"; "false", 0,
+    "no" false), absent or null false; 400 for what they would refuse."""
+    value = body.get(key)
     if value is None or type(value) is bool:
         return bool(value)
     try:
         return _BOOL.validate_python(value)
     except ValidationError:
-        raise BadRequest("'stream' must be a boolean", param="stream") from None
+        name = param or key
+        raise BadRequest(f"'{name}' must be a boolean", param=name) from None
 
 
 def _check_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
@@ -172,7 +173,10 @@ def parse_multipart(raw: bytes, content_type: str) -> ParsedRequest:
             if b'name="' + name + b'"' in head:
                 fields[name.decode()] = value.rstrip(b"\r\n").decode("utf-8", "replace")
     model = fields.get("model") or ""  # absent: the pool's only model (the caller resolves it)
-    stream = fields.get("stream", "false").lower() == "true"
+    try:  # as the engine's form model reads it (lax: "true", "1", "yes"); what it refuses, it answers
+        stream = _BOOL.validate_python(fields.get("stream", "false"))
+    except ValidationError:
+        stream = False
     body = {"model": model} if model else {}
     return ParsedRequest("multipart", body, model, stream, True, None, content_type=content_type)
 
@@ -253,7 +257,7 @@ def parse_request(kind: BodyKind, raw: bytes, *, max_depth: int, model_optional:
     elif not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     if kind == "json":  # any other vLLM endpoint: the engine validates the rest
-        return ParsedRequest(kind, body, model, _stream(body), True, None, stdlib)
+        return ParsedRequest(kind, body, model, _flag(body, "stream"), True, None, stdlib)
     if kind == "chat":
         _check_messages(body.get("messages"))
     elif body.get("prompt") is None and body.get("prompt_embeds") is not None:
@@ -263,16 +267,17 @@ def parse_request(kind: BodyKind, raw: bytes, *, max_depth: int, model_optional:
             raise BadRequest("'prompt' is required", param="prompt")
         if (prompt := _prompt(body["prompt"])) is not body["prompt"]:
             body["prompt"] = prompt  # its token ids as ints, for the gateway's reading (the engine gets the bytes)
-    stream = _stream(body)
+    stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    include_usage = bool(options and options.get("include_usage"))
+    options = options or {}
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     max_tokens = _check_int(body, "max_tokens", 0)
     max_completion = _check_int(body, "max_completion_tokens", 0)
     _check_int(body, "n", 1)
     limit = max_tokens if max_tokens is not None else max_completion
-    continuous = include_usage and bool(options and options.get("continuous_usage_stats"))  # vLLM's rule
+    continuous = include_usage and _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     return ParsedRequest(kind, body, model, stream, include_usage, limit, stdlib, continuous_usage=continuous)
 
 

@@ -37,7 +37,7 @@ _NOT_RELAYED = frozenset(
     {
         b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
         b"proxy-authenticate", b"proxy-authorization", b"content-length", b"content-type",
-        b"date", b"server", b"x-request-id",
+        b"date", b"server", b"x-request-id", b"request-id",
     }
 )  # fmt: skip
 
@@ -47,13 +47,15 @@ def response_headers(
 ) -> dict[str, str]:
     """The client's response headers: the engine's own (rate limits, timings, tracing, custom ones), less the
     hop-by-hop ones and those the gateway writes itself, which replace the engine's: framing and type,
-    `x-request-id`, the route headers and what admission adds (`x-ratelimit-*`)."""
+    `x-request-id` (and Anthropic's `request-id`), the route headers and what admission adds (`x-ratelimit-*`)."""
     headers = {
         name.decode("latin-1"): value.decode("latin-1")
         for name, value in upstream.headers
         if name.lower() not in _NOT_RELAYED and not name.lower().startswith(b"x-kvgate-")
     }
     headers["x-request-id"] = ex.ctx.request_id
+    if ex.parsed.api == "anthropic":
+        headers["request-id"] = ex.ctx.request_id  # the Anthropic SDK's `_request_id`
     headers.update(ex.ctx.extra_headers)
     if route_headers:
         headers["x-kvgate-replica"] = replica.id

@@ -201,8 +201,10 @@ async def test_errors_are_the_sdks_exception_classes() -> None:
         with pytest.raises(anthropic.NotFoundError) as missing:
             await bob.messages.create(model="no-such-model", max_tokens=2, messages=msgs)
         assert missing.value.type == "not_found_error"
+        assert missing.value.request_id == missing.value.response.headers["x-request-id"]  # Anthropic's `request-id`
         alice = client("sk-alice")
         raw = await alice.messages.with_raw_response.create(model="sim", max_tokens=2, messages=msgs)
+        assert raw.headers["request-id"] == raw.headers["x-request-id"]
         assert raw.headers["anthropic-ratelimit-requests-limit"] == raw.headers["x-ratelimit-limit-requests"] == "1"
         assert raw.headers["anthropic-ratelimit-requests-remaining"] == "0"
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", raw.headers["anthropic-ratelimit-requests-reset"])
@@ -323,7 +325,9 @@ def test_the_chat_view_converts_as_vllm_does() -> None:
                                           "parameters": {"properties": {}, "type": "object"}}}
     ]  # fmt: skip
     assert (view["user"], view["cache_salt"]) == ("u1", "s")
-    for bad in ({**body, "max_tokens": None}, {**body, "messages": []}, {**body, "messages": [{"role": "tool"}]}):
+    unhashable = [{"role": {}, "content": "hi"}, {"role": "user", "content": [{"type": ["text"], "text": "x"}]}]
+    bad_bodies = [{**body, "max_tokens": None}, {**body, "messages": []}, {**body, "messages": [{"role": "tool"}]}]
+    for bad in bad_bodies + [{**body, "messages": [m]} for m in unhashable]:  # 400s, not a crash on a dict
         with pytest.raises(BadRequest):
             messages_as_chat(bad)
 

@@ -336,3 +336,27 @@ def test_prompt_embeds_need_no_prompt(prompt: dict[str, Any]) -> None:
     assert parse_request("completions", raw, max_depth=DEPTH).body["prompt_embeds"] == "AAAA"
     with pytest.raises(BadRequest, match="'prompt' is required"):
         parse_request("completions", json.dumps({"model": "m"}).encode(), max_depth=DEPTH)
+
+
+@pytest.mark.parametrize(
+    ("options", "include_usage", "continuous"),
+    [
+        ({"include_usage": "false"}, False, False),  # pydantic's lax bool, as vLLM's request model reads it
+        ({"include_usage": "true", "continuous_usage_stats": 0}, True, False),
+        ({"include_usage": 1, "continuous_usage_stats": "yes"}, True, True),
+        ({}, False, False),
+    ],
+)
+def test_stream_options_flags_are_read_as_vllm_reads_them(
+    options: dict[str, Any], include_usage: bool, continuous: bool
+) -> None:
+    raw = json.dumps({"model": "m", "prompt": "p", "stream": "yes", "stream_options": options}).encode()
+    parsed = parse_request("completions", raw, max_depth=DEPTH)
+    assert (parsed.stream, parsed.include_usage, parsed.continuous_usage) == (True, include_usage, continuous)
+
+
+def test_a_stream_option_vllm_would_refuse_is_a_400_naming_it() -> None:
+    raw = json.dumps({"model": "m", "prompt": "p", "stream": True, "stream_options": {"include_usage": "maybe"}})
+    with pytest.raises(BadRequest) as refused:
+        parse_request("completions", raw.encode(), max_depth=DEPTH)
+    assert refused.value.param == "stream_options.include_usage"
