@@ -272,6 +272,7 @@ class UpstreamProxy:
         extend = idle + min(_IDLE_SLACK_S, idle * _IDLE_SLACK)  # how far a chunk pushes the idle window out
         upstream.clear_timeout()  # the stream's own windows below also bound the writes to the client
         failure: GatewayError | None = None
+        writing = False  # the window closing while the client takes nothing is the client's stall, not the engine's
         try:
             async with asyncio.timeout(min(timeouts.first_byte_s, ex.deadline - time.monotonic())) as window:
                 closes = end_at  # where the idle window closes, once the stream started
@@ -284,18 +285,28 @@ class UpstreamProxy:
                     events = client.take(splitter.feed(chunk))
                     if not events:
                         continue
-                    if not started:
+                    first = not started
+                    if first:  # from here on the client has bytes of this answer: never retried elsewhere
                         await self._begin(ex, client, upstream, replica, decision)
+                        started = True
                         closes = min(end_at, loop.time() + extend)
                         window.reschedule(closes)
-                    await client.write(events, first=not started)
-                    started = True
+                    writing = True
+                    await client.write(events, first=first)
+                    writing = False
                 if held := client.flush():  # the engine's stream ended: what the client's events held back
-                    if not started:
+                    first = not started
+                    if first:
                         await self._begin(ex, client, upstream, replica, decision)
-                    await client.write(held, first=not started)
-                    started = True
+                        started = True
+                    writing = True
+                    await client.write(held, first=first)
+                    writing = False
         except TimeoutError:
+            if writing:  # the client took nothing for the window: its connection closes, the engine is not blamed
+                ex.ctx.error = "client_stalled"
+                ex.out.drop()
+                raise ConnectionResetError("the client took none of its stream for timeouts.stream_idle_s") from None
             if not started and end_at - loop.time() > 0.01:  # first_byte_s: the replica's failure, tried elsewhere
                 raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
             if not started:  # the request's own deadline (total_s): no time left for another replica, none to blame

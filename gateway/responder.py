@@ -3,7 +3,7 @@
 
 A whole answer is built and returned (aiohttp writes it after the handler); a stream is prepared at its first event
 and written as events arrive, each write waiting while the client's socket buffer is full (backpressure).
-`write` raises `ConnectionResetError` once the client has gone.
+`write` raises `ConnectionResetError` once the client has gone; `drop` closes the connection of one that stalled.
 """
 
 from __future__ import annotations
@@ -43,3 +43,10 @@ class Responder:
     async def end(self) -> None:
         assert self.response is not None
         await self.response.write_eof()
+
+    def drop(self) -> None:
+        """Close the client's connection at once, nothing more written (a client that takes nothing of its
+        stream would hold any last write too)."""
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()

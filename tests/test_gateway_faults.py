@@ -3,7 +3,9 @@ engine, long non-streamed generations, and timeouts that must not multiply the e
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,11 +14,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.keys import REPLICAS
+from gateway.keys import COMPLETIONS, REPLICAS
 from gateway.relay import ClientEvents
 from gateway.request_parse import parse_request
 from simengine import Faults, SimConfig
-from tests.conftest import gateway_over_sims, scrape
+from tests.conftest import gateway_over_sims, scrape, wait_for
 
 SIM = SimConfig(model="sim", instant=True)
 
@@ -161,6 +163,35 @@ async def test_a_stream_past_its_total_deadline_before_its_first_token_is_not_re
         body = {"model": "sim", "prompt": "hi", "max_tokens": 4, "stream": True}
         async with http.post(gw.url + "/v1/completions", json=body) as resp:
             assert resp.status == 504 and (await resp.json())["error"]["code"] == "total_timeout"
+        assert sum(s.engine.stats.started for s in sims) == 1
+        assert all(r.consecutive_failures == 0 for r in gw.app[REPLICAS])
+
+
+async def test_a_client_that_takes_nothing_of_its_stream_is_disconnected_without_blaming_the_engine(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A client that stops reading a long stream for stream_idle_s: its connection is closed (a 499), the engine
+    request ends with it, and neither the replica's breaker nor a migration to another replica follows (its
+    stall was taken for the engine's: a slow reader could open every breaker)."""
+    fast = SimConfig(model="sim", decode_ms=0.2, max_model_len=65536)
+    async with gateway_over_sims([fast, fast], timeouts={"stream_idle_s": 0.5}) as (gw, sims):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", gw.port))
+        body = json.dumps({"model": "sim", "prompt": "hi", "max_tokens": 20000, "stream": True}).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        await asyncio.get_running_loop().sock_sendall(sock, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        try:  # and reads nothing
+            completions = gw.app[COMPLETIONS]
+            await wait_for(lambda: completions.in_flight > 0, 10.0, "the request running")
+            await wait_for(lambda: completions.in_flight == 0, 30.0, "the request ended with its client")
+        finally:
+            sock.close()
+        samples = await scrape(http, gw.url)
+        statuses = {s.labels["status"] for s in samples if s.name == "kvgate_requests_total" and s.value}
+        assert statuses == {"499"}
+        assert not [s for s in samples if s.name == "kvgate_upstream_errors_total" and s.value]
         assert sum(s.engine.stats.started for s in sims) == 1
         assert all(r.consecutive_failures == 0 for r in gw.app[REPLICAS])
 
