@@ -124,6 +124,9 @@ class RateLimited(GatewayError):
     code = "rate_limit_exceeded"
 
 
+MAX_RETRY_AFTER_S = 60
+
+
 class Overloaded(GatewayError):
     """No capacity now (no ready replica, queue full, queue wait exceeded): 503 with Retry-After."""
 
@@ -139,7 +142,9 @@ class Overloaded(GatewayError):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        merged = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}  # up: a client that waits it finds room
+        # up: a client that waits it finds room; at most MAX_RETRY_AFTER_S (a prediction behind a long-overdue
+        # request grows without bound, and a minute's wait is already a long one for an interactive client)
+        merged = {"Retry-After": str(min(MAX_RETRY_AFTER_S, max(1, math.ceil(retry_after_s))))}
         merged.update(headers or {})
         super().__init__(message, code=code, headers=merged)
         self.retry_after_s = retry_after_s

@@ -108,6 +108,28 @@ async def test_fair_queue_weights_and_priority() -> None:
     assert Counter(got) == Counter({"heavy": 15, "one": 5})  # 3:1 share while both are backlogged
 
 
+async def test_each_priority_class_keeps_its_own_fair_queue_clock_and_tags() -> None:
+    """A tenant's batch backlog does not push its interactive request behind another tenant's interactive flood
+    (second in line, as without the backlog); interactive dispatches do not push a new batch tenant behind another
+    batch tenant's backlog (second in line there too)."""
+    q = FairQueue()
+    for _ in range(100):
+        q.push("a", 1.0, 1)  # batch
+    for _ in range(50):
+        q.push("b", 1.0, 0)  # interactive
+    assert q.ahead("a", 1.0, 0) == 1
+    mine = q.push("a", 1.0, 0)
+    assert [q.pop() for _ in range(2)][1] is mine
+    q = FairQueue()
+    for _ in range(100):
+        q.push("c", 1.0, 1)
+    for _ in range(300):  # interactive traffic served meanwhile
+        q.push("e", 1.0, 0)
+        q.pop()
+    newcomer = q.push("d", 1.0, 1)
+    assert [q.pop() for _ in range(2)][1] is newcomer
+
+
 async def test_a_new_requests_place_in_the_fair_queue_is_what_dispatches_before_it() -> None:
     """`ahead` counts the requests that would leave before one pushed now: behind a flood of 50 a light tenant's
     first is second in line, the flood's next is behind all of its own, a higher class is first; removed requests

@@ -280,6 +280,7 @@ def test_retry_after_is_rounded_up() -> None:
     """A client that waits exactly Retry-After must find room: 16.3 s left is 17, not 16."""
     assert Overloaded("full", retry_after_s=16.3).headers["Retry-After"] == "17"
     assert Overloaded("full", retry_after_s=0.2).headers["Retry-After"] == "1"
+    assert Overloaded("behind an overdue request", retry_after_s=900).headers["Retry-After"] == "60"  # at most a minute
 
 
 async def test_unknown_model_names_are_not_kept(http: aiohttp.ClientSession) -> None:

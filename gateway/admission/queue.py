@@ -2,12 +2,14 @@
 and the measured drain rate.
 
 Ordering across tenants (self-clocked fair queueing, SCFQ): each push takes a slot with a virtual finish tag
-    F = max(V, F_last[tenant]) + 1 / weight[tenant]
-where V is the tag of the slot dispatched last and F_last the tag of the tenant's previous slot. Slots leave in
-(priority rank, F, arrival seq) order: a higher priority class always goes first; within a class a tenant with
-weight w gets w / sum(w) of the dispatches while it has requests queued, however many it queued, so a flooding
-tenant cannot starve a light one (the light tenant's next slot is tagged just after V, ahead of the flood's backlog).
-A tenant that empties its queue forgets its tag (no credit for idle time).
+    F = max(V[class], F_last[tenant, class]) + 1 / weight[tenant]
+where V[class] is the tag of the class's slot dispatched last and F_last the tag of the tenant's previous slot in
+the class. Slots leave in (priority rank, F, arrival seq) order: a higher priority class always goes first; within a
+class a tenant with weight w gets w / sum(w) of the dispatches while it has requests queued, however many it queued,
+so a flooding tenant cannot starve a light one (the light tenant's next slot is tagged just after V, ahead of the
+flood's backlog). Each class keeps its own clock and tags: a tenant's batch backlog does not push its interactive
+requests back, nor do interactive dispatches push a new batch tenant behind another's backlog. A tenant that empties
+its queue in a class forgets its tag there (no credit for idle time).
 
 Within a tenant and class, a slot dispatches the queued request whose program has had the least service so far
 (`attained`: the seconds of the session's earlier requests, Autellix's least-attained-service rule for agent
@@ -64,8 +66,8 @@ class FairQueue:
         self._generation: dict[tuple[str, int], int] = {}
         self._generations = itertools.count(1)
         self._per_tenant: dict[str, int] = {}
-        self._last_finish: dict[str, float] = {}
-        self._virtual = 0.0
+        self._last_finish: dict[tuple[str, int], float] = {}  # per (tenant, priority)
+        self._virtual: dict[int, float] = {}  # per priority: the tag of its slot dispatched last
         self._seq = 0
         self._live = 0
 
@@ -76,11 +78,10 @@ class FairQueue:
         return self._per_tenant.get(tenant, 0)
 
     def push(self, tenant: str, weight: float, priority: int, attained: float = 0.0) -> QueueEntry:
-        start = max(self._virtual, self._last_finish.get(tenant, 0.0))
-        finish = start + 1.0 / weight
-        self._last_finish[tenant] = finish
-        self._seq += 1
         key = (tenant, priority)
+        finish = self._finish(key, weight)
+        self._last_finish[key] = finish
+        self._seq += 1
         entry = QueueEntry(attained, self._seq, tenant, priority, asyncio.get_running_loop().create_future())
         if key not in self._generation:
             self._generation[key] = next(self._generations)
@@ -98,12 +99,16 @@ class FairQueue:
     def ahead(self, tenant: str, weight: float, priority: int) -> int:
         """How many queued requests a request of `tenant` pushed now would dispatch after: the live slots tagged no
         later than its own would be (a key's slots beyond its live requests are void). O(queued)."""
-        finish = max(self._virtual, self._last_finish.get(tenant, 0.0)) + 1.0 / weight
+        finish = self._finish((tenant, priority), weight)
         below: dict[tuple[str, int], int] = {}
         for slot in self._slots:
             if (slot.priority, slot.finish) <= (priority, finish) and self._generation.get(slot.key) == slot.generation:
                 below[slot.key] = below.get(slot.key, 0) + 1
         return sum(min(n, self._live_by_key.get(key, 0)) for key, n in below.items())
+
+    def _finish(self, key: tuple[str, int], weight: float) -> float:
+        """The finish tag a slot of `key` (tenant, priority) pushed now takes."""
+        return max(self._virtual.get(key[1], 0.0), self._last_finish.get(key, 0.0)) + 1.0 / weight
 
     def _head(self) -> tuple[_Slot, QueueEntry] | None:
         """The next slot and the request it dispatches; void slots and dead requests dropped on the way."""
@@ -129,7 +134,7 @@ class FairQueue:
         slot, entry = head
         heapq.heappop(self._slots)
         heapq.heappop(self._waiting[slot.key])
-        self._virtual = max(self._virtual, slot.finish)
+        self._virtual[slot.priority] = max(self._virtual.get(slot.priority, 0.0), slot.finish)
         self._forget(entry)
         return entry
 
@@ -162,15 +167,15 @@ class FairQueue:
         key = (entry.tenant, entry.priority)
         if left_key := self._live_by_key[key] - 1:
             self._live_by_key[key] = left_key
-        else:  # the key's leftover slots are void from now on
+        else:  # the key's leftover slots are void from now on; its tag is forgotten
             del self._live_by_key[key], self._generation[key]
             self._waiting.pop(key, None)
+            self._last_finish.pop(key, None)
         left = self._per_tenant[entry.tenant] - 1
         if left:
             self._per_tenant[entry.tenant] = left
         else:
             del self._per_tenant[entry.tenant]
-            self._last_finish.pop(entry.tenant, None)
 
 
 class AttainedService:
