@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from gateway.errors import ApiShape
 from policies.latency import Held, Prediction
 
+# A speech model's encoder positions per second of audio (Whisper: 1,500 per 30-s window), what a transcription's
+# usage in seconds is charged as; and the most bytes a second of audio takes in a request (16 kHz 16-bit PCM, the
+# rate these models read: compressed audio is more seconds per byte), what an upload is estimated at before then
+AUDIO_TOKENS_PER_S = 50
+AUDIO_BYTES_PER_S = 32_000
+
 
 @dataclass(slots=True)
 class TraceIds:
@@ -97,9 +103,12 @@ class RequestContext:
     def set_usage(self, usage: object) -> None:
         """Token counts from an answer's `usage`: chat and completions' names, the Responses API's, or the Messages
         API's, whose `input_tokens` are only the uncached ones (the prompt is those plus `cache_read_input_tokens`
-        and `cache_creation_input_tokens`, as vLLM reports them)."""
+        and `cache_creation_input_tokens`, as vLLM reports them); a transcription's audio seconds (`"type":
+        "duration"`) as the prompt positions its encoder computed (`AUDIO_TOKENS_PER_S`)."""
         if not isinstance(usage, dict):
             return
+        if usage.get("type") == "duration" and isinstance(seconds := usage.get("seconds"), int | float):
+            usage = {"prompt_tokens": round(seconds * AUDIO_TOKENS_PER_S)}  # a transcription's: its audio
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
         completion = usage.get("completion_tokens", usage.get("output_tokens"))
         cache_read = usage.get("cache_read_input_tokens")

@@ -396,3 +396,20 @@ async def test_requests_refused_by_a_gate_do_not_spend_the_tenants_requests_per_
         status, headers, _ = await post(session, gw.url, chat(), key="sk-t")
         assert status == 200
         assert headers["x-ratelimit-remaining-requests"] in ("1", "2")  # 1 (the first and this one); 2 in a new minute
+
+
+async def test_an_audio_upload_is_charged_its_audio_not_its_bytes() -> None:
+    """A transcription's tokens are its audio: estimated from its bytes at 16 kHz PCM's rate (100 KiB: 160), then
+    its usage in seconds (the simulated engine reports 1 s: 50 positions); not a token per 4 bytes (25,600, which
+    left a tenant of 20,000 tokens a minute refused its next chat for the rest of the minute)."""
+    limits = {"tokens_per_minute": 20_000}
+    adm = {"auth": True, "tenants": {"t": {"keys": [hash_key("sk-t")], "limits": limits}}}
+    async with stack(adm) as (gw, _, session):
+        form = aiohttp.FormData({"model": MODEL})
+        form.add_field("file", bytes(range(256)) * 400, filename="clip.wav")
+        headers = {"Authorization": "Bearer sk-t"}
+        async with session.post(f"{gw.url}/v1/audio/transcriptions", data=form, headers=headers) as resp:
+            assert resp.status == 200
+            assert int(resp.headers["x-ratelimit-remaining-tokens"]) == 20_000 - 160
+        status, headers_, _ = await post(session, gw.url, chat(), key="sk-t")
+        assert status == 200 and int(headers_["x-ratelimit-remaining-tokens"]) > 19_000
