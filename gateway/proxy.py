@@ -273,6 +273,9 @@ class UpstreamProxy:
         upstream.clear_timeout()  # the stream's own windows below also bound the writes to the client
         failure: GatewayError | None = None
         writing = False  # the window closing while the client takes nothing is the client's stall, not the engine's
+        preamble: list[bytes] = []  # a Responses stream's first events, before the engine ran anything
+        if not ex.out.started:  # a first try or a retry: the stored response is this replica's (held back until now)
+            ex.ctx.answer_id = None
         try:
             async with asyncio.timeout(min(timeouts.first_byte_s, ex.deadline - time.monotonic())) as window:
                 closes = end_at  # where the idle window closes, once the stream started
@@ -285,6 +288,11 @@ class UpstreamProxy:
                     events = client.take(splitter.feed(chunk))
                     if not events:
                         continue
+                    if not started and client.preamble(events):  # held until the answer's first event
+                        preamble += events
+                        continue
+                    if preamble:
+                        events, preamble = preamble + events, []
                     first = not started
                     if first:  # from here on the client has bytes of this answer: never retried elsewhere
                         await self._begin(ex, client, upstream, replica, decision)
@@ -294,7 +302,7 @@ class UpstreamProxy:
                     writing = True
                     await client.write(events, first=first)
                     writing = False
-                if held := client.flush():  # the engine's stream ended: what the client's events held back
+                if held := preamble + client.flush():  # the engine's stream ended: what was held back
                     first = not started
                     if first:
                         await self._begin(ex, client, upstream, replica, decision)

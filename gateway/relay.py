@@ -39,6 +39,9 @@ _OPENAI_ERROR = b'data: {"error"'  # an error event of a chat or completions str
 MESSAGE_STOP = b"event: message_stop"
 # the Responses API's terminal events: after one the answer is whole (a client may leave before the body's end)
 RESPONSE_END = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+# what vLLM's Responses stream sends before the engine has run anything (its first events come before the queue and
+# the prefill): held until the answer's first event, so the stream still starts only with the engine's work
+_PREAMBLE = (b"event: response.created", b"event: response.in_progress")
 ANTHROPIC_ERROR = b"event: error"
 # the stream's last event itself, written by the gateway when the engine's stream was cut right before it
 _CLOSING = {DONE: DONE + b"\n\n", MESSAGE_STOP: MESSAGE_STOP + b'\ndata: {"type":"message_stop"}\n\n'}
@@ -261,6 +264,12 @@ class ClientEvents:
         if out:
             self._continuing = False
         return out
+
+    def preamble(self, events: list[bytes]) -> bool:
+        """Whether every one of `events` is a Responses stream's preamble (`_PREAMBLE`): sent before the engine ran
+        anything, they do not start the client's stream (a replica that then fails is still retried, and the first
+        token is waited for `first_byte_s`, not `stream_idle_s`)."""
+        return self.end is RESPONSE_END and all(e.startswith(_PREAMBLE) for e in events)
 
     def flush(self) -> list[bytes]:
         """What `take` holds back, for the client when the engine's stream ends without the usage event."""

@@ -7,6 +7,7 @@ FastAPI's `{"detail": ...}` errors keep their message. The misbehaving engine is
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -50,6 +51,7 @@ async def fake_engine(answer: Answer) -> AsyncIterator[tuple[str, list[int]]]:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", completions)
     app.router.add_post("/v1/messages", completions)
+    app.router.add_post("/v1/responses", completions)
     async with serving(app) as url:
         yield url, calls
 
@@ -199,6 +201,48 @@ async def test_a_messages_stream_whose_last_events_arrive_together_with_a_chat_t
         (replica,) = list(gw.app[REPLICAS])
         labels = {"model": MODEL, "replica": replica.id, "endpoint": "messages", "status": "200"}
         assert gw.app[REGISTRY].get_sample_value("kvgate_requests_total", labels) == 2
+
+
+def _responses_event(kind: str, seq: int, **payload: Any) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **payload})}\n\n".encode()
+
+
+async def test_a_responses_stream_starts_with_the_engines_work_not_with_its_preamble(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM's Responses stream sends response.created and response.in_progress before the engine runs anything:
+    held back, they start nothing, so a queue and prefill longer than stream_idle_s (not first_byte_s) is waited
+    for, and a replica that fails before its first token is retried on another, whose response the client gets."""
+    calls = [0]
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        calls[0] += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        rid = f"resp_{calls[0]}"
+        opened = {"response": {"id": rid, "object": "response", "status": "in_progress", "output": []}}
+        await resp.write(_responses_event("response.created", 0, **opened))
+        await resp.write(_responses_event("response.in_progress", 1, **opened))
+        if calls[0] == 1:
+            assert request.transport is not None
+            request.transport.abort()  # the first replica fails before its first token
+            return resp
+        await asyncio.sleep(0.6)  # its queue and prefill: longer than stream_idle_s
+        delta = {"delta": "hi", "item_id": "m", "output_index": 0, "content_index": 0}
+        await resp.write(_responses_event("response.output_text.delta", 2, **delta))
+        usage = {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}
+        done = {"response": {"id": rid, "object": "response", "status": "completed", "output": [], "usage": usage}}
+        await resp.write(_responses_event("response.completed", 3, **done))
+        return resp
+
+    async with fake_engine(responses) as (one, _), fake_engine(responses) as (two, _):
+        async with gateway_over([one, two], timeouts={"stream_idle_s": 0.3, "first_byte_s": 10}) as gw:
+            body = {"model": MODEL, "input": "hi", "stream": True}
+            async with http.post(gw.url + "/v1/responses", json=body) as resp:
+                raw = await resp.read()
+        assert b"event: error" not in raw and raw.count(b"event: response.created") == 1
+        assert b'"resp_2"' in raw and b'"resp_1"' not in raw and b"event: response.completed" in raw
+        assert calls[0] == 2
 
 
 async def test_a_replica_whose_streams_stall_after_they_start_is_taken_out(http: aiohttp.ClientSession) -> None:
