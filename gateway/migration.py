@@ -180,11 +180,12 @@ def _text_only(content: object) -> bool:
     return isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content)
 
 
-def _delivered_text(kind: str, events: list[bytes]) -> tuple[str, int, bool]:
-    """The text the events carried, how many events carried some, and whether the answer had finished (a
-    `finish_reason`: nothing to continue)."""
+def _delivered_text(kind: str, events: list[bytes]) -> tuple[str, int, bool, bool]:
+    """The text the events carried, how many events carried some, whether the answer had finished (a
+    `finish_reason`: nothing to continue), and whether a chat answer carried reasoning (an engine's reasoning
+    parser's `reasoning_content` / `reasoning`: a continuation would think again from scratch, its budget spent)."""
     parts: list[str] = []
-    finished = False
+    finished = reasoned = False
     for event in events:
         start = event.find(b"{")
         if start < 0:
@@ -192,13 +193,17 @@ def _delivered_text(kind: str, events: list[bytes]) -> tuple[str, int, bool]:
         try:
             payload = orjson.loads(event[start:])
             choice = payload["choices"][0]
-            text = choice["delta"].get("content") if kind == "chat" else choice.get("text")
+            delta = choice["delta"] if kind == "chat" else None
+            text = delta.get("content") if delta is not None else choice.get("text")
+            reasoned = reasoned or (
+                delta is not None and bool(delta.get("reasoning_content") or delta.get("reasoning"))
+            )
             finished = finished or choice.get("finish_reason") is not None
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             continue  # a usage-only event, an error event: no text
         if isinstance(text, str) and text:
             parts.append(text)
-    return "".join(parts), len(parts), finished
+    return "".join(parts), len(parts), finished, reasoned
 
 
 def _last_choice(events: list[bytes]) -> bytes | None:
@@ -248,11 +253,11 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
     """The body that continues the answer from everything relayed so far, built from the client's request as the
     gateway sends it (`engine_fields`); None when nothing is left to generate (the answer finished, or max_tokens
     reached). Moves this engine's text and tokens into `relayed`'s totals."""
-    index = 0
+    index, reasoned = 0, False
     if parsed.api == "anthropic":  # what the client got is in Anthropic's shape, continuations' events included
         text, events, finished, index = _delivered_messages_text(relayed.events)
     else:
-        text, events, finished = _delivered_text(parsed.kind, relayed.events)
+        text, events, finished, reasoned = _delivered_text(parsed.kind, relayed.events)
         relayed.template = _last_choice(relayed.events) or relayed.template
     reported = _engine_tokens(relayed.usage)
     relayed.tokens_before += reported if reported is not None else events
@@ -261,6 +266,8 @@ def continuation(parsed: ParsedRequest, relayed: Relayed) -> bytes | None:
     relayed.size, relayed.usage = 0, None
     if finished:  # a Messages answer's stopped or other block cannot be closed here (`closing`)
         relayed.ended = "finished" if parsed.api == "openai" else None
+        return None
+    if reasoned:  # not continued (and not `ended`): the stream ends with its error event
         return None
     if parsed.api == "anthropic":
         return _messages_continuation(parsed, relayed, index)

@@ -289,6 +289,19 @@ def test_min_tokens_counts_from_the_continuations_start() -> None:
     assert (sent["max_tokens"], sent["min_tokens"]) == (42, 12)
 
 
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_a_chat_answer_cut_in_its_reasoning_is_not_continued(field: str) -> None:
+    """An engine with a reasoning parser streams the thinking apart from the content: a continuation would carry
+    none of it and think again from the start with the budget spent, so the stream is not continued (it ends with
+    its error event), nor taken as ended."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    parsed = ParsedRequest("chat", {**body, "max_tokens": 50}, "m", True, True, 50)
+    relayed = Relayed(1 << 20)
+    events = [b'data: {"choices":[{"index":0,"delta":{"%s":"hmm"}}]}\n\n' % field.encode()] * 3
+    relayed.add(events, sum(map(len, events)))
+    assert continuation(parsed, relayed) is None and relayed.ended is None
+
+
 async def test_a_stream_continues_on_a_replica_at_its_gate(http: aiohttp.ClientSession) -> None:
     """One stream per replica with a gate of one each: the replica of one fails, and its stream continues on the
     other (the failed replica's place is what it takes), not ended with an error because that one is at its gate."""
