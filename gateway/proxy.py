@@ -12,8 +12,8 @@ the loop around it and what is done with the engine's answer (the relay).
    replica (its breaker may open; a 5xx only once another replica answered the same request: two replicas refusing
    it means the request is at fault) and try another replica, at most `max_attempts` attempts in all. A 4xx is the
    client's error: relayed as is, no retry.
-4. Streaming (gateway.relay): SSE events are relayed as they arrive; the client's response starts with the first
-   event, so an engine that dies before it is still retried. The gateway always asks the engine for the usage chunk
+4. Streaming (gateway.stream_relay over gateway.relay): SSE events are relayed as they arrive; the client's response
+   starts with the first event of the answer, so an engine that dies before it is still retried. The gateway always asks the engine for the usage chunk
    and drops it again when the client did not ask; on a stream that may migrate it also asks for the running usage
    (the engine's own token count at the seam) and moves it out of the events.
 5. The client leaving cancels the handler task, which aborts the upstream connection; vLLM then aborts the request.
@@ -22,13 +22,12 @@ Cost per streamed event: see gateway.relay; per attempt: one routing decision an
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine_pool.http_client import UpstreamClient, UpstreamConnectionError, UpstreamResponse
+from engine_pool.http_client import UpstreamClient, UpstreamResponse
 from engine_pool.replica import Replica
 from engine_pool.replica_set import ReplicaSet
 from gateway.admission.targets import place
@@ -43,23 +42,16 @@ from gateway.errors import (
     Retryable,
     UpstreamError,
     UpstreamTimeout,
-    UpstreamUnavailable,
-    error_event,
 )
 from gateway.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.migration import CHAT_PATH, Relayed, closing, context_full, continuation
-from gateway.relay import ClientEvents, SseSplitter, sequence_number
 from gateway.router import Router
+from gateway.stream_relay import StreamRelay, end_stream, may_migrate
 from gateway.upstream_send import content_type, framed_as_json, read_answer, response_headers, send
 from policies.base import Decision
 
 T = TypeVar("T")
-# A stream's idle window is moved out by stream_idle_s plus this share of it (at most _IDLE_SLACK_S) when it would
-# close within stream_idle_s, not for every chunk (a timer's reschedule costs ~3 us, and a stream's chunks are its
-# tokens): once per slack. A silent engine is found stream_idle_s to stream_idle_s + slack after its last chunk.
-_IDLE_SLACK = 0.1
-_IDLE_SLACK_S = 1.0
 Relay = Callable[[Exchange, UpstreamResponse, Replica, Decision], Awaitable[T]]
 
 
@@ -87,6 +79,7 @@ class UpstreamProxy:
         self.metrics = metrics
         self.settings = settings
         self.prefill = PrefillStep(self._prefill, router, metrics, settings.disagg)
+        self.streams = StreamRelay(settings.timeouts, metrics, self.count_failure)
 
     async def forward(self, ex: Exchange) -> int:
         """Answer `ex` from a replica (its pinned one: that one only); returns the HTTP status recorded."""
@@ -232,7 +225,7 @@ class UpstreamProxy:
         stream, embeddings or tokenizing, is an extra field its engine ignores)."""
         said = content_type(upstream)
         if ex.stream and (said is None or said.startswith("text/event-stream")):
-            return await self._relay_stream(ex, upstream, replica, decision)
+            return await self.streams.relay(ex, upstream, replica, lambda up: self._headers(ex, replica, decision, up))
         ex.ctx.stream = False
         raw = await read_answer(upstream, replica, ex.deadline, self.settings.max_answer_bytes)
         # chat's and completions' answers are JSON whatever the engine says; another route's when it says so
@@ -254,145 +247,6 @@ class UpstreamProxy:
         ctx.answered = True
         return upstream.status
 
-    async def _relay_stream(
-        self, ex: Exchange, upstream: UpstreamResponse, replica: Replica, decision: Decision
-    ) -> int:
-        """Relay the SSE events; returns the status to record: 200, or 502/504 for a stream that was cut or stalled
-        after it started (the client then gets an error event in its API's shape, never a clean end that looks
-        complete; chat and completions: then `[DONE]`, as vLLM ends a stream after its error), unless it can continue
-        on another replica: then `Migration` is raised. A stream cut when all of the answer but its last event
-        reached the client (`ClientEvents.closing`) gets that event from the gateway and ends as the engine would have
-        ended it."""
-        timeouts = self.settings.timeouts
-        splitter, client = SseSplitter(), ClientEvents(ex, self.metrics.model(ex.parsed.model).itl)
-        started = False
-        loop = asyncio.get_running_loop()
-        end_at = loop.time() + (ex.deadline - time.monotonic())
-        idle = timeouts.stream_idle_s
-        extend = idle + min(_IDLE_SLACK_S, idle * _IDLE_SLACK)  # how far a chunk pushes the idle window out
-        upstream.clear_timeout()  # the stream's own windows below also bound the writes to the client
-        failure: GatewayError | None = None
-        writing = False  # the window closing while the client takes nothing is the client's stall, not the engine's
-        preamble: list[bytes] = []  # a Responses stream's first events, before the engine ran anything
-        if not ex.out.started:  # a first try or a retry: the stored response is this replica's (held back until now)
-            ex.ctx.answer_id = None
-        try:
-            async with asyncio.timeout(min(timeouts.first_byte_s, ex.deadline - time.monotonic())) as window:
-                closes = end_at  # where the idle window closes, once the stream started
-                async for chunk in upstream.iter_chunks():
-                    # past the first event: at most stream_idle_s (+ the slack) between chunks, within the total;
-                    # the window is moved when it would close within stream_idle_s, not for every chunk
-                    if started and closes < end_at and closes - loop.time() < idle:
-                        closes = min(end_at, loop.time() + extend)
-                        window.reschedule(closes)
-                    events = client.take(splitter.feed(chunk))
-                    if not events:
-                        continue
-                    if not started and client.preamble(events):  # held until the answer's first event
-                        preamble += events
-                        continue
-                    if preamble:
-                        events, preamble = preamble + events, []
-                    first = not started
-                    if first:  # from here on the client has bytes of this answer: never retried elsewhere
-                        await self._begin(ex, client, upstream, replica, decision)
-                        started = True
-                        closes = min(end_at, loop.time() + extend)
-                        window.reschedule(closes)
-                    writing = True
-                    await client.write(events, first=first)
-                    writing = False
-                if held := preamble + client.flush():  # the engine's stream ended: what was held back
-                    first = not started
-                    if first:
-                        await self._begin(ex, client, upstream, replica, decision)
-                        started = True
-                    writing = True
-                    await client.write(held, first=first)
-                    writing = False
-        except TimeoutError:
-            if writing:  # the client took nothing for the window: its connection closes, the engine is not blamed
-                ex.ctx.error = "client_stalled"
-                ex.out.drop()
-                raise ConnectionResetError("the client took none of its stream for timeouts.stream_idle_s") from None
-            if not started and end_at - loop.time() > 0.01:  # first_byte_s: the replica's failure, tried elsewhere
-                raise Retryable("timeout", UpstreamTimeout(f"replica {replica.id} sent no token in time")) from None
-            if not started:  # the request's own deadline (total_s): no time left for another replica, none to blame
-                ex.ctx.error = "total_timeout"
-                self.metrics.upstream_errors.labels(replica.id, "timeout_total").inc()
-                raise UpstreamTimeout("no token within timeouts.total_s", code="total_timeout") from None
-            failure = self._stalled(ex, replica, idle=loop.time() < end_at)
-        except UpstreamConnectionError as exc:  # the engine failed mid-stream (after its end: not a failure)
-            if not started:
-                raise Retryable("reset", UpstreamUnavailable(f"replica {replica.id} failed: {exc}")) from None
-            if not client.done:
-                ex.ctx.error = "upstream_reset"
-                failure = UpstreamUnavailable(f"replica {replica.id} failed mid-stream: {exc}", code="upstream_reset")
-                self.metrics.upstream_errors.labels(replica.id, "reset_mid_stream").inc()
-                self.count_failure(replica)
-        if not started:
-            raise Retryable("empty", UpstreamUnavailable(f"replica {replica.id} closed the stream empty")) from None
-        if held := client.flush():  # cut with a finish event held back: it is the client's
-            await client.write(held, first=False)
-        if client.failed:  # the engine's own error event ended it (then `[DONE]`): relayed as it came, not retried
-            ex.ctx.error = "upstream_error_event"
-            await ex.out.end()
-            return 502
-        if not client.done and (closing := client.closing()) is not None:  # whole but for its last event
-            await ex.out.write(closing)
-            client.done = ex.ctx.answered = True
-        if client.done:  # the answer and its last event reached the client: a failure after them is not its
-            failure = ex.ctx.error = None
-        elif failure is None and client.end is None:  # a stream without an end event ends with the body
-            ex.ctx.answered = True
-        elif failure is None and not client.done:  # cut short without its end event ([DONE], message_stop)
-            ex.ctx.error = "upstream_truncated"
-            failure = UpstreamUnavailable(f"replica {replica.id} ended the stream early", code="upstream_truncated")
-        if failure is None:  # a stream that starts and then stalls or breaks is no success: the breaker can open
-            replica.record_success()
-        if failure is not None and self._may_migrate(ex):
-            raise Migration(failure)  # (or closed there, when nothing is left to generate)
-        return await self._end_stream(ex, failure, client.last)
-
-    async def _begin(
-        self, ex: Exchange, client: ClientEvents, upstream: UpstreamResponse, replica: Replica, decision: Decision
-    ) -> None:
-        """The client's stream starts with the first events the engine sent."""
-        await client.start(upstream.status, self._headers(ex, replica, decision, upstream))
-        ex.ctx.batch_mark = replica.batch_mark()  # its decode begins
-
-    def _stalled(self, ex: Exchange, replica: Replica, *, idle: bool) -> GatewayError:
-        timeouts = self.settings.timeouts
-        ex.ctx.error = "stream_idle_timeout" if idle else "total_timeout"
-        if idle:
-            self.metrics.upstream_errors.labels(replica.id, "stall_mid_stream").inc()
-            self.count_failure(replica)
-            return UpstreamTimeout(
-                f"replica {replica.id} sent nothing for {timeouts.stream_idle_s:g} s", code=ex.ctx.error
-            )
-        return UpstreamTimeout("the stream did not finish within timeouts.total_s", code=ex.ctx.error)
-
-    @staticmethod
-    async def _end_stream(ex: Exchange, failure: GatewayError | None, last: bytes = b"") -> int:
-        """The stream's end, after `failure`'s error event (in the stream's shape; a Responses stream's numbered
-        after its `last` event)."""
-        if failure is not None:
-            after = None
-            if ex.parsed.records_id:
-                found = sequence_number(last)
-                after = -1 if found is None else found
-            done = ex.parsed.kind in ("chat", "completions")
-            await ex.out.write(error_event(failure, ex.parsed.api, responses_after=after, done=done))
-        await ex.out.end()
-        return 200 if failure is None else failure.status
-
-    @staticmethod
-    def _may_migrate(ex: Exchange) -> bool:
-        """A stream whose every event is kept (`gateway.migration.Relayed`), within its deadline: it may continue
-        elsewhere, or be closed when nothing is left to generate (`retry.max_migrations` bounds the former only)."""
-        relayed = ex.relayed
-        return relayed is not None and relayed.within_bound and time.monotonic() < ex.deadline
-
     async def _migrate(self, ex: Exchange, failure: GatewayError) -> int:
         """Continue a stream whose engine failed on other replicas (`gateway.migration`), at most
         `retry.max_migrations` times; the client's stream ends with the last failure's error event otherwise. An
@@ -401,7 +255,7 @@ class UpstreamProxy:
         relayed = ex.relayed
         assert relayed is not None
         model = self.metrics.model(ex.parsed.model)
-        while self._may_migrate(ex):
+        while may_migrate(ex):
             data = continuation(ex.parsed, relayed)
             if data is None:
                 if relayed.ended is not None:
@@ -442,7 +296,7 @@ class UpstreamProxy:
             return status
         model.migration_failed.value += 1
         ex.ctx.error = failure.code
-        return await self._end_stream(ex, failure)
+        return await end_stream(ex, failure)
 
     async def _close(self, ex: Exchange, relayed: Relayed, failure: GatewayError) -> int:
         """End the client's stream as its engine would have (`gateway.migration.closing`), or with `failure`'s
@@ -453,13 +307,13 @@ class UpstreamProxy:
         if ended is None:
             model.migration_failed.value += 1
             ex.ctx.error = failure.code
-            return await self._end_stream(ex, failure)
+            return await end_stream(ex, failure)
         events, usage = ended
         await ex.out.write(events)
         model.migration_closed.value += 1
         ex.ctx.set_usage(usage)
         ex.ctx.error, ex.ctx.answered = None, True
-        return await self._end_stream(ex, None)
+        return await end_stream(ex, None)
 
     async def _prefill(self, step: Exchange) -> tuple[Replica, dict[str, Any]] | None:
         """A prefill step (gateway.disagg) through the same attempts, on prefill replicas; None when none ran it
