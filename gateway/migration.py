@@ -54,6 +54,7 @@ class MessagesSeam:
 
     index: int  # the client's open text block
     stop_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string the continuation matched (its choice's `stop_reason`)
     completion: int = 0  # the continuation's own output tokens (its usage)
     cached: int | None = None  # the continuation's cached prompt tokens (its usage), when the engine reports them
     failed: bool = False  # the continuation ended with the engine's error event: told as Anthropic's, nothing after
@@ -73,7 +74,8 @@ class MessagesSeam:
             if prompt_tokens is not None and self.cached is not None:
                 cached = min(self.cached, prompt_tokens)
                 totals = {"input_tokens": prompt_tokens - cached, "cache_read_input_tokens": cached, **totals}
-            end = {"delta": {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": None}, "usage": totals}
+            stopped = {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": self.stop_sequence}
+            end = {"delta": stopped, "usage": totals}
             stop = _sse("content_block_stop", {"index": self.index})
             return [stop, _sse("message_delta", end), _sse("message_stop", {})], None
         try:
@@ -95,6 +97,8 @@ class MessagesSeam:
                 out.append(_sse("content_block_delta", text_delta))
             if isinstance(choice, dict) and choice.get("finish_reason"):
                 self.stop_reason = _STOP_REASONS.get(choice["finish_reason"], "end_turn")
+                if choice["finish_reason"] == "stop" and isinstance(matched := choice.get("stop_reason"), str):
+                    self.stop_reason, self.stop_sequence = "stop_sequence", matched  # vLLM: the stop string met
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.completion = usage["completion_tokens"]
             details = usage.get("prompt_tokens_details")

@@ -236,6 +236,15 @@ def test_a_chat_continuations_error_event_is_told_as_anthropics_error_not_as_a_c
     assert seam.translate(b"data: [DONE]\n\n", 3) == ([], None)
 
 
+def test_a_chat_continuation_that_met_a_stop_string_ends_with_anthropics_stop_sequence() -> None:
+    """vLLM's chat choice names the stop string it met (`stop_reason`); the Messages client's closing
+    message_delta says `stop_sequence` and that string, as the Messages API does."""
+    seam = MessagesSeam(index=0)
+    seam.translate(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop","stop_reason":"END"}]}\n\n', 2)
+    _, delta, _ = seam.translate(b"data: [DONE]\n\n", 2)[0]
+    assert json.loads(delta.split(b"data: ")[1])["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+
+
 def test_a_messages_answer_that_opened_a_thinking_block_is_not_continued_as_text() -> None:
     """A reasoning model's stream cut in its thinking block: a chat continuation would write its answer into the
     thinking block (the client's text lost); no continuation is made, so the stream ends with an error event."""
