@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_pool.spec import PoolConfig
 from engine_pool.vllm_command import EngineLaunchSpec, vllm_argv, vllm_env
-from gateway.keys import REPLICAS
+from gateway.keys import ADMISSION, REPLICAS
 from policies.base import ReplicaState
 from policies.lora import AdapterPlacement, place_adapter
 from simengine import SimConfig
@@ -274,3 +274,30 @@ async def test_an_adapter_no_replica_can_load_goes_to_its_fallback(http: aiohttp
         async with http.get(gw.url + "/metrics") as resp:
             text = await resp.text()
         assert 'model="chat",replica="-",status="503"' in text
+
+
+async def test_a_base_model_and_its_adapter_share_one_queue_in_arrival_order(http: aiohttp.ClientSession) -> None:
+    """One replica of gate 1 serving the base model and an adapter: a base request queued behind a running adapter
+    request goes before the adapter requests that arrive after it (they share the replica's slots, so they share
+    one fair queue), not left waiting while each finishing adapter request lets the next one in."""
+    sim = WITH_SQL.model_copy(update={"instant": False, "decode_ms": 40, "overhead_ms": 0})
+    admission = {"replica_max_concurrency": 1, "targets": {"enabled": False}, "queue": {"max_wait_s": 10}}
+    async with gateway_over_sims([sim], admission=admission) as (gw, _):
+        done: list[str] = []
+
+        async def ask(model: str) -> None:
+            body = {"model": model, "prompt": "x", "max_tokens": 5}
+            async with http.post(gw.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+            done.append(model)
+
+        (replica,) = list(gw.app[REPLICAS])
+        gate = gw.app[ADMISSION].capacity_gate
+        running = asyncio.create_task(ask("sql"))
+        await wait_for(lambda: replica.in_flight == 1, what="the adapter request running")
+        base = asyncio.create_task(ask("base"))
+        await wait_for(lambda: gate.queued() == 1, what="the base request queued")
+        later = asyncio.create_task(ask("sql"))
+        await wait_for(lambda: gate.queued() == 2, what="the later adapter request queued behind it")
+        await asyncio.gather(running, base, later)
+        assert done == ["sql", "base", "sql"]

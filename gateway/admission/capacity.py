@@ -49,11 +49,13 @@ class CapacityGate:
         self.replicas = replicas
         self.latency = latency  # with admission by predicted latency on, saturation does not close a replica
         self.metrics = metrics
-        self._queues: dict[str, FairQueue] = {}  # per model; models come from the replica set (bounded)
-        self._active: dict[str, int] = {}  # model -> admitted requests holding a slot
+        # per base model (its LoRA adapters run on its replicas, in its slots: one queue and one count for them all);
+        # models come from the replica set (bounded)
+        self._queues: dict[str, FairQueue] = {}
+        self._active: dict[str, int] = {}  # base model -> admitted requests holding a slot
         self._defaulted: set[str] = set()  # replicas whose gate this gate set
         self.drain = DrainRate()
-        self._hold: dict[str, float] = {}  # model -> mean seconds a slot is held (learned as slots are given back)
+        self._hold: dict[str, float] = {}  # base model -> mean seconds a slot is held (learned as slots go back)
         self._tasks: list[asyncio.Task[None]] = []
         replicas.add_listener(self)
 
@@ -136,15 +138,18 @@ class CapacityGate:
         return r.metrics.waiting > 0 and saturated(r.snapshot(now), threshold)  # saturation needs waiting > 0
 
     def _has_slot(self, model: str) -> bool:
-        """A slot is free: fewer admitted requests than `capacity` and some routable replica below its gate (what
-        the router needs to place it), in one pass over the replicas that stops as soon as both hold."""
+        """A slot is free: fewer admitted requests of its base model (adapters included) than the base's
+        `capacity`, and some routable replica of `model` below its gate (what the router needs to place it), in one
+        pass over the replicas that stops as soon as both hold."""
+        base = self.replicas.base_model(model)
         now, cap, gate_open = time.monotonic(), 0, False
-        active, threshold = self._active.get(model, 0), self.config.saturation_kv_usage
-        for r in self.replicas.for_model(model):
+        active, threshold = self._active.get(base, 0), self.config.saturation_kv_usage
+        for r in self.replicas.for_model(base):
             if not r.routable(now):
                 continue
             gate = r.max_concurrency
-            gate_open = gate_open or gate is None or r.in_flight < gate
+            if model == base or model in r.adapters:
+                gate_open = gate_open or gate is None or r.in_flight < gate
             if self._saturated(r, now, threshold):
                 continue
             cap += _UNBOUNDED if gate is None else gate
@@ -153,8 +158,8 @@ class CapacityGate:
         return gate_open and active < cap
 
     def _free(self, model: str) -> bool:
-        """Admit without queueing: nothing of the model is queued (they go first) and a slot is free."""
-        queue = self._queues.get(model)
+        """Admit without queueing: nothing of its base model is queued (they go first) and a slot is free."""
+        queue = self._queues.get(self.replicas.base_model(model))
         return (queue is None or not len(queue)) and self._has_slot(model)
 
     def queued(self) -> int:
@@ -175,8 +180,9 @@ class CapacityGate:
     ) -> None:
         """A slot for the request: at once when one is free and nothing is queued, else in the model's fair queue
         (`attained_s`: its program's service so far, which orders it among its tenant's), for at most `max_wait_s`."""
+        base = self.replicas.base_model(model)
         if self._free(model):
-            self._take(model)
+            self._take(base)
             self.metrics.queue_wait.labels(identity.tenant).observe(0.0)  # admitted at once: waited nothing
             return
         qcfg, tenant = self.config.queue, identity.tenant
@@ -194,24 +200,24 @@ class CapacityGate:
                 retry_after_s=self.drain.retry_after(self.queued()),
                 code=reason,
             )
-        queue = self._queues.setdefault(model, FairQueue())
-        wait = self._predicted_wait(model, queue, identity, weight, max_wait_s)
+        queue = self._queues.setdefault(base, FairQueue())
+        wait = self._predicted_wait(base, queue, identity, weight, max_wait_s)
         if wait is not None and wait > max_wait_s:
             if not len(queue):
-                del self._queues[model]
+                del self._queues[base]
             self.metrics.rejections.labels(tenant, "queue_wait").inc()
             raise Overloaded(
                 f"no capacity for model {model!r} within {max_wait_s:.1f} s (a slot predicted in {wait:.1f} s)",
                 retry_after_s=wait,
                 code="queue_wait",
             )
-        entry = queue.push(tenant, weight, identity.priority, attained_s)
+        entry = queue.push(tenant, weight, identity.priority, attained_s, model)
         started = time.monotonic()
         try:
             async with asyncio.timeout(max_wait_s):
                 await entry.future
         except BaseException as exc:
-            self._abandon(queue, entry, model)
+            self._abandon(queue, entry, base)
             if isinstance(exc, TimeoutError):
                 self.metrics.rejections.labels(tenant, "queue_timeout").inc()
                 raise Overloaded(
@@ -251,7 +257,9 @@ class CapacityGate:
         return (queue.ahead(identity.tenant, weight, identity.priority) + 1) * per
 
     def give_back(self, model: str, held_s: float | None = None) -> None:
-        """Release a slot of the model (held for `held_s`: learned), dispatching the next queued request."""
+        """Release a slot of the model (held for `held_s`: learned), dispatching the next queued request of its
+        base model's."""
+        model = self.replicas.base_model(model)
         if held_s is not None:
             mean = self._hold.get(model)
             self._hold[model] = held_s if mean is None else mean + _HOLD_WEIGHT * (held_s - mean)
@@ -263,14 +271,15 @@ class CapacityGate:
         self.pump(model)
 
     def pump(self, model: str) -> int:
-        """Dispatch queued requests of the model while slots are free; returns how many were dispatched."""
+        """Dispatch queued requests of the base model (its adapters' included) while slots are free, in the queue's
+        order (the head waits for a replica of its own model); returns how many were dispatched."""
         queue = self._queues.get(model)
         n = 0
         while queue is not None and (entry := queue.peek()) is not None:
             if entry.future.done():  # its waiter was cancelled and has not cleaned up yet
                 queue.pop()
                 continue
-            if not self._has_slot(model):
+            if not self._has_slot(entry.model or model):
                 break
             queue.pop()
             self._take(model)

@@ -47,6 +47,7 @@ class QueueEntry:
     priority: int = field(compare=False)
     future: asyncio.Future[None] = field(compare=False)
     dead: bool = field(default=False, compare=False)
+    model: str = field(default="", compare=False)  # what it asked for (an adapter shares its base model's queue)
 
 
 @dataclass(order=True, slots=True)
@@ -77,12 +78,13 @@ class FairQueue:
     def tenant_len(self, tenant: str) -> int:
         return self._per_tenant.get(tenant, 0)
 
-    def push(self, tenant: str, weight: float, priority: int, attained: float = 0.0) -> QueueEntry:
+    def push(self, tenant: str, weight: float, priority: int, attained: float = 0.0, model: str = "") -> QueueEntry:
         key = (tenant, priority)
         finish = self._finish(key, weight)
         self._last_finish[key] = finish
         self._seq += 1
-        entry = QueueEntry(attained, self._seq, tenant, priority, asyncio.get_running_loop().create_future())
+        future = asyncio.get_running_loop().create_future()
+        entry = QueueEntry(attained, self._seq, tenant, priority, future, model=model)
         if key not in self._generation:
             self._generation[key] = next(self._generations)
         heapq.heappush(self._waiting.setdefault(key, []), entry)
