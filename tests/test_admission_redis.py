@@ -398,6 +398,34 @@ async def test_a_request_refused_after_its_quota_check_leaves_the_shared_minute(
         await store.close()
 
 
+async def test_requests_granted_from_memory_in_earlier_minutes_are_not_counted_in_the_current_one(
+    redis_server: RedisProcess,
+) -> None:
+    """Ten requests a minute granted from memory while Redis was gone, in minutes that have since passed: once it is
+    back they count in their own minutes, not all at once in the current one (the tenant was then refused for
+    the rest of a minute in which it had sent nothing)."""
+    await redis_server.start()
+    config = RedisConfig(url=redis_server.url, reconnect_min_s=0.05, reconnect_max_s=0.2)
+    store = RedisQuotaStore(config, AdmissionMetrics(CollectorRegistry()))
+    limits = LimitsConfig(requests_per_minute=10)
+    try:
+        assert (await store.check("acme", limits, 1, "warm")).allowed  # connected
+        await redis_server.stop()
+        for ago in (180, 120):  # two earlier minutes, by the gateway's clock while it answered alone
+            store.fallback.clock = lambda ago=ago: time.time() - ago  # type: ignore[misc]
+            for i in range(10):
+                granted = await store.check("acme", limits, 1, f"{ago}-{i}")
+                assert granted.allowed and granted.lease is not None
+                await store.release(granted.lease, 1)
+        assert not store.up
+        await redis_server.start()
+        await wait_for(lambda: store.up and not store._behind(), 30.0, "the store back, its counts applied")
+        now = await store.check("acme", limits, 1, "now")
+        assert now.allowed and now.remaining_requests == 9
+    finally:
+        await store.close()
+
+
 async def test_requests_that_finished_while_redis_was_frozen_are_counted_there(redis_server: RedisProcess) -> None:
     """Six requests a minute over two gateways: four granted from memory and finished while Redis was frozen are
     counted there once it answers, so the other gateway grants two more, not six."""

@@ -23,7 +23,8 @@ reconnect_min_s to reconnect_max_s). While down, checks never touch Redis: polic
 in them), "closed" refuses (503).
 Recovery makes the shared counts exact again as the store is marked up: the releases of Redis leases that came
 while it was down (and the lease of a check whose outcome was lost) are applied, the requests and tokens of the
-local grants that finished while it was down are counted there, and the live leases granted locally while it was
+local grants that finished while it was down are counted there (in the minute and day each was granted in, not the
+one Redis came back in), and the live leases granted locally while it was
 down are adopted into Redis (slot, request and tokens counted there; later renewed and released there like any
 other), each in one script call per pass. Under traffic every pass finds the leases
 granted (and released) during the one before, so the store is marked up after at most `_PASSES_BEFORE_UP` passes
@@ -140,9 +141,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
 local lease_ms = tonumber(ARGV[2])
-for i = 3, #ARGV, 4 do
+for i = 3, #ARGV, 5 do
   local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
-  local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
+  local m = tonumber(ARGV[i + 4])
+  if m < 0 then m = minute end
+  local d = math.floor(m / 1440)
+  local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. m, base .. 'tok:' .. m, base .. 'day:' .. d
   if ARGV[i + 1] ~= '' then
     redis.call('ZADD', ck, now + lease_ms, ARGV[i + 1])
     redis.call('PEXPIRE', ck, lease_ms * 2)
@@ -190,8 +194,9 @@ class RedisQuotaStore:
         # Redis lease -> (tenant, token delta, the minute to take its request out of or -1), while down
         self._unreleased: dict[str, tuple[str, int, int]] = {}
         self._granted_locally: dict[str, Lease] = {}  # live leases the fallback granted while down
-        # tenant -> [requests, tokens] of the local grants that finished while down (bounded by the tenants)
-        self._finished_locally: dict[str, list[int]] = {}
+        # (tenant, minute granted) -> [requests, tokens] of the local grants that finished while down (bounded by the
+        # tenants and the outage's minutes)
+        self._finished_locally: dict[tuple[str, int], list[int]] = {}
         self._adopting: set[str] = set()  # the live local leases a recovery pass is adopting now
         self._reconnect: asyncio.Task[None] | None = None
         self._giving_back: set[asyncio.Task[None]] = set()  # releases of leases whose request was cancelled
@@ -289,7 +294,7 @@ class RedisQuotaStore:
         if lease.store != self.name:
             # counted in Redis on recovery (one being adopted now is counted by that, released after it)
             if self._granted_locally.pop(lease.lease_id, None) is not None and lease.lease_id not in self._adopting:
-                done = self._finished_locally.setdefault(lease.tenant, [0, 0])
+                done = self._finished_locally.setdefault((lease.tenant, lease.minute), [0, 0])
                 done[0], done[1] = done[0] + admitted, done[1] + tokens
             await self.fallback.release(lease, tokens, admitted=admitted)
             return
@@ -322,16 +327,17 @@ class RedisQuotaStore:
             for lease_id, entry in releases:
                 if self._unreleased.get(lease_id) is entry:  # not recorded again meanwhile
                     del self._unreleased[lease_id]
-        # one call: (tenant, lease or "", requests, tokens) for the finished grants' counts and the live leases
+        # one call: (tenant, lease or "", requests, tokens, the minute granted) for the finished grants' counts (in
+        # the minute and day they were granted in, not the one Redis came back in) and the live leases
         finished = list(self._finished_locally.items())
         adopted = list(self._granted_locally.values())
         if not finished and not adopted:
             return
         args = [self.config.key_prefix, round(self.config.lease_s * 1000)]
-        for tenant, (requests, tokens) in finished:
-            args += [tenant, "", requests, tokens]
+        for (tenant, minute), (requests, tokens) in finished:
+            args += [tenant, "", requests, tokens, minute]
         for lease in adopted:
-            args += [lease.tenant, lease.lease_id, 1, lease.charged_tokens]
+            args += [lease.tenant, lease.lease_id, 1, lease.charged_tokens, lease.minute]
         self._adopting = {lease.lease_id for lease in adopted}
         try:
             async with asyncio.timeout(self._call_timeout_s):
@@ -339,16 +345,16 @@ class RedisQuotaStore:
         except BaseException:  # not adopted: those that finished meanwhile are counted as finished ones
             for lease in adopted:
                 if lease.lease_id not in self._granted_locally:
-                    done = self._finished_locally.setdefault(lease.tenant, [0, 0])
+                    done = self._finished_locally.setdefault((lease.tenant, lease.minute), [0, 0])
                     done[0], done[1] = done[0] + 1, done[1] + lease.charged_tokens
             raise
         finally:
             self._adopting = set()
-        for tenant, (requests, tokens) in finished:  # less what was applied: more may have come meanwhile
-            done = self._finished_locally[tenant]
+        for key, (requests, tokens) in finished:  # less what was applied: more may have come meanwhile
+            done = self._finished_locally[key]
             done[0], done[1] = done[0] - requests, done[1] - tokens
-            if done[0] <= 0:
-                del self._finished_locally[tenant]
+            if done[0] <= 0 and done[1] <= 0:
+                del self._finished_locally[key]
         for lease in adopted:
             if self._granted_locally.pop(lease.lease_id, None) is None:  # it finished while being adopted
                 self._unreleased[lease.lease_id] = (lease.tenant, 0, -1)
