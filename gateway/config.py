@@ -31,7 +31,8 @@ class TimeoutConfig(StrictModel):
         60.0,
         gt=0,
         description="a stream that started and then sends nothing for this long is ended with an error event (found "
-        "within a tenth of this, at most 1 s, after it)",
+        "within a tenth of this, at most 1 s, after it); a client that takes none of its stream for this long is "
+        "disconnected (499), its engine not blamed",
     )
 
 
