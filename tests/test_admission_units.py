@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from engine_pool.replica import Replica
 from gateway.admission.auth import Authenticator, check_admin
+from gateway.admission.capacity import CapacityGate
 from gateway.admission.config import AdmissionConfig, LimitsConfig, TenantConfig, hash_key
 from gateway.admission.local import LocalQuotaStore
+from gateway.admission.metrics import AdmissionMetrics
 from gateway.admission.queue import AttainedService, DrainRate, FairQueue
 from gateway.admission.quota import format_reset, token_cost
 from gateway.errors import NotFound, Unauthorized
@@ -252,3 +257,27 @@ async def test_local_store_daily_budget_and_tenant_bound() -> None:
     for name in ("u", "v", "w"):
         await store.check(name, LimitsConfig(), 1, name)
     assert len(store._tenants) <= 3  # at most max_tenants idle ones plus the one being added
+
+
+class _Replicas(list[Replica]):
+    """The replica set as the capacity gate reads it: iterated, listened to."""
+
+    def add_listener(self, listener: object) -> None:
+        pass
+
+
+async def test_a_data_parallel_ranks_defaulted_gate_follows_a_reload_as_its_first_ranks() -> None:
+    """The other rank of a data-parallel engine takes its first rank's gate (`Replica.for_rank`); where that gate is
+    the config's default, a reload that changes the default changes it on every rank, not on the first alone."""
+    first = Replica("e", "http://127.0.0.1:8000", "m")
+    replicas = _Replicas([first])
+    config = AdmissionConfig(replica_max_concurrency=4)
+    no_targets = SimpleNamespace(enabled=False)
+    gate = CapacityGate(config, replicas, no_targets, AdmissionMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    gate.replica_up(first)
+    other = first.for_rank(1)
+    first.ranks.append(other)
+    replicas.append(other)
+    gate.replica_up(other)
+    gate.reload(AdmissionConfig(replica_max_concurrency=2))
+    assert (first.max_concurrency, other.max_concurrency) == (2, 2)

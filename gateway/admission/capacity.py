@@ -102,7 +102,11 @@ class CapacityGate:
         self._apply_default_gate(replica)
 
     def _apply_default_gate(self, replica: Replica) -> None:
-        if replica.max_concurrency is not None and replica.id not in self._defaulted:
+        if (
+            replica.max_concurrency is not None
+            and replica.id not in self._defaulted
+            and not self._rank_of_defaulted(replica)
+        ):
             return  # configured explicitly
         gate = self.config.replica_max_concurrency
         m, expected = replica.metrics, self.config.expected_context_tokens
@@ -114,6 +118,11 @@ class CapacityGate:
         elif replica.id in self._defaulted:  # the gate this set is gone from the config (a reload): no gate
             replica.max_concurrency = None
             self._defaulted.discard(replica.id)
+
+    def _rank_of_defaulted(self, replica: Replica) -> bool:
+        """A data-parallel engine's other rank, whose gate came from its first rank's (`Replica.for_rank`): a
+        default there is a default here too (a reload changes both). O(replicas), once a rank comes up."""
+        return any(replica in first.ranks and first.id in self._defaulted for first in self.replicas)
 
     # --- capacity and queue ------------------------------------------------------------------------------------
     def capacity(self, model: str) -> tuple[int, int]:
