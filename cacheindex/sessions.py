@@ -99,11 +99,11 @@ class AwaitedSessions:
 
     def _drop(self, digest: bytes) -> None:
         replica, blocks, _ = self._entries.pop(digest)
-        left = self.by_replica[replica] - blocks
-        if left:
+        left = self.by_replica.get(replica, 0) - blocks
+        if left > 0:
             self.by_replica[replica] = left
         else:
-            del self.by_replica[replica]
+            self.by_replica.pop(replica, None)
 
     def _expire(self, now: float) -> None:
         entries = self._entries
@@ -119,6 +119,8 @@ class AwaitedSessions:
         self._expire(now)
         if digest in self._entries:
             self._drop(digest)
+        if blocks <= 0:  # a prompt shorter than a block holds nothing to spare
+            return
         self._entries[digest] = (replica, blocks, now + self._ttl)
         self.by_replica[replica] = self.by_replica.get(replica, 0) + blocks
         while len(self._entries) > self._max:

@@ -100,6 +100,22 @@ def test_awaited_sessions_count_their_blocks_per_replica_until_back_or_expired()
     assert (t.blocks("r1"), len(t)) == (0, 0)
 
 
+def test_a_session_awaited_with_no_blocks_is_not_counted_nor_breaks_the_count() -> None:
+    """A tool call whose conversation is shorter than a block (or whose prompt could not be tokenized) holds
+    nothing to spare: it is not awaited, and the sessions awaited beside it still count (a zero-block entry outlived
+    its replica's total and raised KeyError, failing the request that read it)."""
+    clock = Clock()
+    t = AwaitedSessions(ttl_s=30, max_entries=10, clock=clock)
+    t.mark(b"a", "r1", 5)
+    t.mark(b"b", "r1", 0)
+    t.back(b"a")
+    t.back(b"b")
+    assert (t.blocks("r1"), len(t)) == (0, 0)
+    t.mark(b"c", "r1", 0)
+    clock.now = 100
+    assert t.blocks("r2") == 0
+
+
 def test_awaited_sessions_are_bounded() -> None:
     t = AwaitedSessions(ttl_s=30, max_entries=2, clock=Clock())
     for i in range(5):
