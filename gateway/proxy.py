@@ -13,9 +13,9 @@ the loop around it and what is done with the engine's answer (the relay).
    it means the request is at fault) and try another replica, at most `max_attempts` attempts in all. A 4xx is the
    client's error: relayed as is, no retry.
 4. Streaming (gateway.stream_relay over gateway.relay): SSE events are relayed as they arrive; the client's response
-   starts with the first event of the answer, so an engine that dies before it is still retried. The gateway always asks the engine for the usage chunk
-   and drops it again when the client did not ask; on a stream that may migrate it also asks for the running usage
-   (the engine's own token count at the seam) and moves it out of the events.
+   starts with the first event of the answer, so an engine that dies before it is still retried. The gateway always
+   asks the engine for the usage chunk and drops it again when the client did not ask; on a stream that may migrate
+   it also asks for the running usage (the engine's own token count at the seam) and moves it out of the events.
 5. The client leaving cancels the handler task, which aborts the upstream connection; vLLM then aborts the request.
 Cost per streamed event: see gateway.relay; per attempt: one routing decision and one engine round trip.
 """
