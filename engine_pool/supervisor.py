@@ -337,6 +337,8 @@ class Supervisor:
         self._cancel_tasks(slot)
         self.slots.pop(slot.id, None)
         self._set_state(slot, SlotState.REMOVED)
+        for series in (self.metrics.restarts, self.metrics.crash_loops):  # its series go with it (ids are not reused)
+            series.forget("replica", slot.id)
         task = asyncio.create_task(self.replicas.remove(slot.id), name=f"remove:{slot.id}")
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 

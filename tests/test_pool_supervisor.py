@@ -292,6 +292,8 @@ async def test_a_scale_down_removes_the_replicas_that_serve_least(tmp_path: Path
         await pool.drain("m-0")
         assert await asyncio.wait_for(pool.scale("m", 1), 60) == ["m-1"]  # not the only ready one
         assert pool.slot("m-1").state is SlotState.READY
+        # the removed replica's series go with it (slot ids are not reused: scaling up and down would pile them up)
+        await wait_for(lambda: registry.get_sample_value("kvgate_pool_restarts_total", labels) is None, 30.0)
 
 
 async def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
