@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,8 +71,9 @@ def degraded(rule: DegradationRule, samples: deque[Sample]) -> str | None:
 
 
 class DegradationWatcher:
-    def __init__(self, pool: RestartablePool) -> None:
+    def __init__(self, pool: RestartablePool, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
+        self.clock = clock
         self._samples: dict[str, tuple[int, deque[Sample]]] = {}  # replica id -> (launch generation, window)
         self._last_restart: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
@@ -103,27 +104,32 @@ class DegradationWatcher:
                 if rule is not None and slot.state is SlotState.READY:
                     await self._check(slot, rule)
 
-    @staticmethod
-    def _sample(slot: Slot) -> Sample:
+    def _sample(self, slot: Slot, now: float) -> Sample:
         replica = slot.replica
         m = replica.metrics  # the replica set's last scrape of the engine's /metrics
         attempts = replica.answered + replica.failed
-        return Sample(time.monotonic(), m.ttft_sum, m.ttft_count, attempts, replica.failed, 1.0 - m.kv_usage)
+        return Sample(now, m.ttft_sum, m.ttft_count, attempts, replica.failed, 1.0 - m.kv_usage)
 
     async def _check(self, slot: Slot, rule: DegradationRule) -> None:
+        """Sample the slot, at most once per its rule's `check_interval_s` (the loop runs at the shortest interval
+        of all rules: sampled at every turn, a model of a longer interval filled its bounded window before it
+        spanned `window_s`, and its rule never fired), and restart it when the window breaks the rule."""
+        now = self.clock()
         gen, window = self._samples.get(slot.id, (-1, deque[Sample]()))
         if gen != slot.gen:
             window = deque(maxlen=int(rule.window_s / rule.check_interval_s) + 2)
             self._samples[slot.id] = (slot.gen, window)
-        window.append(self._sample(slot))
+        elif window and now - window[-1].t < rule.check_interval_s * 0.9:  # (a late turn of the loop still samples)
+            return
+        window.append(self._sample(slot, now))
         while len(window) > 2 and window[-1].t - window[1].t >= rule.window_s:
             window.popleft()  # keep the shortest suffix that still spans the window
         why = degraded(rule, window)
         if why is None or self._restarts:
             return
-        if time.monotonic() - self._last_restart.get(slot.id, -float("inf")) < rule.cooldown_s:
+        if now - self._last_restart.get(slot.id, -float("inf")) < rule.cooldown_s:
             return
-        self._last_restart[slot.id] = time.monotonic()
+        self._last_restart[slot.id] = now
         window.clear()
         log.warning("replica %s degraded (%s): rolling it", slot.id, why)
         task = asyncio.create_task(self._restart(slot.id, rule, why), name=f"degraded:{slot.id}")
