@@ -128,6 +128,8 @@ class UpstreamPool:
         return resp
 
     def close(self) -> None:
+        """Drop the idle connections; one released after this is closed too (the pool is gone)."""
+        self.max_idle = 0
         for conn in self._idle:
             conn.abort()
         self._idle.clear()
@@ -180,8 +182,19 @@ class UpstreamClient:
             )
         return pool
 
+    def drop(self, host: str, port: int) -> None:
+        """Forget the pool of an upstream no replica uses any more (removed, or gone from DNS): the table of pools
+        is bounded by the upstreams in use, not by every one ever seen."""
+        pool = self._pools.pop((host, port), None)
+        if pool is not None:
+            pool.close()
+
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
         self.deadlines.close()
+
+    def __len__(self) -> int:
+        """The upstreams it keeps a pool for."""
+        return len(self._pools)

@@ -87,6 +87,8 @@ class ReplicaSet:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if replica is not None:
+            if not any((r.host, r.port) == (replica.host, replica.port) for r in self._replicas.values()):
+                self._client.drop(replica.host, replica.port)  # its connections go with it
             for listener in self._listeners:
                 listener.replica_removed(replica)
             self._notify()

@@ -204,3 +204,22 @@ async def test_a_record_back_while_its_engine_drains_during_warm_up_still_warms_
             await discovery.close()
             await replicas.close()
             client.close()
+
+
+async def test_the_connections_of_engines_gone_from_dns_go_with_them() -> None:
+    """Pods come and go behind a DNS name: each endpoint that leaves takes its connection pool with it, so the
+    gateway keeps pools for the engines it routes to, not for every address it ever saw."""
+    async with run_sim_engine(SimConfig(model="sim-model")) as one, run_sim_engine(SimConfig(model="sim-model")) as two:
+        client = UpstreamClient()
+        replicas = ReplicaSet(client, interval_s=0.1, timeout_s=1.0, metrics_interval_s=0.1)
+        discovery = DnsDiscovery(DnsTarget(id="pool", name="unused", port=one.port, interval_s=0.1), replicas)
+        try:
+            discovery.apply({("127.0.0.1", one.port), ("127.0.0.1", two.port)})
+            await wait_for(lambda: len(client) == 2, what="both engines probed")
+            discovery.apply({("127.0.0.1", two.port)})  # the first pod leaves
+            await wait_for(lambda: len(list(replicas)) == 1, what="its replica removed")
+            await wait_for(lambda: len(client) == 1, what="its connection pool gone")
+        finally:
+            await discovery.close()
+            await replicas.close()
+            client.close()
