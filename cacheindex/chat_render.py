@@ -14,7 +14,8 @@ the engine's and every overlap silently reads zero. What vLLM does, and what is 
 - `tools`: each as its `ChatCompletionToolsParam.model_dump()` (`engine_tools`): the function's name, description
   and parameters (null where absent), then `strict` and `defer_loading` only where set; nothing else the client
   sent. A template that writes `tools | tojson` sees exactly these keys.
-Non-text content parts (images, audio) are dropped: kvgate does not predict multimodal prompts.
+Non-text content parts (images, audio) are dropped here; a prompt that has any is hashed only up to the message
+that holds the first (`first_media`): the blocks after it are the media's, which kvgate does not predict.
 
 Complexity: O(size of the messages); template detection is cached per template string by the caller.
 """
@@ -31,6 +32,7 @@ import jinja2.nodes as jn
 ContentFormat = Literal["string", "openai"]
 
 _TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+_NOT_MEDIA = _TEXT_PART_TYPES | {"refusal"}
 
 
 def _is_name(node: jn.Node, names: set[str]) -> bool:
@@ -87,6 +89,21 @@ def detect_content_format(chat_template: str) -> ContentFormat:
         if _is_content_of(loop.iter, message_vars) or _is_name(_strip(loop.iter), content_vars):
             return "openai"
     return "string"
+
+
+def first_media(messages: Sequence[Any]) -> int | None:
+    """The index of the first message holding a part other than text (an image, audio, a video, a file), None when
+    none does. vLLM's block hashes from such a part on carry the media's own hash, which the text alone cannot
+    give: only the messages before it are hashed (two prompts alike in text but not in their images are not one).
+    O(parts)."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, Sequence) and not isinstance(content, str):
+            for part in content:
+                kind = part.get("type", "text") if isinstance(part, Mapping) else "text"
+                if not isinstance(kind, str) or kind not in _NOT_MEDIA:
+                    return i
+    return None
 
 
 def text_parts(content: Any) -> list[str]:

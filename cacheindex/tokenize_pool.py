@@ -28,7 +28,7 @@ from typing import Any, Literal, NamedTuple
 
 import orjson
 
-from cacheindex.chat_render import engine_tools
+from cacheindex.chat_render import engine_tools, first_media
 from cacheindex.config import CacheConfig
 from cacheindex.hashing import context_seed, prompt_block_hashes
 from cacheindex.incremental import ChatPrefixCache, ChatPrompt
@@ -84,6 +84,17 @@ def chat_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     if body.get("add_special_tokens"):  # the tokenizer's own special tokens on top of the template's (vLLM's field)
         kwargs["add_special_tokens"] = True
     return kwargs
+
+
+def _before_media(body: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A chat body as far as it can be hashed: the messages before the first that holds media (`first_media`),
+    rendered without a generation prompt; the body itself when it holds none."""
+    cut = first_media(body["messages"])
+    if cut is None:
+        return body
+    before = {**body, "messages": body["messages"][:cut], "add_generation_prompt": False}
+    before.pop("continue_final_message", None)
+    return before
 
 
 def _tokenize(tok: PromptTokenizer, endpoint: str, body: Mapping[str, Any]) -> list[int]:
@@ -193,7 +204,12 @@ class TokenizePool:
         tokenized (`kvgate_prefix_tokenize_errors_total`). A conversation's long new turn is encoded after this
         returns (`Tokenized.rest`)."""
 
+        if endpoint == "chat" and isinstance(body.get("messages"), list):
+            body = _before_media(body)
+
         def work() -> tuple[int, list[int]] | ChatPrompt:
+            if endpoint == "chat" and not body["messages"]:  # media in the first message: nothing to hash
+                return 0, []
             if endpoint == "chat" and isinstance(tok, HfPromptTokenizer):  # exact, and only the new tokens encoded
                 add_generation_prompt = bool(body.get("add_generation_prompt", True))
                 prompt = self.chat_prefixes.prepare(

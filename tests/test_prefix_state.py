@@ -291,3 +291,21 @@ async def test_kv_events_drive_the_index() -> None:
         await s.stop()
         pub.close(linger=0)
         ctx.term()
+
+
+async def test_a_prompt_with_an_image_is_hashed_up_to_the_message_that_holds_it(state: CacheAwareState) -> None:
+    """vLLM's blocks from an image on carry the image's own hash: two prompts alike in text but not in their images
+    share only what comes before the image. Hashed as their text, they were one prompt (a predicted hit on a replica
+    that recomputes everything after the system prompt)."""
+
+    def with_image(url: str) -> dict[str, Any]:
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is in it? " * 30}]
+        return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]}
+
+    cat, dog = await info(state, with_image("https://x/cat.png")), await info(state, with_image("https://x/dog.png"))
+    system_only = await info(
+        state, {"messages": [{"role": "system", "content": SYSTEM}], "add_generation_prompt": False}
+    )
+    assert cat.block_hashes == dog.block_hashes == system_only.block_hashes and cat.block_hashes
+    first = {"messages": [{"role": "user", "content": with_image("https://x/cat.png")["messages"][1]["content"]}]}
+    assert (await info(state, first)).block_hashes == ()  # the image in the first message: nothing before it
