@@ -152,6 +152,10 @@ class DnsDiscovery:
             except ResolveFailed as exc:
                 self.failing += 1
                 log.warning("discovery %s: %s; keeping %d engine(s)", self.target.id, exc, len(self._known))
+            except Exception:  # any other failure of a round (a socket's OSError, a resolver's): the next one runs
+                self.failing += 1
+                log.exception("discovery %s: a resolution round failed; keeping %d engine(s)", self.target.id,
+                              len(self._known))  # fmt: skip
             await asyncio.sleep(self.target.interval_s)
 
     def apply(self, endpoints: set[Endpoint]) -> None:

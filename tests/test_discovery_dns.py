@@ -16,8 +16,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
+import dns.rdatatype
+import dns.resolver
 import pytest
 
 from engine_pool.discovery import DnsDiscovery, DnsTarget, resolve
@@ -219,6 +222,37 @@ async def test_the_connections_of_engines_gone_from_dns_go_with_them() -> None:
             discovery.apply({("127.0.0.1", two.port)})  # the first pod leaves
             await wait_for(lambda: len(list(replicas)) == 1, what="its replica removed")
             await wait_for(lambda: len(client) == 1, what="its connection pool gone")
+        finally:
+            await discovery.close()
+            await replicas.close()
+            client.close()
+
+
+class _FlakyResolver:
+    """A resolver whose first round fails as no resolver error does (the socket's OSError: a network unreachable),
+    then answers the engine's address."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def resolve(self, name: str, rdtype: object, search: bool = True) -> list[object]:
+        self.calls += 1
+        if self.calls == 1:
+            raise OSError("network is unreachable")
+        if rdtype == dns.rdatatype.AAAA:
+            raise dns.resolver.NoAnswer
+        return [SimpleNamespace(to_text=lambda: "127.0.0.1")]
+
+
+async def test_a_round_that_fails_unexpectedly_does_not_end_discovery() -> None:
+    async with run_sim_engine(SimConfig(model="sim-model")) as sim:
+        client = UpstreamClient()
+        replicas = ReplicaSet(client, interval_s=0.1, timeout_s=1.0, metrics_interval_s=0.1)
+        discovery = DnsDiscovery(DnsTarget(id="pool", name="pool.test", port=sim.port, interval_s=0.05), replicas)
+        discovery._resolver = _FlakyResolver()  # type: ignore[assignment]
+        try:
+            discovery.start()
+            await wait_for(lambda: len(list(replicas)) == 1, what="the engine found after the failed round")
         finally:
             await discovery.close()
             await replicas.close()
