@@ -171,10 +171,10 @@ class UpstreamClient:
         self.max_idle_per_host = max_idle_per_host
         self.via = via
         self.deadlines = DeadlineWatch()  # one timer for every pool's response timeouts
-        self._pools: dict[tuple[str, int], UpstreamPool] = {}
+        self._pools: dict[tuple[str, int, bool], UpstreamPool] = {}  # (host, port, TLS)
 
     def pool(self, host: str, port: int, use_tls: bool = False) -> UpstreamPool:
-        key = (host, port)
+        key = (host, port, use_tls)
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = UpstreamPool(
@@ -185,9 +185,10 @@ class UpstreamClient:
     def drop(self, host: str, port: int) -> None:
         """Forget the pool of an upstream no replica uses any more (removed, or gone from DNS): the table of pools
         is bounded by the upstreams in use, not by every one ever seen."""
-        pool = self._pools.pop((host, port), None)
-        if pool is not None:
-            pool.close()
+        for use_tls in (False, True):
+            pool = self._pools.pop((host, port, use_tls), None)
+            if pool is not None:
+                pool.close()
 
     def close(self) -> None:
         for pool in self._pools.values():
