@@ -8,10 +8,16 @@ layout and when each runs). Times come from Redis' TIME, so gateways with skewed
   live ones' leases added (O(log leases) each).
 """
 
-CHECK = """
+# Redis' clock, in every script: now (ms), the clock minute and the UTC day (the windows' keys)
+_CLOCK = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
+"""
+
+CHECK = (
+    _CLOCK
+    + """
 local base = ARGV[1] .. ':{' .. ARGV[2] .. '}:'
 local ck, rk, tk, dk = base .. 'conc', base .. 'req:' .. minute, base .. 'tok:' .. minute, base .. 'day:' .. day
 local max_conc, rpm, tpm, tpd = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -41,11 +47,11 @@ if reason == '' then
 end
 return {reason, retry, reqs, toks, to_min, dtoks, to_day, minute}
 """
+)
 
-RELEASE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
+RELEASE = (
+    _CLOCK
+    + """
 local lease_ms = tonumber(ARGV[2])
 for i = 3, #ARGV, 4 do
   local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
@@ -68,10 +74,11 @@ for i = 3, #ARGV, 4 do
 end
 return 1
 """
+)
 
-RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+RENEW = (
+    _CLOCK
+    + """
 local lease_ms = tonumber(ARGV[2])
 local lost = redis.call('EXISTS', ARGV[3]) == 0
 for i = 4, #ARGV, 2 do
@@ -87,11 +94,11 @@ redis.call('SET', ARGV[3], 1, 'PX', lease_ms * 2)
 if lost then return 1 end
 return 0
 """
+)
 
-ADOPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local minute, day = math.floor(now / 60000), math.floor(now / 86400000)
+ADOPT = (
+    _CLOCK
+    + """
 local lease_ms = tonumber(ARGV[2])
 for i = 3, #ARGV, 5 do
   local base = ARGV[1] .. ':{' .. ARGV[i] .. '}:'
@@ -112,3 +119,4 @@ for i = 3, #ARGV, 5 do
 end
 return 1
 """
+)
